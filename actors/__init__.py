@@ -1,0 +1,1 @@
+"""Data plane: RankWorker, model runner, models, KV cache, attention backends, spec, DP."""

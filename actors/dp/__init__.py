@@ -1,0 +1,1 @@
+"""Data-parallel groups of RankWorkers and their per-step int64 sync."""

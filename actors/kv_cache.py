@@ -1,0 +1,112 @@
+"""Paged KV cache: slot allocator, request-row allocator, and the per-rank tensors.
+
+A *slot* holds the K and V of one token in every layer. Slots come in pages of
+`page_size` consecutive slots; page 0 is reserved, so slot 0 is a safe padding target
+for padded CUDA-graph lanes. The scheduler (CPU) owns the allocators; the rank worker owns
+the tensors (`ReqToTokenPool` maps request row -> slot per position, `TokenToKVPool`
+holds per-layer K/V buffers). Draft and target have separate KV pools that share slot
+indices.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class SlotAllocator:
+    """Free list of KV pages. All counts are in slots (tokens), multiples of page_size."""
+
+    def __init__(self, num_slots: int, page_size: int = 1):
+        if num_slots < 2 * page_size:
+            raise ValueError(f"num_slots={num_slots} too small for page_size={page_size}")
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.num_slots = self.num_pages * page_size
+        # page 0 is reserved (padding target); a stack keeps reuse cache-friendly.
+        self._free_pages: list[int] = list(range(self.num_pages - 1, 0, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    @property
+    def capacity(self) -> int:
+        """Slots that can ever be handed out (all but the reserved page)."""
+        return (self.num_pages - 1) * self.page_size
+
+    def round_up(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def alloc(self, num_slots: int) -> torch.Tensor | None:
+        """`num_slots` (a multiple of page_size) slots, page-contiguous; None if not enough."""
+        if num_slots % self.page_size:
+            raise ValueError(f"alloc({num_slots}) is not a multiple of page_size={self.page_size}")
+        n_pages = num_slots // self.page_size
+        if n_pages > len(self._free_pages):
+            return None
+        pages = [self._free_pages.pop() for _ in range(n_pages)]
+        page_t = torch.tensor(pages, dtype=torch.int64)  # [n_pages] int64
+        offs = torch.arange(self.page_size, dtype=torch.int64)
+        return (page_t[:, None] * self.page_size + offs[None, :]).reshape(-1)  # [num_slots] int64
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free whole pages given by their slots (every slot of each page must be passed)."""
+        if slots.numel() == 0:
+            return
+        if slots.numel() % self.page_size:
+            raise ValueError("free() takes whole pages")
+        pages = (slots.reshape(-1, self.page_size)[:, 0] // self.page_size).tolist()
+        if 0 in pages:
+            raise ValueError("page 0 is reserved and never freed")
+        self._free_pages.extend(pages)
+
+
+class RowAllocator:
+    """Rows of the req_to_token table. Row 0 is reserved for padded graph lanes."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self._free = list(range(num_rows - 1, 0, -1))
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        if row == 0:
+            raise ValueError("row 0 is reserved")
+        self._free.append(row)
+
+
+class ReqToTokenPool:
+    """req_to_token[row, pos] = KV slot of token `pos` of the request in `row`."""
+
+    def __init__(self, num_rows: int, max_context_len: int, device: str | torch.device):
+        self.req_to_token = torch.zeros(num_rows, max_context_len, dtype=torch.int64,
+                                        device=device)  # [rows, max_len] int64
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[row, start:start + slots.numel()] = slots.to(self.req_to_token.device)
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers: k[layer] is [num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device):
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new tokens' K/V ([T, Hkv, D]) at slots `loc` ([T] int64)."""
+        self.k[layer][loc] = k.to(self.k[layer].dtype)
+        self.v[layer][loc] = v.to(self.v[layer].dtype)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from slots `src` to slots `dst` (accepted tree nodes)."""
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]
+            v[dst] = v[src]

@@ -1,0 +1,1 @@
+"""Model definitions (Llama family, EAGLE heads) and weight loaders."""

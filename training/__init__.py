@@ -1,0 +1,1 @@
+"""EAGLE head training: data generation with the engine, trainer, export."""
