@@ -1,0 +1,250 @@
+"""EAGLE draft heads: EAGLE-1/2 and EAGLE-3, in the SGLang/EAGLE checkpoint format.
+
+Both predict the target's next token from (token embedding, target feature). Position p of
+the draft pairs token t[p+1] with the target's feature at p; its output hidden state is
+fed back as the feature for the next draft step.
+
+EAGLE-1/2 (`LlamaForCausalLMEagle`): x = fc([embed; feature]) ([2H] -> H, with bias), one
+decoder layer whose input norm is dropped, logits through the target's LM head.
+EAGLE-3 (`LlamaForCausalLMEagle3`): the feature is three captured target layers fused by
+fc ([3H] -> H) on the first step; the layer's attention reads [norm(embed); norm(hidden)]
+(2H wide); a final norm and its own LM head over a reduced draft vocabulary, mapped back
+to target ids by `d2t` (target_id = draft_id + d2t[draft_id]).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.models.llama import MLP, AttnFn, LlamaForCausalLM, RMSNorm
+from actors.models.model_config import LlamaArch
+from actors.models.rope import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class EagleSpec:
+    arch: str  # "eagle" | "eagle3"
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    draft_vocab_size: int  # == target vocab for EAGLE-1/2
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3 capture points in the target
+
+    @classmethod
+    def for_target(cls, t: LlamaArch, arch: str, draft_vocab_size: int | None = None) -> "EagleSpec":
+        L = t.num_layers
+        aux = (2, L // 2, L - 3) if arch == "eagle3" else ()
+        return cls(arch, t.hidden_size, t.intermediate_size, t.num_heads, t.num_kv_heads,
+                   t.head_dim, t.rms_norm_eps, t.rope_theta, t.rope_scaling,
+                   draft_vocab_size or t.vocab_size, aux)
+
+
+class _DraftAttention(nn.Module):
+    def __init__(self, s: EagleSpec, in_dim: int):
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(in_dim, s.num_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, s.num_kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, s.num_kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attn: AttnFn):
+        T, s = x.shape[0], self.s
+        q = apply_rotary(self.q_proj(x).view(T, s.num_heads, s.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(T, s.num_kv_heads, s.head_dim), cos, sin)
+        v = self.v_proj(x).view(T, s.num_kv_heads, s.head_dim)
+        return self.o_proj(attn(q, k, v, 0).reshape(T, -1))  # the draft has one layer: id 0
+
+
+class _DraftLayer(nn.Module):
+    def __init__(self, s: EagleSpec):
+        super().__init__()
+        self.eagle3 = s.arch == "eagle3"
+        H = s.hidden_size
+        self.self_attn = _DraftAttention(s, 2 * H if self.eagle3 else H)
+        self.mlp = MLP(SimpleNamespace(hidden_size=H, intermediate_size=s.intermediate_size))
+        self.post_attention_layernorm = RMSNorm(H, s.rms_norm_eps)
+        if self.eagle3:
+            self.input_layernorm = RMSNorm(H, s.rms_norm_eps)
+            self.hidden_norm = RMSNorm(H, s.rms_norm_eps)
+
+    def forward(self, emb, hidden, cos, sin, attn):
+        if self.eagle3:
+            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)  # [T, 2H]
+            h = hidden + self.self_attn(x, cos, sin, attn)
+        else:
+            h = hidden + self.self_attn(hidden, cos, sin, attn)  # EAGLE-1 drops the input norm
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EagleHead(nn.Module):
+    def __init__(self, s: EagleSpec, target: LlamaForCausalLM):
+        super().__init__()
+        self.spec = s
+        H = s.hidden_size
+        self.eagle3 = s.arch == "eagle3"
+        # Not registered as submodules: the target owns them.
+        object.__setattr__(self, "_target", target)
+        if self.eagle3:
+            self.fc = nn.Linear(3 * H, H, bias=False)
+            self.norm = RMSNorm(H, s.rms_norm_eps)
+            self.lm_head = nn.Linear(H, s.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.int64))
+        else:
+            self.fc = nn.Linear(2 * H, H, bias=True)
+        self.layer = _DraftLayer(s)
+        self.rotary = RotaryEmbedding(s.head_dim, s.rope_theta, s.rope_scaling)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.spec.aux_layers
+
+    def forward(self, input_ids, positions, attn: AttnFn, hidden_in: torch.Tensor):
+        """input_ids, positions [T]; hidden_in [T, H] (draft's own) or target features
+        ([T, H] final hidden for EAGLE-1, [T, 3H] captured layers for EAGLE-3) -> [T, H]."""
+        emb = self._target.embed(input_ids).to(self.fc.weight.dtype)  # [T, H]
+        hidden_in = hidden_in.to(emb.dtype)
+        cos, sin = self.rotary(positions)
+        if self.eagle3:
+            h = self.fc(hidden_in) if hidden_in.shape[-1] != emb.shape[-1] else hidden_in
+            return self.layer(emb, h, cos, sin, attn)
+        h = self.fc(torch.cat([emb, hidden_in], -1))  # [T, H]
+        return self.layer(emb, h, cos, sin, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [T, Vd] fp32."""
+        if self.eagle3:
+            return self.lm_head(self.norm(hidden)).float()
+        return self._target.compute_logits(hidden)
+
+    def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of the draft's softmax, as target token ids: ([T, k] fp32, [T, k] int64)."""
+        p = torch.softmax(self.compute_logits(hidden), -1)
+        topk_p, idx = p.topk(k, dim=-1)
+        if self.eagle3:
+            idx = idx + self.d2t[idx]
+        return topk_p, idx
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def state_for_export(self) -> dict[str, torch.Tensor]:
+        """Weights under SGLang/EAGLE names (midlayer.* for EAGLE-3, model.* for EAGLE-1)."""
+        out = {}
+        for name, t in self.state_dict().items():
+            if name.startswith("rotary."):
+                continue
+            out[_export_name(name, self.eagle3)] = t.detach().contiguous()
+        return out
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
+        own = dict(self.state_dict())
+        mapped = {}
+        for name, t in state.items():
+            local = _import_name(name, self.eagle3)
+            if local is None:
+                continue
+            mapped[local] = t
+        if self.eagle3 and "t2d" in state and "d2t" not in state:
+            raise KeyError("EAGLE-3 checkpoint has t2d but no d2t")
+        missing = sorted(k for k in own if k not in mapped and not k.startswith("rotary."))
+        unknown = sorted(k for k in mapped if k not in own)
+        if missing or unknown:
+            raise KeyError(f"EAGLE checkpoint does not match: missing {missing[:6]}, unknown {unknown[:6]}")
+        for k, t in mapped.items():
+            if tuple(own[k].shape) != tuple(t.shape):
+                raise ValueError(f"{k}: checkpoint shape {tuple(t.shape)} != head shape {tuple(own[k].shape)}")
+            own[k].copy_(t)
+
+
+def _export_name(local: str, eagle3: bool) -> str:
+    if local.startswith("layer."):
+        rest = local[len("layer."):]
+        return ("midlayer." + rest) if eagle3 else ("model.layers.0." + rest)
+    if local in ("d2t",):
+        return local
+    return local if eagle3 else "model." + local
+
+
+def _import_name(name: str, eagle3: bool) -> str | None:
+    for prefix in ("midlayer.", "model.layers.0.", "layers.0."):
+        if name.startswith(prefix):
+            return "layer." + name[len(prefix):]
+    if name in ("t2d",) or name.endswith("embed_tokens.weight") or "rotary_emb" in name:
+        return None  # the target's embedding is used; t2d is derivable from d2t
+    if name.startswith("model."):
+        name = name[len("model."):]
+    return name
+
+
+def write_eagle_config(out: Path, s: EagleSpec, target_vocab: int) -> None:
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3" if s.arch == "eagle3" else "LlamaForCausalLMEagle"],
+        "model_type": "llama",
+        "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+        "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads,
+        "head_dim": s.head_dim, "num_hidden_layers": 1, "rms_norm_eps": s.rms_norm_eps,
+        "rope_theta": s.rope_theta, "rope_scaling": s.rope_scaling,
+        "vocab_size": target_vocab, "draft_vocab_size": s.draft_vocab_size,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }
+    if s.aux_layers:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(s.aux_layers)}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def read_eagle_spec(folder: Path, target: LlamaArch, arch: str = "auto") -> EagleSpec:
+    cfg = json.loads((folder / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    if arch == "auto":
+        arch = "eagle3" if any("Eagle3" in a for a in archs) else "eagle"
+    H = cfg.get("hidden_size", target.hidden_size)
+    heads = cfg.get("num_attention_heads", target.num_heads)
+    s = EagleSpec(arch, H, cfg.get("intermediate_size", target.intermediate_size), heads,
+                  cfg.get("num_key_value_heads", heads), cfg.get("head_dim", H // heads),
+                  cfg.get("rms_norm_eps", target.rms_norm_eps),
+                  cfg.get("rope_theta", target.rope_theta), cfg.get("rope_scaling"),
+                  cfg.get("draft_vocab_size", cfg.get("vocab_size", target.vocab_size)))
+    if arch == "eagle3":
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        L = target.num_layers
+        s.aux_layers = tuple(ids) if ids else (2, L // 2, L - 3)
+    return s
+
+
+def load_eagle_head(path: str, target: LlamaForCausalLM, arch: str, dtype: torch.dtype,
+                    device: torch.device, seed: int = 0) -> EagleHead:
+    """A head from an SGLang/EAGLE folder, or `path="random"` for a random one (tests)."""
+    if path == "random":
+        s = EagleSpec.for_target(target.arch, "eagle" if arch == "auto" else arch)
+        g = torch.Generator().manual_seed(seed)
+        head = EagleHead(s, target)
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if name.endswith("norm.weight"):
+                    continue
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        return head.to(device=device, dtype=dtype)
+    from safetensors.torch import load_file
+    folder = Path(path)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"draft.path={path!r}: no config.json (expected an EAGLE head folder)")
+    s = read_eagle_spec(folder, target.arch, arch)
+    head = EagleHead(s, target)
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    for f in sorted(folder.glob("*.bin")):
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
+    head.load_checkpoint_state(state)
+    return head.to(device=device, dtype=dtype)  # .to(dtype) leaves the int64 d2t alone

@@ -1,0 +1,161 @@
+"""RankWorker: one GPU (or CPU process) worth of models, KV pools and step execution.
+
+A plain class. The Serve Engine wraps it in a Ray actor; `kestrel generate` and most
+tests call it in-process through the same `execute(plan)` interface.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from functools import lru_cache
+
+import torch
+
+from actors.attention.torch_native import TorchNativeBackend
+from actors.dp.sync import ForwardMode
+from actors.forward_batch import ForwardBatch
+from actors.future_map import FutureMap
+from actors.kv_cache import ReqToTokenPool, TokenToKVPool
+from actors.model_runner import ModelRunner
+from actors.models.loader import build_model, default_model_path
+from actors.sampler import sample_tokens
+from actors.step_plan import StepOutput, StepPlan
+from configs.schema import KestrelConfig
+
+log = logging.getLogger("kestrel.worker")
+
+
+@lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def make_backend(name: str, kv_pool, req_to_token, scale: float):
+    if name == "torch_native":
+        return TorchNativeBackend(kv_pool, req_to_token, scale)
+    raise NotImplementedError(f"attention.backend={name!r} is not available in this build "
+                              "(allowed here: torch_native)")
+
+
+class RankWorker:
+    def __init__(self, cfg: KestrelConfig, rank: int = 0):
+        self.cfg = cfg
+        self.rank = rank
+        self.device = torch.device(cfg.resolved_device())
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device.type)
+        torch.manual_seed(cfg.seed)
+        path = cfg.model.path or default_model_path()
+        t0 = time.time()
+        log.info("rank %d: loading %s (%s, %s)", rank, path, self.device, self.dtype)
+        self.model, self.arch = build_model(path, self.dtype, self.device)
+        log.info("rank %d: model loaded in %.1fs", rank, time.time() - t0)
+        a = self.arch
+        spec = cfg.draft.enabled
+        self.window = cfg.draft.window if spec else 1
+        # Two windows ahead plus a page of slack: lengths are committed one step late.
+        page = cfg.kv_cache.page_size
+        self.max_context = cfg.model.max_model_len + 2 * self.window + 2 * page
+        self.num_rows = cfg.scheduler.max_running_requests + 2
+        self.num_slots = self._num_slots()
+        self.req_to_token = ReqToTokenPool(self.num_rows, self.max_context, self.device)
+        self.kv_pool = TokenToKVPool(self.num_slots, a.num_layers, a.num_kv_heads, a.head_dim,
+                                     self.dtype, self.device)
+        scale = a.head_dim ** -0.5
+        backend = make_backend(cfg.attention.backend, self.kv_pool, self.req_to_token, scale)
+        self.target = ModelRunner(self.model, backend)
+        self.eagle = None
+        if spec:
+            from actors.spec.eagle_worker import EagleWorker
+            self.eagle = EagleWorker(cfg, self)
+        self.future = FutureMap(self.num_rows, cfg.draft.topk,
+                                self.eagle.hidden_size if self.eagle else a.hidden_size,
+                                self.dtype, self.device, spec)
+
+    def _num_slots(self) -> int:
+        kv = self.cfg.kv_cache
+        if kv.num_slots is not None:
+            return kv.num_slots
+        if self.device.type != "cuda":
+            return 16384
+        free, _ = torch.cuda.mem_get_info(self.device)
+        a = self.arch
+        per_slot = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        per_slot += per_slot // a.num_layers if self.cfg.draft.enabled else 0  # draft layer
+        return max(1024, int(free * kv.memory_fraction) // per_slot)
+
+    def info(self) -> dict:
+        return {"num_slots": self.num_slots, "num_rows": self.num_rows,
+                "max_context": self.max_context, "window": self.window,
+                "vocab_size": self.arch.vocab_size, "eos_token_ids": list(self.arch.eos_token_ids),
+                "dtype": str(self.dtype), "device": str(self.device)}
+
+    # ---- step execution -------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        for row, start, slots in plan.kv_writes:
+            self.req_to_token.write(row, start, slots)
+        if plan.mode == "idle" or not plan.rows:
+            return StepOutput(plan.step_id, [[] for _ in plan.rows])
+        t0 = time.perf_counter()
+        if plan.mode == "extend":
+            tokens = self._extend(plan)
+        elif self.eagle is not None and plan.use_spec:
+            tokens = self.eagle.decode(plan)
+        else:
+            tokens = self._decode(plan)
+        return StepOutput(plan.step_id, tokens, {plan.mode: time.perf_counter() - t0})
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def extend_batch(self, plan: StepPlan) -> ForwardBatch:
+        rows = self._tensor(plan.rows)
+        prefix = self._tensor(plan.prefix_lens)
+        lens = self._tensor(plan.extend_lens)
+        offs = torch.arange(int(lens.sum()), device=self.device) - torch.repeat_interleave(
+            torch.cumsum(lens, 0) - lens, lens)  # [T] int64 offset inside each chunk
+        positions = torch.repeat_interleave(prefix, lens) + offs
+        loc = self.req_to_token.req_to_token[torch.repeat_interleave(rows, lens), positions]
+        return ForwardBatch(ForwardMode.EXTEND, self._tensor(plan.input_ids), positions, loc,
+                            rows, prefix, list(plan.extend_lens))
+
+    def _extend(self, plan: StepPlan) -> list[list[int]]:
+        fb = self.extend_batch(plan)
+        aux = self.eagle.aux_layers if self.eagle else ()
+        hidden, aux_hidden = self.target.forward(fb, aux_layers=aux)
+        last = torch.cumsum(self._tensor(plan.extend_lens), 0) - 1  # [B] int64
+        logits = self.model.compute_logits(hidden[last])
+        tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins)
+        rows = fb.req_pool_indices
+        done = self._tensor([int(x) for x in plan.last_chunk]).bool()
+        seq_lens = fb.prefix_lens + self._tensor(plan.extend_lens)
+        if self.eagle is not None:
+            self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done)
+        else:
+            self.future.store(rows[done], seq_lens[done], tokens[done])
+        toks = tokens.tolist()
+        return [[toks[i]] if plan.last_chunk[i] else [] for i in range(len(plan.rows))]
+
+    def _decode(self, plan: StepPlan) -> list[list[int]]:
+        rows = self._tensor(plan.rows)
+        c = self.future.resolve(rows)
+        loc = self.req_to_token.req_to_token[rows, c.seq_lens]
+        fb = ForwardBatch(ForwardMode.DECODE, c.bonus, c.seq_lens.clone(), loc, rows,
+                          c.seq_lens, [1] * len(plan.rows))
+        hidden, _ = self.target.forward(fb)
+        logits = self.model.compute_logits(hidden)
+        tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins)
+        self.future.store(rows, c.seq_lens + 1, tokens)
+        return [[t] for t in tokens.tolist()]

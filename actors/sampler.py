@@ -1,0 +1,22 @@
+"""Turns last-position logits into tokens: greedy rows by argmax, the rest by seeded coins."""
+from __future__ import annotations
+
+import torch
+
+from kernels.sampling import process_logits, sample_from_probs
+
+
+def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[float],
+                  top_k: list[int], coins: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, V] -> tokens [B] int64. coins[:, 0] drives each sampled row."""
+    tokens = logits.argmax(-1)  # [B] int64
+    hot = [i for i, t in enumerate(temperature) if t > 0]
+    if hot:
+        idx = torch.tensor(hot, dtype=torch.int64, device=logits.device)
+        probs = process_logits(
+            logits[idx].float(),
+            torch.tensor([temperature[i] for i in hot], device=logits.device),
+            torch.tensor([top_p[i] for i in hot], device=logits.device),
+            torch.tensor([top_k[i] for i in hot], dtype=torch.int64, device=logits.device))
+        tokens[idx] = sample_from_probs(probs, coins[idx, 0].to(logits.device))
+    return tokens

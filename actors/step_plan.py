@@ -1,0 +1,45 @@
+"""What the scheduler sends a rank worker for one step, and what comes back.
+
+Plain data (lists and CPU tensors) so it crosses a Ray call cheaply. Lengths the
+worker needs for decode come from its own future map, not from the plan: with overlap
+the scheduler learns them one step late.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    mode: str  # "extend" | "decode" | "idle"
+    rows: list[int]  # req_to_token rows, one per request
+    # New KV slots to record: (row, first position, slots [n] int64).
+    kv_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    temperature: list[float] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    coins: torch.Tensor | None = None  # [B, C] float32 uniforms from each request's seeded generator
+    # extend only
+    input_ids: list[int] = field(default_factory=list)  # chunk tokens, requests concatenated
+    prefix_lens: list[int] = field(default_factory=list)  # tokens already in KV before the chunk
+    extend_lens: list[int] = field(default_factory=list)
+    last_chunk: list[bool] = field(default_factory=list)  # sample the first output token
+    next_ids: list[int] = field(default_factory=list)  # prompt token after the chunk (-1 on the last)
+    # decode only: requests whose future values were just created (sanity checking)
+    use_spec: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class StepOutput:
+    step_id: int
+    # Per request in plan order: the tokens emitted this step (empty for a non-final chunk).
+    # For speculative decode its length is the accept length (accepted drafts + bonus).
+    tokens: list[list[int]]
+    timings: dict[str, float] = field(default_factory=dict)

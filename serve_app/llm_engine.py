@@ -1,0 +1,94 @@
+"""In-process engine: schedulers and rank workers in one process, no Ray.
+
+`kestrel generate`, `kestrel chat`, the offline benchmark and most tests use it; the Serve
+Engine deployment drives the same Scheduler and RankWorker classes across Ray.
+Without dp_attention, DP ranks are independent: each has its own scheduler and requests
+go to the least-loaded one.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from actors.rank_worker import RankWorker
+from configs.schema import KestrelConfig
+from serve_app.detokenizer import IncrementalDetokenizer, StopChecker
+from serve_app.request import Request, RequestOutput, SamplingParams
+from serve_app.scheduler import Scheduler
+
+log = logging.getLogger("kestrel.engine")
+
+
+class LLMEngine:
+    def __init__(self, cfg: KestrelConfig, tokenizer=None, load_tokenizer: bool = True):
+        self.cfg = cfg
+        if cfg.parallel.dp_attention:
+            raise NotImplementedError("parallel.dp_attention needs the Ray engine (kestrel serve)")
+        self.workers = [RankWorker(cfg, rank) for rank in range(cfg.parallel.dp_size)]
+        arch = self.workers[0].arch
+        if tokenizer is None and load_tokenizer:
+            from actors.models.loader import default_model_path
+            from serve_app.tokenizer import load_tokenizer as _load
+            tokenizer = _load(cfg.model.path or default_model_path())
+        self.tokenizer = tokenizer
+        eos = list(arch.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        factory = self._detok if tokenizer is not None else None
+        self.schedulers = [Scheduler(cfg, w.info(), eos, factory) for w in self.workers]
+        self._ids = itertools.count()
+        self.steps = 0
+
+    def _detok(self, req: Request):
+        return IncrementalDetokenizer(self.tokenizer, req.prompt_ids), StopChecker(req.params.stop)
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                    on_output=None) -> Request:
+        req = Request(rid or f"req-{next(self._ids)}", list(prompt_ids), params, on_output)
+        min(self.schedulers, key=lambda s: s.num_requests).add_request(req)
+        return req
+
+    def abort(self, rid: str) -> bool:
+        return any(s.abort(rid) for s in self.schedulers)
+
+    @property
+    def has_work(self) -> bool:
+        return any(s.has_work for s in self.schedulers)
+
+    def step(self) -> list[RequestOutput]:
+        """One step on every rank with work (ranks are independent without dp_attention)."""
+        events: list[RequestOutput] = []
+        for sched, worker in zip(self.schedulers, self.workers):
+            plan = sched.schedule()
+            if plan is None:
+                if sched.has_work:
+                    raise RuntimeError("scheduler has requests but could not plan a step")
+                continue
+            events += sched.process_output(plan, worker.execute(plan))
+        self.steps += 1
+        return events
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 progress=None) -> list[Request]:
+        """Run prompts to completion; returns the finished requests in input order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_work:
+            for ev in self.step():
+                if ev.finished and progress is not None:
+                    progress.update(1)
+        return reqs
+
+    def kv_free_slots(self) -> list[int]:
+        return [s.kv_free_slots() for s in self.schedulers]
+
+    def kv_capacity(self) -> list[int]:
+        return [s.slots.capacity for s in self.schedulers]
+
+
+def timed_generate(engine: LLMEngine, prompts, params, progress=None) -> tuple[list[Request], float]:
+    t0 = time.perf_counter()
+    reqs = engine.generate(prompts, params, progress)
+    return reqs, time.perf_counter() - t0

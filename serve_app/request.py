@@ -1,0 +1,74 @@
+"""A request as the scheduler sees it: sampling settings, tokens, KV bookkeeping, output."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be within [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    accept_lengths: list[int] = field(default_factory=list)  # new ones since the last output
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping (written only by the scheduler: see C10)
+    row: int | None = None
+    slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    kv_committed_len: int = 0  # tokens whose KV is valid
+    kv_allocated_len: int = 0  # slots reserved in this request's row (monotonic while it lives)
+    prefilled: int = 0  # tokens of `fill_ids` whose KV the current prefill has computed
+    fill_ids: list[int] = field(default_factory=list)  # what the current prefill covers
+    cache_node: object | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (all prefills)
+    computed_prompt_tokens: int = 0  # prompt tokens the model actually ran
+    num_preemptions: int = 0
+    # outcome
+    finished: bool = False
+    finish_reason: str | None = None
+    text: str = ""
+    accept_lengths: list[int] = field(default_factory=list)
+    arrival: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+    detok: object | None = None
+    stopper: object | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

@@ -1,0 +1,324 @@
+"""The scheduler: owns requests, their lengths and KV slots; turns them into step plans.
+
+One Scheduler drives one rank's worker. Each step is either an extend (chunked prefill of
+waiting requests, prefill first as SGLang does) or a decode of every running request
+(plain or speculative). `schedule()` builds a StepPlan, the worker executes it, and
+`process_output()` commits lengths and emits tokens. Nothing here touches a model.
+
+Ownership (contract C10): `kv_allocated_len` is written only by `_grow_kv` and
+`_release_kv`, `kv_committed_len` only by `process_output` and `_release_kv`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from actors.kv_cache import RowAllocator, SlotAllocator
+from actors.step_plan import StepOutput, StepPlan
+from configs.schema import KestrelConfig
+from serve_app.radix_cache import RadixCache
+from serve_app.request import Request, RequestOutput
+
+log = logging.getLogger("kestrel.scheduler")
+
+
+class Scheduler:
+    def __init__(self, cfg: KestrelConfig, worker_info: dict, eos_token_ids: list[int],
+                 detokenizer_factory=None):
+        self.cfg = cfg
+        self.spec = cfg.draft.enabled
+        self.page = cfg.kv_cache.page_size
+        self.window = worker_info["window"]
+        self.max_context = worker_info["max_context"]
+        self.max_model_len = cfg.model.max_model_len
+        self.slots = SlotAllocator(worker_info["num_slots"], self.page)
+        self.rows = RowAllocator(worker_info["num_rows"])
+        self.cache = RadixCache(self.slots, self.page, enabled=cfg.kv_cache.prefix_caching)
+        self.eos = set(eos_token_ids)
+        self.detokenizer_factory = detokenizer_factory  # req -> (detok, stopper) or None
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # admitted, prefill not finished
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_id = 0
+        self._inflight: dict[int, list[Request]] = {}  # step id -> its requests, in plan order
+        self.coins_per_request = (cfg.draft.num_draft_tokens + 1) if self.spec else 1
+        self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
+        if self.slots.capacity < self.max_model_len + 2 * self.window + self.page:
+            raise ValueError(f"kv_cache.num_slots={worker_info['num_slots']} cannot hold one "
+                             f"request of model.max_model_len={self.max_model_len}")
+
+    # ---- requests in and out ------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        limit = self.max_model_len - 1
+        if not req.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(req.prompt_ids) > limit:
+            raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens; this model accepts "
+                             f"at most {limit} (model.max_model_len={self.max_model_len})")
+        if req.params.temperature > 0:
+            req.generator = torch.Generator().manual_seed(
+                req.params.seed if req.params.seed is not None else torch.seed())
+        if self.detokenizer_factory is not None:
+            req.detok, req.stopper = self.detokenizer_factory(req)
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        """Cancel a request (client gone): its KV is freed at once."""
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    def kv_free_slots(self) -> int:
+        """Free slots counting what the prefix cache could give back."""
+        return self.slots.free_slots + self.cache.evictable_slots
+
+    # ---- KV bookkeeping -------------------------------------------------------------------
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        if n > self.slots.free_slots:
+            self.cache.evict(n - self.slots.free_slots)
+        return self.slots.alloc(n)
+
+    def _grow_kv(self, req: Request, need: int, plan: StepPlan) -> bool:
+        """Make sure the row holds `need` slots (page-rounded). Allocation is monotonic."""
+        need = min(self.slots.round_up(need), self.max_context)
+        delta = need - req.kv_allocated_len
+        if delta <= 0:
+            return True
+        new = self._alloc(delta)
+        if new is None:
+            return False
+        plan.kv_writes.append((req.row, req.kv_allocated_len, new))
+        req.slots = torch.cat([req.slots, new])
+        req.kv_allocated_len = need
+        return True
+
+    def _release_kv(self, req: Request) -> None:
+        """Give the KV back: the valid page-aligned prefix to the cache, the rest freed."""
+        if req.row is None:
+            return
+        valid = min(req.kv_committed_len, len(req.all_ids))
+        kept = 0  # slots [0, kept) now belong to the cache (insert frees its duplicates)
+        if self.cache.enabled and valid > 0:
+            self.cache.insert(req.all_ids[:valid], req.slots[:valid])
+            kept = self.cache.aligned(valid)
+        self.slots.free(req.slots[kept:])
+        self.cache.unlock(req.cache_node)
+        req.cache_node = None
+        self.rows.free(req.row)
+        req.row = None
+        req.slots = torch.zeros(0, dtype=torch.int64)
+        req.kv_allocated_len = 0
+        req.kv_committed_len = 0
+        req.prefilled = 0
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        if not self.has_work:
+            return None
+        self.step_id += 1
+        plan = self._schedule_extend()
+        if plan is None:
+            plan = self._schedule_decode()
+        return plan
+
+    def _admit(self, req: Request, plan: StepPlan) -> bool:
+        row = self.rows.alloc()
+        if row is None:
+            return False
+        req.row = row
+        req.fill_ids = req.all_ids
+        m = self.cache.match_prefix(req.fill_ids)
+        self.cache.lock(m.node)
+        req.cache_node = m.node
+        req.slots = m.slots.clone()
+        req.prefilled = m.length
+        req.kv_allocated_len = m.length  # the matched pages are whole pages
+        req.kv_committed_len = m.length
+        req.cached_tokens += m.length
+        self.stats["prompt_tokens_cached"] += m.length
+        if m.length:
+            plan.kv_writes.append((row, 0, m.slots))
+        return True
+
+    def _schedule_extend(self) -> StepPlan | None:
+        plan = StepPlan(self.step_id, "extend", [])
+        limit = self.cfg.scheduler.max_running_requests
+        while self.waiting and len(self.running) + len(self.prefilling) < limit:
+            if not self._admit(self.waiting[0], plan):
+                break
+            self.prefilling.append(self.waiting.popleft())
+        chosen = self._fill_chunks(plan)
+        if not chosen and self.prefilling and not self.running:
+            # Prefilling requests block each other's KV: keep the oldest, requeue the rest
+            # (their computed KV stays in the prefix cache), and try again.
+            for req in self.prefilling[1:]:
+                self._release_kv(req)
+                self.waiting.appendleft(req)
+            del self.prefilling[1:]
+            chosen = self._fill_chunks(plan)
+        if not chosen:
+            return None
+        plan.coins = self._coins(chosen)
+        self._inflight[plan.step_id] = chosen
+        return plan
+
+    def _fill_chunks(self, plan: StepPlan) -> list[Request]:
+        budget = self.cfg.scheduler.chunked_prefill_size
+        chosen: list[Request] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            chunk = min(len(req.fill_ids) - req.prefilled, budget)
+            if not self._grow_kv(req, req.prefilled + chunk, plan):
+                break  # out of KV: wait for running requests to finish (or be preempted)
+            chosen.append(req)
+            budget -= chunk
+            last = req.prefilled + chunk == len(req.fill_ids)
+            plan.rows.append(req.row)
+            plan.input_ids.extend(req.fill_ids[req.prefilled:req.prefilled + chunk])
+            plan.prefix_lens.append(req.prefilled)
+            plan.extend_lens.append(chunk)
+            plan.last_chunk.append(last)
+            plan.next_ids.append(-1 if last else req.fill_ids[req.prefilled + chunk])
+            self._add_sampling(req, plan)
+        return chosen
+
+    def _schedule_decode(self) -> StepPlan | None:
+        plan = StepPlan(self.step_id, "decode", [], use_spec=self.spec)
+        ahead = 2 * self.window
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if self._grow_kv(req, req.kv_committed_len + ahead, plan):
+                i += 1
+                continue
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                continue
+        if not self.running:
+            return None
+        for req in self.running:
+            plan.rows.append(req.row)
+            self._add_sampling(req, plan)
+        plan.coins = self._coins(self.running)
+        self._inflight[plan.step_id] = list(self.running)
+        return plan
+
+    def _preempt(self, req: Request) -> None:
+        """Out of KV: free this request's KV; it re-prefills its tokens later (lossless)."""
+        self.running.remove(req)
+        self._release_kv(req)
+        req.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(req)
+        log.info("preempted %s (%d tokens) for lack of KV", req.rid, len(req.all_ids))
+
+    def _add_sampling(self, req: Request, plan: StepPlan) -> None:
+        plan.temperature.append(req.params.temperature)
+        plan.top_p.append(req.params.top_p)
+        plan.top_k.append(req.params.top_k)
+
+    def _coins(self, reqs: list[Request]) -> torch.Tensor:
+        coins = torch.zeros(len(reqs), self.coins_per_request)  # [B, C] float32
+        for i, req in enumerate(reqs):
+            if req.generator is not None:
+                coins[i] = torch.rand(self.coins_per_request, generator=req.generator)
+        return coins
+
+    # ---- results ---------------------------------------------------------------------------
+    def process_output(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
+        reqs = self._inflight.pop(plan.step_id)
+        events: list[RequestOutput] = []
+        for i, (req, toks) in enumerate(zip(reqs, out.tokens)):
+            if req.finished or req.row != plan.rows[i]:
+                continue  # aborted or preempted since the plan was made
+            if plan.mode == "extend":
+                req.prefilled += plan.extend_lens[i]
+                req.kv_committed_len = req.prefilled
+                computed = plan.extend_lens[i]
+                req.computed_prompt_tokens += computed
+                self.stats["prompt_tokens_computed"] += computed
+                if not plan.last_chunk[i]:
+                    continue
+                self.prefilling.remove(req)
+                self.running.append(req)
+            else:
+                req.kv_committed_len += len(toks)
+                if self.spec:
+                    req.accept_lengths.append(len(toks))
+            accepted = [len(toks)] if plan.mode == "decode" and self.spec else []
+            ev = self._emit(req, toks, accepted)
+            if ev is not None:
+                events.append(ev)
+        return events
+
+    def _emit(self, req: Request, toks: list[int], accepted: list[int]) -> RequestOutput | None:
+        if req.first_token_time is None and toks:
+            req.first_token_time = time.time()
+        new_ids: list[int] = []
+        reason = None
+        for t in toks:
+            req.output_ids.append(t)
+            new_ids.append(t)
+            if not req.params.ignore_eos and t in self.eos:
+                reason = "stop"
+            elif t in req.params.stop_token_ids:
+                reason = "stop"
+            elif len(req.output_ids) >= req.params.max_tokens:
+                reason = "length"
+            elif len(req.all_ids) >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        text = ""
+        if req.detok is not None:
+            # The stop token itself is not part of the text.
+            hidden_stop = reason == "stop" and (new_ids[-1] in self.eos or new_ids[-1] in req.params.stop_token_ids)
+            piece = req.detok.add(new_ids[:-1] if hidden_stop else new_ids)
+            if reason:
+                piece += req.detok.flush()
+            text, stopped = req.stopper.feed(piece)
+            if stopped:
+                reason = "stop"
+            elif reason:
+                text += req.stopper.finish()
+            req.text += text
+        if reason:
+            self._finish(req, reason)
+        if req.on_output is None and not reason:
+            return None
+        out = RequestOutput(req.rid, new_ids, text, reason is not None, reason,
+                            len(req.prompt_ids), len(req.output_ids), accepted)
+        if req.on_output is not None:
+            req.on_output(out)
+        return out
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finished = True
+        req.finish_reason = reason
+        for q in (self.running, self.prefilling):
+            if req in q:
+                q.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release_kv(req)
+        self.requests.pop(req.rid, None)
+        if reason == "abort" and req.on_output is not None:
+            req.on_output(RequestOutput(req.rid, [], "", True, "abort", len(req.prompt_ids),
+                                        len(req.output_ids)))
