@@ -21,11 +21,14 @@ log = logging.getLogger("kestrel.engine")
 
 
 class LLMEngine:
-    def __init__(self, cfg: KestrelConfig, tokenizer=None, load_tokenizer: bool = True):
+    def __init__(self, cfg: KestrelConfig, tokenizer=None, load_tokenizer: bool = True,
+                 workers: list[RankWorker] | None = None, worker_info: dict | None = None):
+        """`workers` reuses loaded ranks (tests: schedulers are cheap, weights are not);
+        `worker_info` entries override what the workers report (e.g. fewer KV slots)."""
         self.cfg = cfg
         if cfg.parallel.dp_attention:
             raise NotImplementedError("parallel.dp_attention needs the Ray engine (kestrel serve)")
-        self.workers = [RankWorker(cfg, rank) for rank in range(cfg.parallel.dp_size)]
+        self.workers = workers or [RankWorker(cfg, rank) for rank in range(cfg.parallel.dp_size)]
         arch = self.workers[0].arch
         if tokenizer is None and load_tokenizer:
             from actors.models.loader import default_model_path
@@ -36,7 +39,8 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         factory = self._detok if tokenizer is not None else None
-        self.schedulers = [Scheduler(cfg, w.info(), eos, factory) for w in self.workers]
+        self.schedulers = [Scheduler(cfg, {**w.info(), **(worker_info or {})}, eos, factory)
+                           for w in self.workers]
         self._ids = itertools.count()
         self.steps = 0
 

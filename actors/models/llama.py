@@ -1,0 +1,175 @@
+"""Llama-family decoder over a flat token batch; attention (and so the KV cache) is injected."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.models.model_config import LlamaArch
+from actors.models.rope import RotaryEmbedding, apply_rotary
+
+# attn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], layer_id) -> [T, Hq, D].
+# The backend owns the KV cache, the causal/tree mask and the 1/sqrt(D) softmax scale.
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Mean of squares in fp32: in bf16 it loses enough to change greedy tokens.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: LlamaArch, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        h, b = arch.hidden_size, arch.attention_bias
+        self.q_proj = nn.Linear(h, arch.q_size, bias=b)
+        self.k_proj = nn.Linear(h, arch.kv_size, bias=b)
+        self.v_proj = nn.Linear(h, arch.kv_size, bias=b)
+        self.o_proj = nn.Linear(arch.q_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        o = attn(q, k, v, self.layer_id)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: LlamaArch):
+        super().__init__()
+        h, i = arch.hidden_size, arch.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArch, layer_id: int):
+        super().__init__()
+        self.self_attn = Attention(arch, layer_id)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, arch: LlamaArch):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class TiedLMHead(nn.Module):
+    """LM head that reads the embedding matrix at call time.
+
+    Not a shared nn.Parameter: Module.to()/to_empty() in torch 2.13 give each module its own
+    copy, which would silently untie the two and leave one of them unloaded.
+    """
+
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        object.__setattr__(self, "_embed", embed)  # plain attribute: not a second submodule
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embed.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: LlamaArch):
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        if arch.tie_word_embeddings:
+            self.lm_head: nn.Module = TiedLMHead(self.model.embed_tokens)
+        else:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # [T, H]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttnFn,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids, positions [T] (many requests concatenated) -> (normed hidden [T, H], aux).
+
+        aux[j] is the residual stream entering layer aux_layers[j] (EAGLE-3's capture point);
+        index num_layers means the last layer's output before the final norm.
+        """
+        for i in aux_layers:
+            if not 0 <= i <= self.arch.num_layers:
+                raise ValueError(f"aux layer {i} is outside 0..{self.arch.num_layers}")
+        cos, sin = self.rotary(positions)  # [T, D] fp32 each, shared by every layer
+        captured: dict[int, torch.Tensor] = {}
+        x = self.embed(input_ids)  # [T, H]
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layers:
+                captured[i] = x
+            x = layer(x, cos, sin, attn)
+        if self.arch.num_layers in aux_layers:
+            captured[self.arch.num_layers] = x
+        return self.model.norm(x), [captured[i] for i in aux_layers]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [T, V] fp32 so sampling and verification agree
+
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy an HF-named state dict into the parameters (cast to their dtype/device). Strict."""
+        params = dict(self.named_parameters())
+        expected = set(params)
+        given = set(state)
+        # Tied checkpoints may or may not also store lm_head.weight; the embedding is the truth.
+        ignored = {n for n in given if self.arch.tie_word_embeddings and n == "lm_head.weight"}
+        # Old Llama checkpoints persist the RoPE table; we compute it.
+        ignored |= {n for n in given if n.endswith("rotary_emb.inv_freq")}
+        unknown = sorted(given - ignored - expected)
+        missing = sorted(expected - given)
+        if unknown or missing:
+            raise KeyError(
+                "checkpoint does not match the model: "
+                f"unknown {unknown[:8]}{' ...' if len(unknown) > 8 else ''} ({len(unknown)}), "
+                f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)})"
+            )
+        for name in expected:
+            src, dst = state[name], params[name]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+            dst.copy_(src)

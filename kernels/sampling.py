@@ -1,0 +1,92 @@
+"""Sampling ops: logits -> processed probabilities, and inverse-CDF sampling.
+
+Pure-torch references (the CPU path and the test oracle for later Triton kernels).
+Shapes: T rows (tokens / tree nodes), V vocabulary. Token tensors are int64.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["process_logits", "sample_from_probs"]
+
+
+def process_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+) -> torch.Tensor:
+    """Turn raw logits into the sampling distribution of each row.
+
+    Args:
+        logits: [T, V] float (any float dtype).
+        temperature: [T] float. Rows with temperature <= 0 are greedy: they come back as
+            a one-hot of the (first) argmax, never NaN. Callers normally keep greedy rows
+            out of here.
+        top_p: [T] float in (0, 1]. Nucleus: keep the smallest set of most likely tokens
+            whose cumulative probability is >= top_p; the most likely token is always
+            kept; top_p >= 1 keeps everything.
+        top_k: [T] int64. Keep the top_k most likely tokens; top_k <= 0 means no limit.
+
+    Order (as in HF warpers): softmax(logits / temperature), then top-k, renormalise,
+    then top-p on the renormalised top-k distribution, renormalise. Ties in probability
+    are ranked toward the lower token id (stable sort).
+
+    Returns:
+        probs: [T, V] float32, every row sums to 1.
+    """
+    T, V = logits.shape
+    device = logits.device
+    greedy = temperature <= 0  # [T] bool
+    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [T] float32
+    probs = torch.softmax(logits.float() / safe_t[:, None], dim=-1)  # [T, V] float32
+
+    # Rank tokens once; both filters act on ranks.
+    sorted_p, sorted_idx = torch.sort(probs, dim=-1, descending=True, stable=True)  # [T, V] f32, [T, V] i64
+    rank = torch.arange(V, device=device, dtype=torch.int64)[None, :]  # [1, V] int64
+
+    k = top_k.to(torch.int64)[:, None]  # [T, 1] int64
+    keep_sorted = (k <= 0) | (rank < k)  # [T, V] bool
+    sorted_p = torch.where(keep_sorted, sorted_p, torch.zeros_like(sorted_p))  # [T, V] float32
+    sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)  # renormalised top-k, [T, V] float32
+
+    # Nucleus: keep token r iff the mass strictly before it is still < top_p.
+    cum_before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # [T, V] float32 (exclusive cumsum)
+    tp = top_p.float()[:, None]  # [T, 1] float32
+    keep_p = (cum_before < tp) | (tp >= 1.0) | (rank == 0)  # [T, V] bool
+    keep_sorted = keep_sorted & keep_p  # [T, V] bool
+
+    keep = torch.zeros((T, V), dtype=torch.bool, device=device)  # [T, V] bool, token order
+    keep.scatter_(1, sorted_idx, keep_sorted)
+    out = torch.where(keep, probs, torch.zeros_like(probs))  # [T, V] float32
+    out = out / out.sum(dim=-1, keepdim=True)
+
+    if bool(greedy.any()):
+        one_hot = torch.zeros((T, V), dtype=torch.float32, device=device)  # [T, V] float32
+        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        out = torch.where(greedy[:, None], one_hot, out)
+    return out
+
+
+def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling, one token per row.
+
+    Args:
+        probs: [T, V] float, non-negative, need not be normalised.
+        coins: [T] float in [0, 1).
+
+    Returns:
+        tokens: [T] int64, the first index i with cumsum(probs)[i] > coin * total.
+        A zero-probability token is never returned (if rounding pushes the threshold
+        past the end, the last token with positive probability is returned). An all-zero
+        row returns V - 1 (undefined input).
+    """
+    T, V = probs.shape
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [T, V] float64
+    total = cdf[:, -1]  # [T] float64
+    threshold = (coins.double() * total)[:, None].contiguous()  # [T, 1] float64
+    idx = torch.searchsorted(cdf, threshold, right=True).squeeze(1)  # [T] int64
+    # Fallback for threshold >= total: last positive-probability token.
+    positive = probs > 0  # [T, V] bool
+    last_pos = (V - 1) - torch.flip(positive, dims=[1]).to(torch.int64).argmax(dim=-1)  # [T] int64
+    return torch.where(idx >= V, last_pos, idx).to(torch.int64)

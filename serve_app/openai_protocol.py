@@ -1,0 +1,438 @@
+"""OpenAI API request/response models (chat, completions, models, errors, stream chunks)."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def make_id(prefix: str) -> str:
+    """Response ids as OpenAI shapes them: 'chatcmpl-...', 'cmpl-...'."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class _Request(BaseModel):
+    # OpenAI clients send fields we don't model (e.g. `metadata`, `store`); ignore them.
+    model_config = ConfigDict(extra="ignore")
+
+
+def _unsupported(name: str, hint: str):
+    """Field validator rejecting any non-default value: silently ignoring a penalty or a
+    logprobs request would return something other than what the client asked for."""
+
+    def check(cls, v: Any) -> Any:
+        is_zero = isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0
+        if v is None or v is False or is_zero or v == {} or v == []:
+            return v
+        raise ValueError(f"{name} is not supported by Kestrel ({hint})")
+
+    return field_validator(name, mode="before")(check)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None  # None = the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # extension (as vLLM): -1 or 0 = off
+    seed: int | None = None
+    stop: list[str] | None = None  # str or list of str on the wire; normalized to a list
+    stop_token_ids: list[int] | None = None  # extension
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension
+    user: str | None = None
+    # Accepted only at their defaults (see _unsupported).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    _no_presence = _unsupported("presence_penalty", "omit it or send 0")
+    _no_frequency = _unsupported("frequency_penalty", "omit it or send 0")
+    _no_logit_bias = _unsupported("logit_bias", "omit it")
+
+    @field_validator("n", "max_tokens", "top_k", "seed", mode="before")
+    @classmethod
+    def _no_bool_ints(cls, v: Any) -> Any:
+        # pydantic would read true as 1; a bool here is a client bug worth reporting.
+        if isinstance(v, bool):
+            raise ValueError("expected an integer, got a boolean")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids_non_negative(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # `stream` is declared first, so it is already in info.data (absent if invalid).
+        if v is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    # --- helpers for the ingress -------------------------------------------------------
+    def _requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def to_sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
+        """Engine sampling params with OpenAI defaults filled in.
+
+        top_k is normalized to -1 for "off"; stop strings are de-duplicated and empty
+        ones dropped (an empty stop would end every request at once)."""
+        top_k = self.top_k if self.top_k not in (None, 0) else -1
+        stops: list[str] = []
+        for s in self.stop or []:
+            if s and s not in stops:
+                stops.append(s)
+        requested = self._requested_max_tokens()
+        return {
+            "max_tokens": requested if requested is not None else int(default_max_tokens),
+            "temperature": 1.0 if self.temperature is None else float(self.temperature),
+            "top_p": 1.0 if self.top_p is None else float(self.top_p),
+            "top_k": top_k,
+            "seed": self.seed,
+            "stop": stops,
+            "stop_token_ids": list(dict.fromkeys(self.stop_token_ids or [])),
+            "ignore_eos": bool(self.ignore_eos),
+            "n": self.n,
+        }
+
+
+# --------------------------------------------------------------------------- chat
+
+
+class ChatMessage(_Request):
+    """One input message. `content` is normalized to plain text: OpenAI also allows a list
+    of parts, of which Kestrel accepts only {"type": "text", "text": ...}."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _developer_is_system(cls, v: Any) -> Any:
+        # Newer OpenAI clients send "developer" where older ones sent "system".
+        return "system" if v == "developer" else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _assistant_may_omit_content(cls, data: Any) -> Any:
+        # OpenAI lets an assistant turn carry content null (e.g. echoed history).
+        if isinstance(data, dict) and data.get("role") == "assistant" and data.get("content", "") is None:
+            data = {**data, "content": ""}
+        return data
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            texts = []
+            for i, part in enumerate(v):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"content part {i} has type {kind!r}; only text parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part {i} needs a string 'text'")
+                texts.append(part["text"])
+            return "\n".join(texts)
+        raise ValueError("content must be a string or a list of text parts")
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    _no_logprobs = _unsupported("logprobs", "omit it or send false")
+    _no_top_logprobs = _unsupported("top_logprobs", "omit it")
+
+    @field_validator("max_completion_tokens", mode="before")
+    @classmethod
+    def _no_bool_max(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("expected an integer, got a boolean")
+        return v
+
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("tools are not supported by Kestrel")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v and v.get("type", "text") != "text":
+            raise ValueError(f"response_format type {v.get('type')!r} is not supported by Kestrel")
+        return v
+
+    def _requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is OpenAI's newer name and wins when both are sent.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(SamplingFields):
+    # str | list[int] | list[str] (batch) | list[list[int]] (batch)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    _no_logprobs = _unsupported("logprobs", "omit it")
+    _no_suffix = _unsupported("suffix", "omit it")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported by Kestrel; send echo=false")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        if v is not None and v > 1:
+            raise ValueError("best_of > 1 is not supported by Kestrel; use n")
+        return v
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        # Checked by hand so a bad prompt gives one clear error at "prompt" rather than
+        # one per union member.
+        def token_list(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            return v
+        if not isinstance(v, list) or not v:
+            raise ValueError("prompt must be a non-empty string, list of token ids, "
+                             "list of strings or list of token-id lists")
+        if token_list(v):
+            if any(t < 0 for t in v):
+                raise ValueError("prompt token ids must be non-negative")
+            return v
+        if all(isinstance(p, str) for p in v):
+            if any(not p for p in v):
+                raise ValueError("prompt strings must not be empty")
+            return v
+        if all(token_list(p) for p in v):
+            if any(not p for p in v):
+                raise ValueError("prompt token lists must not be empty")
+            if any(t < 0 for p in v for t in p):
+                raise ValueError("prompt token ids must be non-negative")
+            return v
+        raise ValueError("prompt must be a string, list of token ids, list of strings "
+                         "or list of token-id lists (not a mix)")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a batch: each item a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: make_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: make_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict[str, Any]:
+        # OpenAI sends {"role": "assistant"} once, then {"content": "..."}; absent keys,
+        # not nulls, which is what some clients test for.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class _Chunk(BaseModel):
+    usage: UsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_null_usage(self, handler: Any) -> dict[str, Any]:
+        # `usage` appears only in the final chunk when stream_options.include_usage is set.
+        data = handler(self)
+        if data.get("usage") is None:
+            data.pop("usage", None)
+        return data
+
+    def to_sse(self) -> str:
+        return sse_event(self)
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage = Field(default_factory=DeltaMessage)
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(_Chunk):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice] = Field(default_factory=list)
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class CompletionChunk(_Chunk):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionStreamChoice] = Field(default_factory=list)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "kestrel"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# --------------------------------------------------------------------------- SSE
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event line for a chunk (or an error body mid-stream)."""
+    if isinstance(payload, BaseModel):
+        body = payload.model_dump_json()
+    else:
+        body = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {body}\n\n"

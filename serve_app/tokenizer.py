@@ -1,0 +1,82 @@
+"""Tokenizer loading (HF folder or GGUF, with an on-disk cache for GGUF) and chat templating."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from actors.models.model_config import LlamaArch
+
+log = logging.getLogger(__name__)
+
+
+def tokenizer_cache_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kestrel", "tokenizers")
+
+
+def gguf_cache_dir(gguf_path: str) -> str:
+    """<root>/<name>-<size>-<mtime hash>: a changed or replaced file gets a fresh entry."""
+    st = os.stat(gguf_path)
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    stamp = hashlib.sha256(str(st.st_mtime_ns).encode()).hexdigest()[:12]
+    return os.path.join(tokenizer_cache_root(), f"{stem}-{st.st_size}-{stamp}")
+
+
+def load_tokenizer(path: str) -> Any:
+    """A transformers tokenizer from an HF folder, or from a GGUF's metadata (cached after the first time)."""
+    from transformers import AutoTokenizer
+
+    if not path.lower().endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: GGUF file not found")
+
+    cache = gguf_cache_dir(path)
+    if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cache)
+
+    # Converting the GGUF vocabulary and merges takes seconds; do it once and keep the result.
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        # Write beside the target and rename: a reader never sees a half-written folder,
+        # and of two concurrent writers the loser simply drops its copy.
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(cache))
+        tok.save_pretrained(tmp)  # tokenizer.json, tokenizer_config.json, chat template
+        try:
+            os.rename(tmp, cache)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:  # read-only home etc.: still serve, just without the cache
+        log.warning("could not cache tokenizer for %s in %s: %s", path, cache, e)
+    return tok
+
+
+def apply_chat_template(tok: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Chat messages -> prompt token ids ending with the assistant turn header, as plain ints."""
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding (return_dict defaults on); 4.x returns a list.
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):
+        if len(out) != 1:
+            raise ValueError(f"expected one conversation, got a batch of {len(out)}")
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def stop_token_ids(tok: Any, arch: "LlamaArch") -> set[int]:
+    """Ids that end generation: the model's eos ids plus the tokenizer's eos token."""
+    ids = {int(t) for t in arch.eos_token_ids}
+    if getattr(tok, "eos_token_id", None) is not None:
+        ids.add(int(tok.eos_token_id))
+    return ids

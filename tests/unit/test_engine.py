@@ -1,0 +1,165 @@
+"""The in-process engine on real SmolLM2 weights (fp32): exactness, batching, KV accounting."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from configs.schema import load_config
+from serve_app.llm_engine import LLMEngine
+from serve_app.request import SamplingParams
+
+BASE = ["model.dtype=float32", "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
+        "device=cpu"]
+
+
+def make_engine(worker, tokenizer, *overrides, **kw) -> LLMEngine:
+    return LLMEngine(load_config(overrides=BASE + list(overrides)), tokenizer=tokenizer,
+                     workers=[worker], **kw)
+
+
+def greedy(max_tokens=64):
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm_path):
+    import os
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path),
+        dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def batch_outputs(fp32_worker, tokenizer, chat_prompts):
+    eng = make_engine(fp32_worker, tokenizer)
+    reqs = eng.generate(chat_prompts, greedy())
+    return [r.output_ids for r in reqs]
+
+
+def assert_same_or_near_tie(hf_model, prompt, ours, theirs, tol=1e-4):
+    """Equal token for token, or the first divergence is a near-tie of the reference."""
+    if ours == theirs:
+        return
+    d = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    ids = torch.tensor([prompt + ours[:d]])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, -1]
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < tol, f"diverged at output {d} where the top-2 logit gap is {gap:.2e} (not a tie)"
+
+
+def test_greedy_equals_transformers(hf_model, chat_prompts, batch_outputs):
+    for prompt, ours in zip(chat_prompts, batch_outputs):
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
+                                    min_new_tokens=64)
+        theirs = out[0, len(prompt):].tolist()
+        assert len(ours) == 64
+        assert_same_or_near_tie(hf_model, prompt, ours, theirs)
+
+
+def test_batch_equals_each_alone(fp32_worker, tokenizer, chat_prompts, batch_outputs):
+    eng = make_engine(fp32_worker, tokenizer, "kv_cache.prefix_caching=false")
+    # mixed lengths: the prompts differ in length by up to ~3x
+    assert len({len(p) for p in chat_prompts}) > 4
+    for i in (0, 3, 7):
+        alone = eng.generate([chat_prompts[i]], greedy())[0].output_ids
+        assert alone == batch_outputs[i]
+
+
+def test_free_count_returns_to_start(fp32_worker, tokenizer, chat_prompts):
+    eng = make_engine(fp32_worker, tokenizer)
+    sched = eng.schedulers[0]
+    start = sched.slots.free_slots
+    eng.generate(chat_prompts[:4], greedy(16))
+    # the prefix cache keeps some KV, all of it evictable down to the last slot
+    assert sched.slots.free_slots + sched.cache.evictable_slots == start
+    assert sched.cache.total_slots > 0
+    sched.cache.evict(sched.slots.capacity)
+    assert sched.slots.free_slots == start == sched.slots.capacity
+
+
+def test_prefix_cache_computes_only_new_tokens(fp32_worker, tokenizer):
+    from serve_app.tokenizer import apply_chat_template
+    long_system = "You are a meticulous assistant. " * 20
+    msgs = lambda q: [{"role": "system", "content": long_system}, {"role": "user", "content": q}]
+    first = apply_chat_template(tokenizer, msgs("Name a color."))
+    second = apply_chat_template(tokenizer, msgs("Name a fruit."))
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert common > 100
+    eng = make_engine(fp32_worker, tokenizer)
+    eng.generate([first], greedy(8))
+    req = eng.generate([second], greedy(16))[0]
+    assert req.cached_tokens >= common - 1 and req.cached_tokens <= common
+    assert req.computed_prompt_tokens == len(second) - req.cached_tokens
+    plain = make_engine(fp32_worker, tokenizer, "kv_cache.prefix_caching=false")
+    ref = plain.generate([second], greedy(16))[0]
+    assert ref.cached_tokens == 0 and ref.computed_prompt_tokens == len(second)
+    assert req.output_ids == ref.output_ids
+
+
+@pytest.mark.parametrize("overrides", [
+    ("scheduler.chunked_prefill_size=16",),
+    ("kv_cache.page_size=16",),
+    ("kv_cache.page_size=4", "scheduler.chunked_prefill_size=24"),
+])
+def test_chunking_and_paging_do_not_change_tokens(fp32_worker, tokenizer, chat_prompts,
+                                                  batch_outputs, overrides):
+    eng = make_engine(fp32_worker, tokenizer, *overrides)
+    reqs = eng.generate(chat_prompts[:4], greedy(32))
+    for r, ref in zip(reqs, batch_outputs):
+        assert r.output_ids == ref[:32]
+    sched = eng.schedulers[0]
+    sched.cache.evict(sched.slots.capacity)
+    assert sched.slots.free_slots == sched.slots.capacity
+
+
+def test_out_of_kv_preempts_and_stays_exact(fp32_worker, tokenizer, chat_prompts, batch_outputs,
+                                            hf_model):
+    # 8 requests of ~40-120 prompt tokens + 64 outputs cannot all fit in 800 slots.
+    eng = make_engine(fp32_worker, tokenizer, "scheduler.chunked_prefill_size=64",
+                      "model.max_model_len=256", worker_info={"num_slots": 800})
+    reqs = eng.generate(chat_prompts, greedy())
+    sched = eng.schedulers[0]
+    assert sched.stats["preemptions"] > 0
+    # A resumed request recomputes its KV in one extend instead of token by token, so
+    # fp32 rounding may differ: equal, or diverging only at a near-tie.
+    for prompt, r, ref in zip(chat_prompts, reqs, batch_outputs):
+        assert_same_or_near_tie(hf_model, prompt, r.output_ids, ref)
+    sched.cache.evict(sched.slots.capacity)
+    assert sched.slots.free_slots == sched.slots.capacity
+
+
+def test_stop_strings_eos_and_max_tokens(fp32_worker, tokenizer, chat_prompts, batch_outputs):
+    eng = make_engine(fp32_worker, tokenizer)
+    full = tokenizer.decode(batch_outputs[0])
+    stop = full[20:26]
+    req = eng.generate([chat_prompts[0]], SamplingParams(max_tokens=64, stop=[stop], ignore_eos=True))[0]
+    assert req.finish_reason == "stop" and stop not in req.text and full.startswith(req.text)
+    req = eng.generate([chat_prompts[0]], SamplingParams(max_tokens=5))[0]
+    assert req.finish_reason == "length" and len(req.output_ids) == 5
+    stop_id = batch_outputs[0][3]
+    req = eng.generate([chat_prompts[0]], SamplingParams(max_tokens=64, stop_token_ids=[stop_id]))[0]
+    assert req.finish_reason == "stop" and req.output_ids == batch_outputs[0][:batch_outputs[0].index(stop_id) + 1]
+
+
+def test_seeded_sampling_is_reproducible(fp32_worker, tokenizer, chat_prompts):
+    eng = make_engine(fp32_worker, tokenizer)
+    p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=123, ignore_eos=True)
+    a = eng.generate([chat_prompts[1]], p)[0].output_ids
+    b = eng.generate([chat_prompts[1], chat_prompts[2]], [p, p])[0].output_ids
+    c = eng.generate([chat_prompts[1]], SamplingParams(max_tokens=16, temperature=0.8, seed=7,
+                                                      ignore_eos=True))[0].output_ids
+    assert a == b and a != c
+
+
+def test_bad_prompt_is_a_clear_error(fp32_worker, tokenizer):
+    eng = make_engine(fp32_worker, tokenizer, "model.max_model_len=64")
+    with pytest.raises(ValueError, match="at most 63"):
+        eng.add_request(list(range(100)), greedy())
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], greedy())
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
