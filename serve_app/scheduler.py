@@ -107,16 +107,25 @@ class Scheduler:
         req.kv_allocated_len = need
         return True
 
+    def release_ranges(self, committed: int, allocated: int) -> tuple[range, range]:
+        """(committed part, over-allocated tail) of a row, in slot positions (C13): the
+        tail starts at the page boundary after the last committed token."""
+        end = min(self.slots.round_up(committed), allocated)
+        return range(0, end), range(end, allocated)
+
     def _release_kv(self, req: Request) -> None:
-        """Give the KV back: the valid page-aligned prefix to the cache, the rest freed."""
+        """Give the KV back: the tail is freed; of the committed part the valid full pages
+        go to the prefix cache (which frees its duplicates) and the rest is freed."""
         if req.row is None:
             return
+        committed, tail = self.release_ranges(req.kv_committed_len, req.kv_allocated_len)
+        self.slots.free(req.slots[tail.start:tail.stop])
         valid = min(req.kv_committed_len, len(req.all_ids))
-        kept = 0  # slots [0, kept) now belong to the cache (insert frees its duplicates)
+        kept = 0
         if self.cache.enabled and valid > 0:
             self.cache.insert(req.all_ids[:valid], req.slots[:valid])
             kept = self.cache.aligned(valid)
-        self.slots.free(req.slots[kept:])
+        self.slots.free(req.slots[kept:committed.stop])
         self.cache.unlock(req.cache_node)
         req.cache_node = None
         self.rows.free(req.row)

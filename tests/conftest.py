@@ -45,3 +45,46 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     from serve_app.tokenizer import apply_chat_template
     return [apply_chat_template(tokenizer, [{"role": "user", "content": q}])
             for q in mt_bench_first_turns(8)]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """A small random Llama saved as an HF folder: fast stand-in target for spec tests.
+    A wide init makes its logits peaked, so greedy ties (and fp32 flips) are rare."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, initializer_range=0.3, bos_token_id=1,
+                      eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm_path):
+    """transformers' own SmolLM2 from the same GGUF: the reference and the tie oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path),
+        dtype=torch.float32).eval()
+
+
+def assert_same_or_near_tie(hf_model, prompt, ours, theirs, tol=1e-4):
+    """Equal token for token, or the first divergence is at a near-tie of the reference
+    (top-2 logit gap below tol), where fp32 rounding may pick either."""
+    import torch
+    if ours == theirs:
+        return
+    n = min(len(ours), len(theirs))
+    d = next((i for i in range(n) if ours[i] != theirs[i]), n)
+    assert d < n, f"same tokens but different lengths ({len(ours)} vs {len(theirs)})"
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + ours[:d]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < tol, f"diverged at output {d} where the top-2 logit gap is {gap:.2e} (not a tie)"

@@ -102,16 +102,8 @@ class EagleWorker:
             b_idx = torch.arange(B, device=dev)[:, None].expand(B, S + 1)[moved]
             w.kv_pool.move(loc[b_idx, accept_index[moved]], loc[b_idx, j[moved]])
         # -- draft extend over N rows per request
-        feats = self._features(hidden, aux)  # [B*N, F]
-        width = min(N, S + 1)
-        src = torch.zeros(B, N, dtype=torch.int64, device=dev)  # [B, N] verify row per extend row
-        src[:, :width] = accept_index[:, :width].clamp(min=0)
-        src = src + torch.arange(B, device=dev)[:, None] * N
-        ids = torch.zeros(B, N, dtype=torch.int64, device=dev)
-        ids[:, :width] = predict[:, :width].clamp(min=0)
-        efb = ForwardBatch(ForwardMode.DRAFT_EXTEND, draft_extend_ids(ids.reshape(-1)),
-                           (seq[:, None] + torch.arange(N, device=dev)).reshape(-1),
-                           loc.reshape(-1), rows, seq, [N] * B, hidden_in=feats[src.reshape(-1)])
+        efb = prepare_draft_extend(rows, seq, loc, accept_index, predict,
+                                   self._features(hidden, aux), N)
         h = self.runner.forward(efb, hidden_in=efb.hidden_in)  # [B*N, H]
         last = h[select_last_index(accept_length, N)]  # [B, H]
         topk_p, topk_index = self.head.topk(last, K)
@@ -173,3 +165,26 @@ class EagleWorker:
                                               tree.next_sibling[idx], S, coins[:, :N], coins[:, N])
             accept_index[idx], accept_length[idx], predict[idx] = ai, al, pr
         return accept_index, accept_length, predict
+
+
+def prepare_draft_extend(rows: torch.Tensor, seq_lens: torch.Tensor, loc: torch.Tensor,
+                         accept_index: torch.Tensor, predict: torch.Tensor,
+                         feats: torch.Tensor, N: int) -> ForwardBatch:
+    """The draft-extend forward batch: N rows per request at positions seq_len + [0, N).
+
+    Row j < accept_length pairs the target's prediction at accepted node j (the token
+    after it) with that node's target feature; later rows are padding whose draft KV
+    lands beyond the new length and is overwritten before it is ever read. Reads
+    `seq_lens` and never writes it (C09): the view's lengths are seq_lens + N.
+    """
+    B, dev = rows.numel(), rows.device
+    width = min(N, accept_index.shape[1])
+    src = torch.zeros(B, N, dtype=torch.int64, device=dev)  # [B, N] verify row per extend row
+    src[:, :width] = accept_index[:, :width].clamp(min=0)
+    src = src + torch.arange(B, device=dev)[:, None] * N
+    ids = torch.zeros(B, N, dtype=torch.int64, device=dev)  # [B, N] int64
+    ids[:, :width] = predict[:, :width].clamp(min=0)
+    positions = (seq_lens[:, None] + torch.arange(N, device=dev)).reshape(-1)  # [B*N] int64
+    return ForwardBatch(ForwardMode.DRAFT_EXTEND, draft_extend_ids(ids.reshape(-1)), positions,
+                        loc.reshape(-1), rows, seq_lens, [N] * B,
+                        hidden_in=feats[src.reshape(-1)])

@@ -8,6 +8,8 @@ from configs.schema import load_config
 from serve_app.llm_engine import LLMEngine
 from serve_app.request import SamplingParams
 
+from conftest import assert_same_or_near_tie
+
 BASE = ["model.dtype=float32", "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
         "device=cpu"]
 
@@ -22,32 +24,10 @@ def greedy(max_tokens=64):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm_path):
-    import os
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path),
-        dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def batch_outputs(fp32_worker, tokenizer, chat_prompts):
     eng = make_engine(fp32_worker, tokenizer)
     reqs = eng.generate(chat_prompts, greedy())
     return [r.output_ids for r in reqs]
-
-
-def assert_same_or_near_tie(hf_model, prompt, ours, theirs, tol=1e-4):
-    """Equal token for token, or the first divergence is a near-tie of the reference."""
-    if ours == theirs:
-        return
-    d = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-    ids = torch.tensor([prompt + ours[:d]])
-    with torch.no_grad():
-        logits = hf_model(ids).logits[0, -1]
-    top2 = logits.topk(2).values
-    gap = float(top2[0] - top2[1])
-    assert gap < tol, f"diverged at output {d} where the top-2 logit gap is {gap:.2e} (not a tie)"
 
 
 def test_greedy_equals_transformers(hf_model, chat_prompts, batch_outputs):

@@ -1,0 +1,43 @@
+"""Builders shared by the spec-contract tests: engines on the tiny target or on SmolLM2."""
+from __future__ import annotations
+
+import random
+
+from actors.rank_worker import RankWorker
+from configs.schema import load_config
+from serve_app.llm_engine import LLMEngine
+from serve_app.request import SamplingParams
+
+CHAIN = ("draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4")
+TREE = ("draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8")
+
+
+def tiny_config(model_dir: str, *overrides: str, spec: bool = True):
+    base = [f"model.path={model_dir}", "model.dtype=float32", "device=cpu",
+            "kv_cache.num_slots=4096", "model.max_model_len=512",
+            "scheduler.max_running_requests=8"]
+    if spec:
+        base += ["draft.enabled=true", "draft.path=random"]
+    return load_config(overrides=base + list(overrides))
+
+
+def tiny_engine(model_dir: str, *overrides: str, spec: bool = True) -> LLMEngine:
+    cfg = tiny_config(model_dir, *overrides, spec=spec)
+    return LLMEngine(cfg, load_tokenizer=False)
+
+
+def random_prompts(n: int, vocab: int = 128, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def outputs(engine: LLMEngine, prompts, max_tokens: int) -> list[list[int]]:
+    return [r.output_ids for r in engine.generate(prompts, greedy(max_tokens))]
+
+
+__all__ = ["CHAIN", "TREE", "tiny_config", "tiny_engine", "random_prompts", "greedy",
+           "outputs", "RankWorker"]
