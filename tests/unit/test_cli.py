@@ -1,0 +1,50 @@
+"""`kestrel generate` end to end: JSONL in, JSONL + stats out, config errors named."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args, **kw):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "serve_app.cli", *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=600, **kw)
+
+
+def test_generate_jsonl(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt": "Hello there"}) + "\n"
+                   + json.dumps({"id": "b", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    p = run("generate", "--input", str(inp), "--output", str(out), "--max-tokens", "6",
+            "--ignore-eos", "--stats", str(stats), "--set", "kv_cache.num_slots=4096",
+            "--set", "draft.enabled=true", "--set", "draft.path=random",
+            "--set", "draft.topk=1", "--set", "draft.num_steps=2", "--set", "draft.num_draft_tokens=3")
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b"]
+    for r in rows:
+        assert set(r) == {"id", "text", "token_ids", "finish_reason", "num_prompt_tokens",
+                          "num_output_tokens", "accept_lengths"}
+        assert r["num_output_tokens"] == len(r["token_ids"]) == 6 and r["finish_reason"] == "length"
+        assert sum(r["accept_lengths"]) >= 5 and isinstance(r["text"], str)
+    s = json.loads(stats.read_text())
+    assert s["requests"] == 2 and s["tokens_per_s"] > 0 and s["mean_accept_length"] >= 1
+    assert "generate" in p.stderr  # the progress bar
+
+
+def test_generate_no_spec_and_bad_config(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": 1, "prompt": "Hi"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    p = run("generate", "--input", str(inp), "--output", str(out), "--set", "kv_cache.page_sise=4")
+    assert p.returncode != 0 and "page_sise" in p.stderr and "page_size" in p.stderr
+    p = run("generate", "--input", str(inp), "--output", str(out), "--set", "attention.backend=nope")
+    assert p.returncode != 0 and "attention.backend" in p.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    p = run("generate", "--input", str(bad), "--output", str(out))
+    assert p.returncode != 0 and "bad.jsonl:1" in p.stderr
