@@ -44,7 +44,8 @@ class EagleSpec:
     @classmethod
     def for_target(cls, t: LlamaArch, arch: str, draft_vocab_size: int | None = None) -> "EagleSpec":
         L = t.num_layers
-        aux = (2, L // 2, L - 3) if arch == "eagle3" else ()
+        # Clamped so tiny test targets (a couple of layers) still have three capture points.
+        aux = tuple(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3)) if arch == "eagle3" else ()
         return cls(arch, t.hidden_size, t.intermediate_size, t.num_heads, t.num_kv_heads,
                    t.head_dim, t.rms_norm_eps, t.rope_theta, t.rope_scaling,
                    draft_vocab_size or t.vocab_size, aux)
