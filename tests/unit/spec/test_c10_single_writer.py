@@ -6,10 +6,11 @@ ROOT = Path(__file__).resolve().parents[3]
 OWNED = {"kv_committed_len", "kv_allocated_len"}
 # who may assign what: the scheduler owns the request lengths (request.py declares them);
 # seq_lens is never assigned as an attribute: ForwardBatch derives it, the future map
-# updates it only through item assignment in its own store().
+# updates it only through item assignment in its own store(), and the graph runner
+# fills its own static buffers (and restores the caller's values, C04/C05).
 OWNERS = {"kv_committed_len": {"serve_app/scheduler.py", "serve_app/request.py"},
           "kv_allocated_len": {"serve_app/scheduler.py", "serve_app/request.py"},
-          "seq_lens": {"actors/future_map.py"}}
+          "seq_lens": {"actors/future_map.py", "actors/cuda_graph_runner.py"}}
 
 
 def assignments(tree: ast.AST):
