@@ -115,7 +115,10 @@ class RankWorker:
             tokens = self.eagle.decode(plan)
         else:
             tokens = self._decode(plan)
-        return StepOutput(plan.step_id, tokens, {plan.mode: time.perf_counter() - t0})
+        timings = {plan.mode: time.perf_counter() - t0}
+        if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
+            timings.update(self.eagle.last_timings)
+        return StepOutput(plan.step_id, tokens, timings)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -113,6 +113,8 @@ class ServeConfig(_Strict):
 class KestrelConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    # Synchronize and time each phase of a step (benchmarks); costs a sync per phase.
+    profile_steps: bool = False
     model: ModelConfig = Field(default_factory=ModelConfig)
     draft: DraftConfig = Field(default_factory=DraftConfig)
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)

@@ -53,6 +53,8 @@ class Request:
     kv_committed_len: int = 0  # tokens whose KV is valid
     kv_allocated_len: int = 0  # slots reserved in this request's row (monotonic while it lives)
     prefilled: int = 0  # tokens of `fill_ids` whose KV the current prefill has computed
+    scheduled: int = 0  # tokens of `fill_ids` already put in a plan (ahead of `prefilled`
+    # when steps are pipelined)
     fill_ids: list[int] = field(default_factory=list)  # what the current prefill covers
     cache_node: object | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (all prefills)

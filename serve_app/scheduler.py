@@ -133,16 +133,16 @@ class Scheduler:
         req.slots = torch.zeros(0, dtype=torch.int64)
         req.kv_allocated_len = 0
         req.kv_committed_len = 0
-        req.prefilled = 0
+        req.prefilled = req.scheduled = 0
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         if not self.has_work:
             return None
         self.step_id += 1
-        plan = self._schedule_extend()
-        if plan is None:
-            plan = self._schedule_decode()
+        plan = self._schedule_extend() or self._schedule_decode()
+        if plan is None and self.waiting:
+            plan = self._schedule_extend()  # decode preempted everyone: prefill them again
         return plan
 
     def _admit(self, req: Request, plan: StepPlan) -> bool:
@@ -155,7 +155,7 @@ class Scheduler:
         self.cache.lock(m.node)
         req.cache_node = m.node
         req.slots = m.slots.clone()
-        req.prefilled = m.length
+        req.prefilled = req.scheduled = m.length
         req.kv_allocated_len = m.length  # the matched pages are whole pages
         req.kv_committed_len = m.length
         req.cached_tokens += m.length
@@ -172,10 +172,11 @@ class Scheduler:
                 break
             self.prefilling.append(self.waiting.popleft())
         chosen = self._fill_chunks(plan)
-        if not chosen and self.prefilling and not self.running:
+        in_flight = any(r.scheduled > r.prefilled for r in self.prefilling)
+        if not chosen and len(self.prefilling) > 1 and not self.running and not in_flight:
             # Prefilling requests block each other's KV: keep the oldest, requeue the rest
             # (their computed KV stays in the prefix cache), and try again.
-            for req in self.prefilling[1:]:
+            for req in reversed(self.prefilling[1:]):
                 self._release_kv(req)
                 self.waiting.appendleft(req)
             del self.prefilling[1:]
@@ -192,18 +193,22 @@ class Scheduler:
         for req in self.prefilling:
             if budget <= 0:
                 break
-            chunk = min(len(req.fill_ids) - req.prefilled, budget)
-            if not self._grow_kv(req, req.prefilled + chunk, plan):
+            start = req.scheduled  # a chunk may still be in flight (pipelined steps)
+            chunk = min(len(req.fill_ids) - start, budget)
+            if chunk == 0:
+                continue
+            if not self._grow_kv(req, start + chunk, plan):
                 break  # out of KV: wait for running requests to finish (or be preempted)
             chosen.append(req)
             budget -= chunk
-            last = req.prefilled + chunk == len(req.fill_ids)
+            req.scheduled += chunk
+            last = start + chunk == len(req.fill_ids)
             plan.rows.append(req.row)
-            plan.input_ids.extend(req.fill_ids[req.prefilled:req.prefilled + chunk])
-            plan.prefix_lens.append(req.prefilled)
+            plan.input_ids.extend(req.fill_ids[start:start + chunk])
+            plan.prefix_lens.append(start)
             plan.extend_lens.append(chunk)
             plan.last_chunk.append(last)
-            plan.next_ids.append(-1 if last else req.fill_ids[req.prefilled + chunk])
+            plan.next_ids.append(-1 if last else req.fill_ids[start + chunk])
             self._add_sampling(req, plan)
         return chosen
 

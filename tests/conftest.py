@@ -10,6 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "unit" / "spec"))  # spec_helpers
 SHARED_DATA = ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"
 
 

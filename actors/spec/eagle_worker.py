@@ -15,6 +15,8 @@ Per request, with seq_len tokens in KV and the bonus token b (no KV yet):
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from actors.dp.sync import ForwardMode, draft_extend_ids
@@ -27,6 +29,23 @@ from configs.schema import KestrelConfig
 from kernels.sampling import process_logits
 from kernels.spec_tree import build_tree, expand_level, organize_draft
 from kernels.verify import greedy_verify, select_last_index, tree_sampling_verify
+
+
+class PhaseClock:
+    """Wall time per phase of a step, synchronizing the device at each mark (benchmarks only)."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.device, self.times = enabled, device, {}
+        self._t = time.perf_counter() if enabled else 0.0
+
+    def mark(self, name: str) -> None:
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.times[name] = now - self._t
+        self._t = now
 
 
 class EagleWorker:
@@ -48,6 +67,7 @@ class EagleWorker:
         self.extend_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token, scale)
         self.decode_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token, scale)
         self.runner = ModelRunner(self.head, self.extend_backend)
+        self.last_timings: dict[str, float] = {}
         self.decode_runner = ModelRunner(self.head, self.decode_backend)
 
     def _features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -85,8 +105,10 @@ class EagleWorker:
         c = w.future.resolve(rows)
         seq = c.seq_lens  # [B] int64
         table = w.req_to_token.req_to_token
+        clock = PhaseClock(self.cfg.profile_steps, w.device)
         draft_tokens, parent_node = self._draft(rows, seq, c)
         tree = build_tree(c.bonus, draft_tokens, parent_node, seq)
+        clock.mark("draft_decode")
         # -- verify
         loc = table[rows[:, None], seq[:, None] + torch.arange(N, device=dev)]  # [B, N] int64
         vfb = ForwardBatch(ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1),
@@ -94,6 +116,7 @@ class EagleWorker:
                            custom_mask=tree.tree_mask)
         hidden, aux = w.target.forward(vfb, aux_layers=self.aux_layers)
         logits = w.model.compute_logits(hidden).view(B, N, -1)  # [B, N, V] fp32
+        clock.mark("verify")
         accept_index, accept_length, predict = self._accept(plan, tree, logits)
         # -- move accepted target KV to the slots of their final positions
         j = torch.arange(S + 1, device=dev).expand(B, -1)
@@ -109,6 +132,8 @@ class EagleWorker:
         topk_p, topk_index = self.head.topk(last, K)
         bonus = predict.gather(1, (accept_length - 1)[:, None])[:, 0]
         w.future.store(rows, seq + accept_length, bonus, topk_p, topk_index, last)
+        clock.mark("accept_and_draft_extend")
+        self.last_timings = clock.times
         pl, al = predict.tolist(), accept_length.tolist()
         return [pl[b][:al[b]] for b in range(B)]
 

@@ -1,0 +1,157 @@
+"""GPU benchmark, one command on the GPU machine:
+
+    python -m benchmarks.gpu_bench [--batch-sizes 1 8 32 64] [--max-tokens 256]
+        [--backends torch_native triton] [--draft PATH|random] [--out DIR]
+
+SmolLM2-135M bf16, MT-bench first turns, greedy, ignore EOS. For each backend: plain
+eager, plain with CUDA graphs (backends that can be captured), speculative; and Hugging
+Face transformers `generate` on the same prompts in the same run as the peer. Reports
+tokens/s, per-step wall times, mean accept length and ratios as a markdown table, and
+the raw figures as JSON under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.offline import DATA, load_questions
+
+CHAIN = ["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"]
+TREE = ["draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]
+
+
+def bench_engine(cfg, tok, prompts, batch, max_tokens, workers=None):
+    from serve_app.llm_engine import LLMEngine
+    from serve_app.request import SamplingParams
+    eng = LLMEngine(cfg, tokenizer=tok, workers=workers)
+    eng.generate(prompts[:batch], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    torch.cuda.synchronize()
+    step_times: dict[str, list[float]] = {}
+    real_execute = eng.workers[0].execute
+
+    def timed(plan):
+        out = real_execute(plan)
+        for k, v in out.timings.items():
+            step_times.setdefault(k, []).append(v)
+        return out
+    eng.workers[0].execute = timed
+    t0 = time.perf_counter()
+    reqs = eng.generate(prompts[:batch], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    dt = time.perf_counter() - t0
+    eng.workers[0].execute = real_execute
+    toks = sum(len(r.output_ids) for r in reqs)
+    acc = [a for r in reqs for a in r.accept_lengths]
+    return {"tok_s": toks / dt, "seconds": dt,
+            "accept": sum(acc) / len(acc) if acc else None,
+            "step_ms": {k: 1000 * sum(v) / len(v) for k, v in step_times.items()},
+            "outputs": [r.output_ids for r in reqs]}, eng.workers
+
+
+def bench_hf(path, tok, prompts, batch, max_tokens):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.bfloat16).cuda().eval()
+    chunk = prompts[:batch]
+    L = max(len(p) for p in chunk)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([[pad] * (L - len(p)) + p for p in chunk]).cuda()
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk]).cuda()
+    kw = dict(attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+              do_sample=False, pad_token_id=pad)
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {"tok_s": (out.shape[1] - L) * len(chunk) / dt, "seconds": dt}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--backends", nargs="+", default=["torch_native", "triton"])
+    ap.add_argument("--draft", default="random")
+    ap.add_argument("--spec-shape", choices=["chain", "tree"], default="tree")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+
+    from actors.models.loader import default_model_path
+    from configs.schema import load_config
+    from serve_app.tokenizer import apply_chat_template, load_tokenizer
+    path = default_model_path()
+    tok = load_tokenizer(path)
+    n = max(args.batch_sizes)
+    qs = load_questions(Path(DATA), 80)
+    prompts = [apply_chat_template(tok, [{"role": "user", "content": qs[i % len(qs)]}]) for i in range(n)]
+    base = ["device=cuda", "model.dtype=bfloat16", "kv_cache.num_slots=200000", "profile_steps=true",
+            f"scheduler.max_running_requests={max(64, n)}", "model.max_model_len=2048"]
+    shape = TREE if args.spec_shape == "tree" else CHAIN
+    results = []
+    for backend in args.backends:
+        variants = [("plain eager", ["attention.cuda_graphs=false"])]
+        if backend != "torch_native":
+            variants.append(("plain graphs", ["attention.cuda_graphs=true"]))
+        variants.append((f"spec {args.spec_shape}", ["attention.cuda_graphs=false", "draft.enabled=true",
+                                                     f"draft.path={args.draft}", *shape]))
+        for name, ov in variants:
+            cfg = load_config(overrides=base + [f"attention.backend={backend}"] + ov)
+            workers = None
+            for b in args.batch_sizes:
+                try:
+                    r, workers = bench_engine(cfg, tok, prompts, b, args.max_tokens, workers)
+                except Exception as e:  # one broken variant must not lose the others' figures
+                    print(f"{backend} {name} batch {b}: FAILED {type(e).__name__}: {e}", file=sys.stderr)
+                    break
+                r.update(backend=backend, variant=name, batch=b)
+                results.append(r)
+                print(f"{backend:12s} {name:14s} batch {b:3d}: {r['tok_s']:8.1f} tok/s  "
+                      f"steps {r['step_ms']}  accept {r['accept']}", file=sys.stderr, flush=True)
+            del workers
+            torch.cuda.empty_cache()
+    if not args.skip_hf:
+        for b in args.batch_sizes:
+            r = bench_hf(path, tok, prompts, b, args.max_tokens)
+            r.update(backend="transformers", variant="generate", batch=b)
+            results.append(r)
+            print(f"transformers batch {b}: {r['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    # greedy agreement between variants (bf16: report, not assert)
+    ref = {r["batch"]: r["outputs"] for r in results if r.get("variant") == "plain eager"
+           and r["backend"] == args.backends[0]}
+    for r in results:
+        if "outputs" in r and r["batch"] in ref:
+            same = sum(a == b for x, y in zip(r["outputs"], ref[r["batch"]]) for a, b in zip(x, y))
+            total = sum(len(x) for x in ref[r["batch"]])
+            r["token_agreement"] = same / total if total else None
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with open(Path(args.out) / "gpu_bench.json", "w") as f:
+        json.dump([{k: v for k, v in r.items() if k != "outputs"} for r in results], f, indent=1)
+    hf = {r["batch"]: r["tok_s"] for r in results if r["backend"] == "transformers"}
+    plain = {(r["backend"], r["batch"]): r["tok_s"] for r in results if r["variant"] == "plain eager"}
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.max_tokens} new tokens, greedy\n")
+    print("| backend | variant | batch | tok/s | vs plain eager | vs transformers | accept | step ms | agree |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        pe = plain.get((r["backend"], r["batch"]))
+        print(f"| {r['backend']} | {r['variant']} | {r['batch']} | {r['tok_s']:.1f} | "
+              f"{r['tok_s'] / pe:.2f} | " if pe else f"| {r['backend']} | {r['variant']} | {r['batch']} | {r['tok_s']:.1f} | - | ",
+              end="")
+        h = hf.get(r["batch"])
+        steps = ", ".join(f"{k} {v:.2f}" for k, v in r.get("step_ms", {}).items())
+        acc = f"{r['accept']:.2f}" if r.get("accept") else "-"
+        agree = f"{r['token_agreement']:.3f}" if r.get("token_agreement") is not None else "-"
+        print(f"{r['tok_s'] / h:.2f} | " if h else "- | ", end="")
+        print(f"{acc} | {steps} | {agree} |")
+
+
+if __name__ == "__main__":
+    main()

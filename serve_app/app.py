@@ -1,0 +1,149 @@
+"""Building and running the Serve application: Ingress -> EngineDeployment (-> RankActors).
+
+- `build_app(cfg)`: the Application, with deployment options taken from the config
+  (autoscaling, the engine's placement group, request limits).
+- `app_builder(args)`: the same for Serve config files (`serve run` / `serve deploy`
+  with `import_path: serve_app.app:app_builder`), args = {config: preset, set: overrides}.
+- `run_server(cfg, host, port)`: what `kestrel serve` runs: start or join Ray, start
+  Serve's HTTP proxy, deploy, print the URL, block until Ctrl-C.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from configs.schema import AutoscalingConfig, KestrelConfig, load_config
+
+APP_NAME = "kestrel"
+
+
+def autoscaling_options(a: AutoscalingConfig) -> dict[str, Any]:
+    return {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+            # Scale-to-zero still starts with one replica, so the first request is served fast.
+            "initial_replicas": max(1, a.min_replicas),
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s}
+
+
+def resolve_device(cfg: KestrelConfig) -> str:
+    """'auto' decided once, where the app is built, so every replica and actor agrees.
+
+    The builder may run on a CPU-only head node: a cluster whose GPU nodes start at zero
+    shows no GPUs yet, so GPU presets should say `device: cuda` (configs/h200.yaml does)."""
+    if cfg.device != "auto":
+        return cfg.device
+    import ray
+    import torch
+    if torch.cuda.is_available():
+        return "cuda"
+    if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0:
+        return "cuda"
+    return "cpu"
+
+
+def engine_bundles(cfg: KestrelConfig) -> list[dict[str, float]]:
+    """Bundle 0 holds the Engine replica, bundle 1+rank the RankActor of DP rank `rank`."""
+    rank_bundle = {"GPU": 1.0} if cfg.device == "cuda" else {"CPU": 1.0}
+    return [{"CPU": 1.0}] + [dict(rank_bundle) for _ in range(cfg.parallel.dp_size)]
+
+
+def _merge_options(base: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in (extra or {}).items():
+        if key == "autoscaling_config" and isinstance(value, dict):
+            out[key] = {**out.get(key, {}), **value}
+        else:
+            out[key] = value
+    return out
+
+
+def build_app(cfg: KestrelConfig, engine_options: dict[str, Any] | None = None,
+              ingress_options: dict[str, Any] | None = None):
+    """The Serve application for `cfg`. `engine_options` / `ingress_options` are extra Serve
+    deployment options (e.g. autoscaling_config={"look_back_period_s": 5}) laid over the
+    ones derived from the config."""
+    from serve_app.engine_deployment import EngineDeployment
+    from serve_app.ingress import Ingress
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.device = resolve_device(cfg)
+    cfg_dict = cfg.model_dump(mode="json")
+    sc = cfg.scheduler
+    per_rank = sc.max_running_requests + sc.max_queued_requests
+    engine = EngineDeployment.options(**_merge_options(dict(
+        placement_group_bundles=engine_bundles(cfg),
+        placement_group_strategy="STRICT_PACK",
+        autoscaling_config=autoscaling_options(cfg.serve.engine_autoscaling),
+        # A replica takes everything it can run or queue (and answers QueueFull beyond);
+        # the small margin lets that answer come from the engine rather than Serve's router.
+        max_ongoing_requests=per_rank * cfg.parallel.dp_size + 8,
+        # Requests waiting in a caller's router for a replica (a burst being assigned, a
+        # replica starting); beyond this Serve raises BackPressureError -> 503/429. The
+        # router counts a burst's requests as queued while it assigns them, so this bound
+        # is loose: the engine's own queue limit is the one that normally answers.
+        max_queued_requests=2 * per_rank * cfg.parallel.dp_size * cfg.serve.engine_autoscaling.max_replicas,
+    ), engine_options)).bind(cfg_dict)
+    return Ingress.options(**_merge_options(dict(
+        autoscaling_config=autoscaling_options(cfg.serve.ingress_autoscaling),
+    ), ingress_options)).bind(engine, cfg_dict)
+
+
+def app_builder(args: dict[str, Any]):
+    """Serve config-file entry: args {config: path or preset name, set: [k=v, ...] or {k: v}}."""
+    args = dict(args or {})
+    preset = args.pop("config", None)
+    overrides = args.pop("set", None) or []
+    if isinstance(overrides, dict):
+        overrides = [f"{k}={v}" for k, v in overrides.items()]
+    elif isinstance(overrides, str):
+        overrides = [overrides]
+    if args:
+        raise ValueError(f"serve_app.app:app_builder: unknown args {sorted(args)} "
+                         "(allowed: config, set)")
+    return build_app(load_config(preset, [str(o) for o in overrides]))
+
+
+def _local_num_cpus(cfg: KestrelConfig) -> int:
+    """CPUs to declare for a local cluster: Ray counts logical CPUs, and a small machine
+    must still fit the ingress and a full engine placement group at max replicas."""
+    cpu_bundles = sum(b.get("CPU", 0) for b in engine_bundles(cfg))
+    need = cfg.serve.ingress_autoscaling.max_replicas + cpu_bundles * cfg.serve.engine_autoscaling.max_replicas
+    return int(max(os.cpu_count() or 1, need + 1))
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_server(cfg: KestrelConfig, host: str | None = None, port: int | None = None) -> None:
+    import ray
+    from ray import serve
+
+    host = host or cfg.serve.host
+    port = int(port or cfg.serve.port)
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()  # join the cluster RAY_ADDRESS names
+        else:
+            cfg_local = cfg.model_copy(deep=True)
+            cfg_local.device = resolve_device(cfg_local)
+            ray.init(num_cpus=_local_num_cpus(cfg_local))
+    serve.start(http_options={"host": host, "port": port})
+    app = build_app(cfg)
+    print(f"kestrel: deploying {cfg.model.name} (this loads the model)...", file=sys.stderr)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    print(f"kestrel: serving {cfg.model.name} at http://{shown}:{port}/v1 "
+          f"(OpenAI API; /health, /metrics). Ctrl-C to stop.", flush=True)
+    # SIGTERM (docker stop, systemd) shuts down as Ctrl-C does: replicas drain first.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("kestrel: shutting down (draining running requests)...", file=sys.stderr)
+    finally:
+        serve.shutdown()

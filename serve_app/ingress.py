@@ -1,0 +1,436 @@
+"""The OpenAI-compatible HTTP front end: FastAPI under @serve.ingress.
+
+`OpenAIServer` holds the logic (validate, tokenize, chat template, fan out `n`, stream
+SSE, map errors to OpenAI bodies) and talks to the Engine through a DeploymentHandle;
+`build_api` puts it behind FastAPI routes; `Ingress` is the Serve deployment around
+both. Every error a client can cause becomes a 4xx with an OpenAI error body, and no
+request, however malformed, can take the server down.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from configs.schema import KestrelConfig
+from serve_app.engine_deployment import EngineError, EngineUnavailable, QueueFull, RequestRejected
+from serve_app.errors import KestrelAPIError, error_body, validation_error_body
+from serve_app.metrics import RequestTracker, ServerMetrics
+from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionChunk,
+                                       ChatCompletionMessage, ChatCompletionRequest,
+                                       ChatCompletionResponse, ChatCompletionStreamChoice,
+                                       CompletionChoice, CompletionChunk, CompletionRequest,
+                                       CompletionResponse, CompletionStreamChoice, DeltaMessage,
+                                       ModelCard, ModelList, UsageInfo, make_id, sse_event)
+from serve_app.request import RequestOutput
+
+log = logging.getLogger("kestrel.ingress")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024  # larger bodies get 413 before being parsed
+HEALTH_TIMEOUT_S = 10.0
+STATS_TIMEOUT_S = 2.0
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_END = object()
+
+
+class _Choice:
+    """One generation of a request: what to run, and what came back."""
+
+    __slots__ = ("index", "prompt_ids", "params", "rid", "text", "finish_reason", "tokens",
+                 "tracker")
+
+    def __init__(self, index: int, prompt_ids: list[int], params: dict[str, Any], rid: str,
+                 tracker: RequestTracker):
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.rid = rid
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.tokens = 0
+        self.tracker = tracker
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.new_text)
+        self.tokens = out.num_output_tokens
+        self.tracker.on_tokens(len(out.new_token_ids), out.accept_lengths)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.tracker.finish(out.finish_reason, len(self.prompt_ids))
+
+
+class OpenAIServer:
+    def __init__(self, cfg: KestrelConfig, engine: Any, tokenizer: Any):
+        self.cfg = cfg
+        self.engine = engine  # DeploymentHandle of EngineDeployment (or a test double)
+        self.tokenizer = tokenizer
+        self.model_name = cfg.model.name
+        self.max_model_len = cfg.model.max_model_len
+        self.vocab_size = len(tokenizer)
+        self.api_keys = [k.encode() for k in cfg.serve.api_keys]
+        self.metrics = ServerMetrics(self.model_name)
+
+    # ---- request checks --------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise KestrelAPIError.unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
+        # compare_digest against every key: the time taken says nothing about a key.
+        ok = False
+        for k in self.api_keys:
+            ok |= hmac.compare_digest(key.strip().encode(), k)
+        if not ok:
+            raise KestrelAPIError.unauthorized("Invalid API key")
+
+    async def parse(self, request: Request, model: type) -> Any:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise KestrelAPIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise KestrelAPIError.bad_request("The request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise KestrelAPIError.bad_request("The request body must be a JSON object")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            status, err = validation_error_body(e)
+            raise KestrelAPIError(status, err["error"]["message"], param=err["error"]["param"]) from None
+        if body.model is not None and body.model != self.model_name:
+            raise KestrelAPIError.model_not_found(body.model)
+        return body
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise KestrelAPIError.bad_request("The prompt is empty", param=param)
+        limit = self.max_model_len - 1
+        if len(ids) > limit:
+            raise KestrelAPIError.bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {len(ids)} tokens (at most {limit} leave room for one generated token)",
+                param=param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise KestrelAPIError.bad_request(
+                f"Token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
+
+    def make_choices(self, body: Any, prompts: list[list[int]], request_id: str) -> list[_Choice]:
+        """n choices per prompt, indexed prompt-major as OpenAI does; seeded requests get
+        seed, seed+1, ... so the n samples differ but stay reproducible."""
+        choices = []
+        for p, ids in enumerate(prompts):
+            params = body.to_sampling_params(self.max_model_len - len(ids))
+            n = params.pop("n")
+            for i in range(n):
+                sp = dict(params)
+                index = p * n + i
+                if sp["seed"] is not None:
+                    sp["seed"] = sp["seed"] + i
+                choices.append(_Choice(index, ids, sp, f"{request_id}-{index}",
+                                       self.metrics.tracker()))
+        return choices
+
+    def api_error(self, exc: BaseException) -> KestrelAPIError:
+        """Any failure on the way to the engine as the error a client should see."""
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+        if isinstance(exc, KestrelAPIError):
+            return exc
+        cause = getattr(exc, "cause", None) or exc  # Serve wraps replica errors in RayTaskError
+        if isinstance(cause, QueueFull) or isinstance(exc, BackPressureError):
+            return KestrelAPIError.overloaded(self.cfg.serve.queue_full_status,
+                                              self.cfg.serve.retry_after_s)
+        if isinstance(cause, RequestRejected):
+            return KestrelAPIError.bad_request(cause.message)
+        if isinstance(cause, EngineUnavailable) or isinstance(exc, DeploymentUnavailableError):
+            return KestrelAPIError(503, getattr(cause, "message", None) or "The engine is unavailable",
+                                   headers={"Retry-After": str(self.cfg.serve.retry_after_s)})
+        if isinstance(cause, EngineError):
+            return KestrelAPIError.internal(cause.message)
+        log.error("request failed: %r", exc, exc_info=exc)
+        return KestrelAPIError.internal()
+
+    # ---- talking to the engine ---------------------------------------------------------
+    async def start(self, choices: list[_Choice]) -> list[Any]:
+        """Submit every choice and wait for the engine's acknowledgements, so admission
+        errors (queue full, bad params) are answered with a status, not mid-stream."""
+        gens: list[Any] = []
+        try:
+            handle = self.engine.options(stream=True)
+            for c in choices:
+                gens.append(handle.generate.remote(c.prompt_ids, c.params, c.rid))
+            acks = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
+        except BaseException as e:
+            for g in gens:
+                g.cancel()
+            if isinstance(e, Exception):  # e.g. BackPressureError raised by the router
+                raise self.api_error(e) from None
+            raise
+        err = next((a for a in acks if isinstance(a, BaseException)), None)
+        if err is not None:
+            for g in gens:
+                g.cancel()
+            raise self.api_error(err)
+        return gens
+
+    async def outputs(self, gens: list[Any]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(position in gens, output) from all streams as they arrive. Leaving early (client
+        gone, error) cancels the unfinished streams, which aborts them in the engine."""
+        finished = [False] * len(gens)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen: Any) -> None:
+            try:
+                async for out in gen:
+                    await queue.put((i, out))
+                await queue.put((i, _END))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, e))
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            remaining = len(gens)
+            while remaining:
+                i, item = await queue.get()
+                if item is _END:
+                    finished[i] = True
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    finished[i] = True
+                    raise self.api_error(item)
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for g, done in zip(gens, finished):
+                if not done:
+                    g.cancel()
+
+    # ---- endpoints --------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        self.check_auth(request)
+        body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
+        from serve_app.tokenizer import apply_chat_template
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            ids = apply_chat_template(self.tokenizer, messages)
+        except Exception as e:  # a template may reject a conversation (e.g. role order)
+            raise KestrelAPIError.bad_request(f"The chat template rejected the messages: {e}",
+                                              param="messages") from None
+        self.check_prompt(ids, "messages")
+        request_id = make_id("chatcmpl")
+        choices = self.make_choices(body, [ids], request_id)
+        gens = await self.start(choices)
+        usage_prompt = len(ids)
+        if body.stream:
+            return self.sse(self.chat_stream(body, request_id, choices, gens, usage_prompt))
+        await self.collect(choices, gens)
+        return JSONResponse(ChatCompletionResponse(
+            id=request_id, model=self.model_name,
+            choices=[ChatCompletionChoice(index=c.index, message=ChatCompletionMessage(content="".join(c.text)),
+                                          finish_reason=c.finish_reason) for c in choices],
+            usage=UsageInfo.of(usage_prompt, sum(c.tokens for c in choices))).model_dump())
+
+    async def completions(self, request: Request) -> Response:
+        self.check_auth(request)
+        body: CompletionRequest = await self.parse(request, CompletionRequest)
+        prompts: list[list[int]] = []
+        for i, p in enumerate(body.prompts()):
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            self.check_prompt(ids, "prompt" if len(body.prompts()) == 1 else f"prompt.{i}")
+            prompts.append(ids)
+        request_id = make_id("cmpl")
+        choices = self.make_choices(body, prompts, request_id)
+        gens = await self.start(choices)
+        usage_prompt = sum(len(p) for p in prompts)
+        if body.stream:
+            return self.sse(self.completion_stream(body, request_id, choices, gens, usage_prompt))
+        await self.collect(choices, gens)
+        return JSONResponse(CompletionResponse(
+            id=request_id, model=self.model_name,
+            choices=[CompletionChoice(index=c.index, text="".join(c.text), finish_reason=c.finish_reason)
+                     for c in choices],
+            usage=UsageInfo.of(usage_prompt, sum(c.tokens for c in choices))).model_dump())
+
+    async def collect(self, choices: list[_Choice], gens: list[Any]) -> None:
+        async for i, out in self.outputs(gens):
+            choices[i].add(out)
+
+    @staticmethod
+    def sse(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    async def _stream(self, choices: list[_Choice], gens: list[Any], usage_prompt: int,
+                      include_usage: bool, first, delta, usage_chunk) -> AsyncIterator[str]:
+        """Shared SSE loop; `first(c)`, `delta(c, out)`, `usage_chunk(usage)` make chunks."""
+        try:
+            for c in choices:
+                chunk = first(c)
+                if chunk is not None:
+                    yield chunk.to_sse()
+            async for i, out in self.outputs(gens):
+                c = choices[i]
+                c.add(out)
+                if out.new_text or out.finished:
+                    yield delta(c, out).to_sse()
+            if include_usage:
+                yield usage_chunk(UsageInfo.of(usage_prompt, sum(c.tokens for c in choices))).to_sse()
+            yield SSE_DONE
+        except KestrelAPIError as e:  # the status line is gone: report in-band, as OpenAI does
+            yield sse_event(e.body())
+            yield SSE_DONE
+
+    def chat_stream(self, body, request_id, choices, gens, usage_prompt) -> AsyncIterator[str]:
+        def chunk(choice_list, usage=None):
+            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choice_list,
+                                       usage=usage)
+
+        return self._stream(
+            choices, gens, usage_prompt, body.include_usage_in_stream,
+            first=lambda c: chunk([ChatCompletionStreamChoice(
+                index=c.index, delta=DeltaMessage(role="assistant", content=""))]),
+            delta=lambda c, out: chunk([ChatCompletionStreamChoice(
+                index=c.index, delta=DeltaMessage(content=out.new_text or None),
+                finish_reason=out.finish_reason if out.finished else None)]),
+            usage_chunk=lambda usage: chunk([], usage))
+
+    def completion_stream(self, body, request_id, choices, gens, usage_prompt) -> AsyncIterator[str]:
+        def chunk(choice_list, usage=None):
+            return CompletionChunk(id=request_id, model=self.model_name, choices=choice_list,
+                                   usage=usage)
+
+        return self._stream(
+            choices, gens, usage_prompt, body.include_usage_in_stream,
+            first=lambda c: None,
+            delta=lambda c, out: chunk([CompletionStreamChoice(
+                index=c.index, text=out.new_text,
+                finish_reason=out.finish_reason if out.finished else None)]),
+            usage_chunk=lambda usage: chunk([], usage))
+
+    def models(self, request: Request) -> Response:
+        self.check_auth(request)
+        card = ModelCard(id=self.model_name, max_model_len=self.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.engine.check_health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
+            log.warning("health check failed: %r", e)
+            return JSONResponse(error_body(503, "The engine is not healthy"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self) -> Response:
+        try:
+            stats = await asyncio.wait_for(self.engine.stats.remote(), STATS_TIMEOUT_S)
+            self.metrics.update_engine(stats)
+        except Exception as e:  # noqa: BLE001 - still serve the request metrics
+            log.warning("could not fetch engine stats: %r", e)
+        data, content_type = self.metrics.render()
+        return Response(data, media_type=content_type)
+
+
+class _RequestCounter:
+    """Pure ASGI middleware counting responses by endpoint and status (a BaseHTTPMiddleware
+    would buffer streams and hide client disconnects from the handlers)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            # 499: the client went away before a status was sent (nginx's convention).
+            self.metrics.request_done(path if path in _ENDPOINTS else "other", status or 499)
+
+
+def build_api(server: OpenAIServer) -> FastAPI:
+    app = FastAPI(title="Kestrel", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_RequestCounter, metrics=server.metrics)
+
+    @app.exception_handler(KestrelAPIError)
+    async def _api_error(_: Request, e: KestrelAPIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        return JSONResponse(error_body(400, f"Invalid request: {e.errors()}"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        err = server.api_error(e)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await server.chat(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.completions(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return server.models(request)
+
+    @app.get("/health")
+    async def health():
+        return await server.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return await server.metrics_text()
+
+    return app
+
+
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=1024)
+@serve.ingress()
+class Ingress:
+    """Serve deployment wrapping OpenAIServer; `engine` is the EngineDeployment handle."""
+
+    def __init__(self, engine, cfg: dict[str, Any]):
+        from actors.models.loader import default_model_path
+        from serve_app.tokenizer import load_tokenizer
+        logging.basicConfig(level=logging.INFO)
+        cfg_obj = KestrelConfig.model_validate(cfg)
+        tok = load_tokenizer(cfg_obj.model.path or default_model_path())
+        self.server = OpenAIServer(cfg_obj, engine, tok)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self.server)
+

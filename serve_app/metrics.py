@@ -1,0 +1,156 @@
+"""Prometheus metrics: request-level ones in the ingress, engine gauges in both places.
+
+Two routes out, because a Serve app has many processes:
+- `ServerMetrics` (prometheus_client, a private registry) lives in each Ingress replica
+  and is what GET /metrics returns: requests by status, TTFT, inter-token and end-to-end
+  latency, token counts, speculative accept lengths (all as this ingress replica saw
+  them), plus the engine gauges it last fetched from the Engine (labelled by replica).
+- `EngineGauges` (ray.serve.metrics, tagged with deployment and replica by Serve) is set
+  by each Engine replica and exported through Ray's own metrics endpoint on every node:
+  the cluster-wide view when there are many replicas.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, disable_created_metrics, generate_latest)
+
+# The `*_created` timestamp series double the output and no dashboard uses them.
+disable_created_metrics()
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))
+# Engine replicas not heard from for this long are dropped from the gauges (scaled down).
+_STALE_AFTER_S = 120.0
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.model = model_name
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        m = ["model"]
+        self.requests = Counter("kestrel_requests", "Finished HTTP requests by endpoint and status",
+                                m + ["endpoint", "status"], registry=r)
+        self.finish_reasons = Counter("kestrel_request_finish", "Finished choices by reason",
+                                      m + ["reason"], registry=r)
+        self.ttft = Histogram("kestrel_time_to_first_token_seconds",
+                              "Arrival to first generated token", m, buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("kestrel_inter_token_latency_seconds",
+                             "Time between generated tokens, as streamed", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kestrel_e2e_request_latency_seconds", "Arrival to last token", m,
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kestrel_prompt_tokens", "Prompt tokens of accepted requests",
+                                     m, registry=r)
+        self.generation_tokens = Counter("kestrel_generation_tokens", "Generated tokens", m,
+                                         registry=r)
+        self.accept_length = Histogram("kestrel_spec_accept_length",
+                                       "Tokens emitted per speculative decode step "
+                                       "(accepted drafts + bonus)", m, buckets=_ACCEPT_BUCKETS,
+                                       registry=r)
+        self.running = Gauge("kestrel_num_requests_running", "Requests decoding or prefilling",
+                             m + ["replica"], registry=r)
+        self.waiting = Gauge("kestrel_num_requests_waiting", "Requests queued for admission",
+                             m + ["replica"], registry=r)
+        self.kv_usage = Gauge("kestrel_kv_cache_usage_ratio",
+                              "Fraction of KV slots in use (prefix cache counted as free)",
+                              m + ["replica", "rank"], registry=r)
+        self._seen: dict[str, tuple[float, list[str]]] = {}  # replica -> (time, ranks)
+
+    # ---- per request -----------------------------------------------------------------
+    def request_done(self, endpoint: str, status: int) -> None:
+        self.requests.labels(self.model, endpoint, str(status)).inc()
+
+    def tracker(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+    # ---- engine gauges ---------------------------------------------------------------
+    def update_engine(self, stats: dict[str, Any]) -> None:
+        """Record one Engine replica's `stats()`; forget replicas silent for too long."""
+        now = time.monotonic()
+        rep = str(stats.get("replica", "engine"))
+        self.running.labels(self.model, rep).set(stats.get("running", 0))
+        self.waiting.labels(self.model, rep).set(stats.get("waiting", 0))
+        ranks = []
+        for kv in stats.get("kv", []):
+            cap = max(1, kv["capacity"])
+            rank = str(kv["rank"])
+            ranks.append(rank)
+            self.kv_usage.labels(self.model, rep, rank).set(1.0 - kv["free"] / cap)
+        self._seen[rep] = (now, ranks)
+        for old, (t, old_ranks) in list(self._seen.items()):
+            if now - t > _STALE_AFTER_S:
+                for g in (self.running, self.waiting):
+                    g.remove(self.model, old)
+                for rank in old_ranks:
+                    self.kv_usage.remove(self.model, old, rank)
+                del self._seen[old]
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTracker:
+    """Timing of one generation (one choice) as the ingress streams it."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+        self.arrival = time.monotonic()
+        self.last: float | None = None
+        self.tokens = 0
+
+    def on_tokens(self, n: int, accept_lengths: list[int] | None = None) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        model = self.m.model
+        if self.last is None:
+            self.m.ttft.labels(model).observe(now - self.arrival)
+            # Tokens that came together with the first one have no gap of their own.
+            n_gaps, gap = n - 1, 0.0
+        else:
+            n_gaps, gap = n, (now - self.last) / n
+        itl = self.m.itl.labels(model)
+        for _ in range(n_gaps):
+            itl.observe(gap)
+        self.last = now
+        self.tokens += n
+        self.m.generation_tokens.labels(model).inc(n)
+        for a in accept_lengths or ():
+            self.m.accept_length.labels(model).observe(a)
+
+    def finish(self, reason: str | None, prompt_tokens: int) -> None:
+        model = self.m.model
+        self.m.e2e.labels(model).observe(time.monotonic() - self.arrival)
+        self.m.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.m.finish_reasons.labels(model, reason or "unknown").inc()
+
+
+class EngineGauges:
+    """Engine-side gauges through Ray's metrics pipeline (Serve adds deployment/replica tags)."""
+
+    def __init__(self, model_name: str):
+        from ray.serve import metrics as sm
+        tags = {"model": model_name}
+        self.running = sm.Gauge("kestrel_engine_requests_running",
+                                description="Requests decoding or prefilling in this replica",
+                                tag_keys=("model",))
+        self.waiting = sm.Gauge("kestrel_engine_requests_waiting",
+                                description="Requests queued for admission in this replica",
+                                tag_keys=("model",))
+        self.kv_usage = sm.Gauge("kestrel_engine_kv_cache_usage_ratio",
+                                 description="Fraction of KV slots in use per DP rank",
+                                 tag_keys=("model", "rank"))
+        for g in (self.running, self.waiting, self.kv_usage):
+            g.set_default_tags(dict(tags))  # Serve adds its own tags into the dict given
+
+    def update(self, stats: dict[str, Any]) -> None:
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        for kv in stats["kv"]:
+            self.kv_usage.set(1.0 - kv["free"] / max(1, kv["capacity"]), tags={"rank": str(kv["rank"])})

@@ -1,0 +1,108 @@
+"""One Ray cluster and one Kestrel Serve app for the whole integration session.
+
+Starting Ray, Serve and an engine replica (model load included) takes tens of seconds on
+a small CPU machine, so every test shares this server; tests that need other settings
+say so in their own fixtures. Ray is given more logical CPUs than the machine has: the
+engine's placement group wants one CPU per bundle, and oversubscribing a CPU is fine.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SERVER_OVERRIDES = [
+    "device=cpu",
+    "model.dtype=float32",  # token-for-token comparisons need fp32 (DESIGN.md section 10)
+    "kv_cache.num_slots=4096",
+    "scheduler.max_running_requests=16",
+    # Small, so a burst of a few dozen requests overflows the queue (test_backpressure).
+    "scheduler.max_queued_requests=4",
+    "serve.stream_interval_ms=0",
+]
+APP_NAME = "kestrel"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pytest_configure(config):
+    # Ray Serve's own pydantic models warn on import; not ours to fix.
+    config.addinivalue_line("filterwarnings", "ignore::pydantic.PydanticDeprecatedSince20")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base_url: str  # http://127.0.0.1:PORT
+    cfg: Any  # KestrelConfig
+    app_name: str
+    overrides: list[str]
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def engine(self):
+        from ray import serve
+        return serve.get_deployment_handle("EngineDeployment", app_name=self.app_name)
+
+    def kv_stats(self) -> list[dict]:
+        return self.engine().kv_stats.remote().result(timeout_s=30)
+
+    def num_running(self) -> int:
+        return self.engine().num_running.remote().result(timeout_s=30)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the engine holds no request (earlier tests' streams may still finish)."""
+        deadline = time.monotonic() + timeout
+        while self.num_running() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert self.num_running() == 0, "the engine still has requests"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray import serve
+    # Autoscaling metrics every second rather than every 10 s, so the autoscaling test
+    # sees decisions in seconds. Set before ray.init: every Ray process inherits them.
+    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+    os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+    # Logical CPUs: this app (ingress 1 + engine bundles 2) and the autoscaling test's
+    # second app (up to 2 more engines) fit, on a 2-core machine too.
+    ray.init(num_cpus=10, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(ray_cluster) -> Server:
+    from ray import serve
+
+    from configs.schema import load_config
+    from serve_app.app import build_app
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = load_config(overrides=SERVER_OVERRIDES)
+    t0 = time.monotonic()
+    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")
+    print(f"\nkestrel server up in {time.monotonic() - t0:.1f}s on port {port}")
+    return Server(f"http://127.0.0.1:{port}", cfg, APP_NAME, list(SERVER_OVERRIDES))
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+    with OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c

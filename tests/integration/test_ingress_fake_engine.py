@@ -1,0 +1,176 @@
+"""The ingress's HTTP behaviour with a scripted engine in place of the Serve handle: API
+keys, queue-full statuses, error mapping, mid-stream failures. In-process (ASGI), fast."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from configs.schema import load_config
+from serve_app.engine_deployment import EngineUnavailable, QueueFull, RequestRejected
+from serve_app.ingress import OpenAIServer, build_api
+from serve_app.request import RequestOutput
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeStream:
+    """Stands in for a DeploymentResponseGenerator."""
+
+    def __init__(self, items):
+        self.items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeEngine:
+    def __init__(self, script):
+        self.script = script  # (prompt_ids, params, rid) -> list of outputs / exceptions
+        self.streams: list[FakeStream] = []
+        self.generate = _Remote(self._generate)
+        self.check_health = _Remote(self._ok)
+        self.stats = _Remote(self._stats)
+
+    def options(self, **_):
+        return self
+
+    def _generate(self, ids, params, rid):
+        s = FakeStream(self.script(ids, params, rid))
+        self.streams.append(s)
+        return s
+
+    async def _ok(self):
+        return None
+
+    async def _stats(self):
+        return {"replica": "fake", "running": 0, "waiting": 0, "kv": [{"rank": 0, "free": 10, "capacity": 10}]}
+
+
+def ack(rid, n_prompt=3):
+    return RequestOutput(rid, [], "", False, None, n_prompt, 0)
+
+
+def tokens(rid, text, n, finished=False, reason=None):
+    return RequestOutput(rid, list(range(n)), text, finished, reason, 3, n)
+
+
+def echo_script(ids, params, rid):
+    return [ack(rid, len(ids)), tokens(rid, "Hello", 1), tokens(rid, " world", 2, True, "length")]
+
+
+def make_client(script=echo_script, *overrides):
+    cfg = load_config(overrides=["device=cpu", *overrides])
+    return cfg, FakeEngine(script)
+
+
+async def _request(tokenizer, cfg, engine, method, path, **kw):
+    app = build_api(OpenAIServer(cfg, engine, tokenizer))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        return await c.request(method, path, **kw)
+
+
+def call(tokenizer, cfg, engine, method, path, **kw) -> httpx.Response:
+    return asyncio.run(_request(tokenizer, cfg, engine, method, path, **kw))
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def test_api_keys(tokenizer):
+    cfg, engine = make_client(echo_script, "serve.api_keys=[k1, k2]")
+    r = call(tokenizer, cfg, engine, "POST", "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = call(tokenizer, cfg, engine, "POST", "/v1/chat/completions", json=CHAT,
+             headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+    r = call(tokenizer, cfg, engine, "GET", "/v1/models")
+    assert r.status_code == 401
+    r = call(tokenizer, cfg, engine, "POST", "/v1/chat/completions", json=CHAT,
+             headers={"Authorization": "Bearer k2"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world"
+    # Probes stay open: load balancers and Prometheus carry no key.
+    assert call(tokenizer, cfg, engine, "GET", "/health").status_code == 200
+    assert call(tokenizer, cfg, engine, "GET", "/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("status", [503, 429])
+def test_queue_full_status_and_retry_after(tokenizer, status):
+    import ray.exceptions
+
+    def full(ids, params, rid):
+        # As Serve delivers it: a RayTaskError that is also a QueueFull.
+        err = ray.exceptions.RayTaskError("generate", "Traceback: ...", QueueFull("queue is full"))
+        return [err.as_instanceof_cause()]
+
+    cfg, engine = make_client(full, f"serve.queue_full_status={status}", "serve.retry_after_s=7")
+    r = call(tokenizer, cfg, engine, "POST", "/v1/completions", json={"prompt": "x", "n": 3})
+    assert r.status_code == status
+    assert r.headers["retry-after"] == "7"
+    assert r.json()["error"]["type"] in ("overloaded_error", "rate_limit_error")
+    assert all(s.cancelled for s in engine.streams)  # the other choices were withdrawn
+
+
+def test_engine_rejection_is_400_and_unavailable_is_503(tokenizer):
+    cfg, engine = make_client(lambda *a: [RequestRejected("temperature must be within [0, 2]")])
+    r = call(tokenizer, cfg, engine, "POST", "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+    cfg, engine = make_client(lambda *a: [EngineUnavailable("shutting down")])
+    r = call(tokenizer, cfg, engine, "POST", "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["message"] == "shutting down"
+    cfg, engine = make_client(lambda *a: [RuntimeError("boom")])
+    r = call(tokenizer, cfg, engine, "POST", "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+
+
+def test_mid_stream_failure_is_reported_in_band(tokenizer):
+    def dies(ids, params, rid):
+        return [ack(rid), tokens(rid, "Hel", 1), EngineUnavailable("engine rank 0 failed")]
+
+    cfg, engine = make_client(dies)
+    r = call(tokenizer, cfg, engine, "POST", "/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200
+    events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "engine rank 0 failed"
+    assert json.loads(events[1])["choices"][0]["delta"]["content"] == "Hel"
+
+
+def test_fan_out_seeds_and_indices(tokenizer):
+    seen = []
+
+    def record(ids, params, rid):
+        seen.append((rid, params["seed"]))
+        return echo_script(ids, params, rid)
+
+    cfg, engine = make_client(record)
+    r = call(tokenizer, cfg, engine, "POST", "/v1/completions",
+             json={"prompt": ["a", "b"], "n": 2, "seed": 10, "temperature": 0.8})
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert sorted(s for _, s in seen) == [10, 10, 11, 11]  # per prompt: seed, seed+1
+    assert len({rid for rid, _ in seen}) == 4
+    assert body["usage"]["completion_tokens"] == 8

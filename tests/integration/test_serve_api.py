@@ -1,0 +1,321 @@
+"""The Serve app end to end: real Ray + Serve on CPU, real SmolLM2 (fp32), real HTTP and
+the official `openai` client. All tests share the session server of conftest.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"
+GREEDY = {"temperature": 0.0}
+IGNORE_EOS = {"ignore_eos": True}  # extension field: fixed lengths make counts exact
+
+
+def mt_bench(n: int) -> list[str]:
+    path = ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows[:n]]
+
+
+def assert_error_body(r: httpx.Response, status: int | tuple[int, ...]) -> dict:
+    statuses = status if isinstance(status, tuple) else (status,)
+    assert r.status_code in statuses, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    return err
+
+
+# ---------------------------------------------------------------------------- basics
+
+
+def test_models_health_metrics(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    r = httpx.get(server.base_url + "/health", timeout=30)
+    assert r.status_code == 200
+    r = httpx.get(server.base_url + "/metrics", timeout=30)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    assert "kestrel_kv_cache_usage_ratio" in r.text
+    assert "kestrel_num_requests_running" in r.text
+
+
+def test_chat_usage_and_stream_equals_non_stream(client, tokenizer):
+    from serve_app.tokenizer import apply_chat_template
+    messages = [{"role": "user", "content": "Name three colours."}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                          extra_body=IGNORE_EOS, **GREEDY)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.role == "assistant" and choice.message.content
+    assert resp.usage.prompt_tokens == len(apply_chat_template(tokenizer, messages))
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 12
+    assert resp.id.startswith("chatcmpl-") and resp.model == MODEL
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body=IGNORE_EOS, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == choice.message.content
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == resp.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_usage_and_stream_equals_non_stream(client, tokenizer):
+    prompt = "The three primary colours are"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,
+                                     extra_body=IGNORE_EOS, **GREEDY)
+    assert resp.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert resp.usage.completion_tokens == 10
+    assert resp.choices[0].finish_reason == "length"
+    text = resp.choices[0].text
+    assert text
+
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, stream=True,
+                                       extra_body=IGNORE_EOS, **GREEDY)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+
+    # A token-id prompt is the same request.
+    resp_ids = client.completions.create(model=MODEL, prompt=tokenizer.encode(prompt),
+                                         max_tokens=10, extra_body=IGNORE_EOS, **GREEDY)
+    assert resp_ids.choices[0].text == text
+
+
+def test_stop_strings(client):
+    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                          extra_body=IGNORE_EOS, **GREEDY).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 6, full
+    stop = words[3]
+    expected = full[:full.index(stop)]
+
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                          stop=[stop, "never-appears"], **GREEDY)
+    assert resp.choices[0].message.content == expected
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens < 24
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                            stop=stop, stream=True, **GREEDY)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_choices_seeded(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, n=3, temperature=1.0,
+              seed=1234, extra_body=IGNORE_EOS)
+    a = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert a.usage.completion_tokens == 24
+    b = client.completions.create(**kw)
+    texts_a = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    texts_b = [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+    assert texts_a == texts_b  # seeded: reproducible
+    assert len(set(texts_a)) > 1  # seed, seed+1, seed+2: the samples differ
+
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = {i: "" for i in range(3)}
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+    assert [streamed[i] for i in range(3)] == texts_a
+
+
+# ---------------------------------------------------------------------------- exactness
+
+
+def test_concurrent_streams_equal_in_process_engine(server, tokenizer, fp32_worker):
+    """12 concurrent streamed greedy chats through HTTP produce exactly what the in-process
+    LLMEngine produces for the same prompts (same tokenizer, template and detokenizer)."""
+    from serve_app.llm_engine import LLMEngine
+    from serve_app.request import SamplingParams
+    from serve_app.tokenizer import apply_chat_template
+    server.wait_idle()
+    questions = mt_bench(12)
+    max_tokens = 24
+
+    async def one(client, q):
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=max_tokens,
+            stream=True, stream_options={"include_usage": True}, **GREEDY)
+        text, usage, finish = "", None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+                finish = ch.finish_reason or finish
+        return text, usage.completion_tokens, finish
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=180)
+        async with client:
+            return await asyncio.gather(*(one(client, q) for q in questions))
+
+    t0 = time.monotonic()
+    served = asyncio.run(run_all())
+    elapsed = time.monotonic() - t0
+
+    engine = LLMEngine(server.cfg, tokenizer=tokenizer, workers=[fp32_worker])
+    prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    expected = [(r.text, len(r.output_ids), r.finish_reason) for r in reqs]
+    mismatches = [i for i, (s, e) in enumerate(zip(served, expected)) if s != e]
+    assert not mismatches, [(served[i], expected[i]) for i in mismatches]
+    print(f"12 concurrent streams in {elapsed:.1f}s")
+
+
+# ---------------------------------------------------------------------------- robustness
+
+
+def test_client_disconnect_frees_kv(server):
+    server.wait_idle()
+    baseline = server.kv_stats()
+    body = {"model": MODEL, "prompt": "Tell me a very long story about a lighthouse.",
+            "max_tokens": 400, "stream": True, "ignore_eos": True, **GREEDY}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.v1 + "/completions", json=body) as r:
+            assert r.status_code == 200
+            # Keep a reference to the iterator: a dropped httpx iterator closes the
+            # connection, which would be the disconnect already.
+            lines = r.iter_lines()
+            seen = 0
+            for line in lines:
+                seen += line.startswith("data: {")
+                if seen >= 3:
+                    break
+            assert server.num_running() == 1
+            held = server.kv_stats()
+            assert held[0]["free"] < baseline[0]["free"]
+        # Leaving the block closes the connection mid-stream.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if server.num_running() == 0 and server.kv_stats() == baseline:
+            break
+        time.sleep(0.1)
+    assert server.num_running() == 0
+    assert server.kv_stats() == baseline
+    print(f"KV back to baseline {10 - (deadline - time.monotonic()):.2f}s after the disconnect")
+
+
+BAD_REQUESTS = [
+    # (name, path, body (dict -> JSON, bytes -> raw), status, param)
+    ("missing messages", "/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("missing prompt", "/completions", {"model": MODEL, "max_tokens": 4}, 400, "prompt"),
+    ("messages wrong type", "/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("max_tokens wrong type", "/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("max_tokens -1", "/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("temperature 10", "/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "temperature": 10}, 400, "temperature"),
+    ("top_p 0", "/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("n too large", "/completions", {"prompt": "x", "n": 1000}, 400, "n"),
+    ("bad role", "/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ("unknown model", "/chat/completions",
+     {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("1 MB of garbage", "/chat/completions", b"\x00\xffgarbage{" * (1 << 17), 400, None),
+    ("not an object", "/completions", b"[1, 2, 3]", 400, None),
+    ("empty body", "/completions", b"", 400, None),
+    ("prompt too long", "/completions", {"prompt": [1] * 3000, "max_tokens": 1}, 400, "prompt"),
+    ("token id outside vocab", "/completions", {"prompt": [10 ** 9], "max_tokens": 1}, 400, "prompt"),
+    ("logprobs", "/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client):
+    with httpx.Client(base_url=server.v1, timeout=60) as http:
+        for name, path, body, status, param in BAD_REQUESTS:
+            if isinstance(body, bytes):
+                r = http.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = http.post(path, json=body)
+            err = assert_error_body(r, status)
+            if param is not None:
+                assert err["param"] == param, (name, err)
+        assert_error_body(http.get("/no/such/route"), 404)
+        assert_error_body(http.get("/chat/completions"), 405)
+        r = http.post("/completions", json={"prompt": "1 MB prompt " * 90000, "max_tokens": 1})
+        assert_error_body(r, 400)
+
+    # The official client sees the matching exception classes.
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    # And it still serves.
+    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, **GREEDY)
+    assert resp.choices[0].text
+    assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+
+
+def test_backpressure_burst_gets_503_and_accepted_requests_finish(server):
+    """max_queued_requests=4 and max_running_requests=16: a burst of 40 fills the replica;
+    the overflow is answered 503 (OpenAI body, Retry-After) and the rest complete."""
+    server.wait_idle()
+    n, max_tokens = 40, 32
+
+    async def burst():
+        limits = httpx.Limits(max_connections=n)
+        async with httpx.AsyncClient(base_url=server.v1, timeout=180, limits=limits) as http:
+            return await asyncio.gather(*(
+                http.post("/completions", json={"model": MODEL, "prompt": f"Count to {i}:",
+                                                "max_tokens": max_tokens, "ignore_eos": True,
+                                                **GREEDY})
+                for i in range(n)))
+
+    t0 = time.monotonic()
+    responses = asyncio.run(burst())
+    elapsed = time.monotonic() - t0
+    ok = [r for r in responses if r.status_code == 200]
+    rejected = [r for r in responses if r.status_code != 200]
+    for r in rejected:
+        err = assert_error_body(r, 503)
+        assert err["type"] == "overloaded_error"
+        assert r.headers.get("retry-after") == str(server.cfg.serve.retry_after_s)
+    for r in ok:
+        assert r.json()["usage"]["completion_tokens"] == max_tokens
+    assert rejected, "the burst never overflowed the queue"
+    assert len(ok) >= server.cfg.scheduler.max_running_requests
+    print(f"burst of {n}: {len(ok)} served, {len(rejected)} rejected in {elapsed:.1f}s")
+    server.wait_idle()
+    r = httpx.post(server.v1 + "/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_metrics_after_traffic(server):
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    for name in ("kestrel_requests_total", "kestrel_time_to_first_token_seconds_count",
+                 "kestrel_inter_token_latency_seconds_count", "kestrel_e2e_request_latency_seconds_count",
+                 "kestrel_generation_tokens_total", "kestrel_prompt_tokens_total",
+                 "kestrel_num_requests_waiting", "kestrel_kv_cache_usage_ratio"):
+        assert name in text, name
+    assert 'endpoint="/v1/completions"' in text and 'status="200"' in text
+
+    def value(prefix: str) -> float:
+        line = next(line for line in text.splitlines() if line.startswith(prefix))
+        return float(line.rsplit(" ", 1)[1])
+    assert value("kestrel_generation_tokens_total") > 0
+    assert value("kestrel_num_requests_running") == 0
