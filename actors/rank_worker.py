@@ -45,8 +45,11 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 def make_backend(name: str, kv_pool, req_to_token, scale: float):
     if name == "torch_native":
         return TorchNativeBackend(kv_pool, req_to_token, scale)
+    if name == "triton":
+        from actors.attention.triton_backend import TritonBackend
+        return TritonBackend(kv_pool, req_to_token, scale)
     raise NotImplementedError(f"attention.backend={name!r} is not available in this build "
-                              "(allowed here: torch_native)")
+                              "(allowed here: torch_native, triton)")
 
 
 class RankWorker:
@@ -82,6 +85,33 @@ class RankWorker:
         self.future = FutureMap(self.num_rows, cfg.draft.topk,
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,
                                 self.dtype, self.device, spec)
+        self.decode_graphs = self._capture_decode_graphs() if cfg.attention.cuda_graphs else None
+
+    def _capture_decode_graphs(self):
+        """Plain target decode as CUDA graphs, one per captured batch size (DESIGN.md 6)."""
+        from actors.cuda_graph_runner import GraphKind, GraphRunner
+        if self.device.type != "cuda":
+            raise ValueError("attention.cuda_graphs needs a CUDA device (set it false on CPU)")
+        if self.cfg.attention.backend == "torch_native":
+            raise ValueError("attention.cuda_graphs needs a capturable backend "
+                             "(attention.backend=triton); torch_native plans on the host")
+        sizes = [b for b in self.cfg.attention.cuda_graph_batch_sizes if b < self.num_rows]
+        runner = GraphRunner(GraphKind.TARGET_DECODE, sizes, self.target.backend, device=self.device)
+
+        def forward(view):
+            # Metadata is rebuilt inside the graph from the static inputs on every replay.
+            fb = ForwardBatch(ForwardMode.DECODE, view.input_ids, view.positions,
+                              view.out_cache_loc, view.req_pool_indices, view.seq_lens - 1,
+                              [1] * view.batch_size)
+            hidden, _ = self.target.forward(fb)
+            return self.model.compute_logits(hidden)  # [bs, V] fp32
+
+        t0 = time.time()
+        with torch.inference_mode():
+            runner.capture(forward)
+        log.info("rank %d: captured decode graphs for batch sizes %s in %.1fs",
+                 self.rank, sizes, time.time() - t0)
+        return runner
 
     def _num_slots(self) -> int:
         kv = self.cfg.kv_cache
@@ -155,10 +185,16 @@ class RankWorker:
         rows = self._tensor(plan.rows)
         c = self.future.resolve(rows)
         loc = self.req_to_token.req_to_token[rows, c.seq_lens]
-        fb = ForwardBatch(ForwardMode.DECODE, c.bonus, c.seq_lens.clone(), loc, rows,
-                          c.seq_lens, [1] * len(plan.rows))
-        hidden, _ = self.target.forward(fb)
-        logits = self.model.compute_logits(hidden)
+        B = len(plan.rows)
+        if self.decode_graphs is not None and self.decode_graphs.pad_size(B) is not None:
+            from actors.cuda_graph_runner import GraphBatch
+            logits = self.decode_graphs.replay(
+                GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1))
+        else:
+            fb = ForwardBatch(ForwardMode.DECODE, c.bonus, c.seq_lens.clone(), loc, rows,
+                              c.seq_lens, [1] * B)
+            hidden, _ = self.target.forward(fb)
+            logits = self.model.compute_logits(hidden)
         tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins)
         self.future.store(rows, c.seq_lens + 1, tokens)
         return [[t] for t in tokens.tolist()]
