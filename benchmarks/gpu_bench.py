@@ -81,6 +81,8 @@ def main(argv=None):
     ap.add_argument("--backends", nargs="+", default=["torch_native", "triton"])
     ap.add_argument("--draft", default="random")
     ap.add_argument("--spec-shape", choices=["chain", "tree"], default="tree")
+    ap.add_argument("--spec-batch-sizes", type=int, nargs="+", default=None,
+                    help="batch sizes for the speculative variant (default: --batch-sizes)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -106,7 +108,10 @@ def main(argv=None):
         for name, ov in variants:
             cfg = load_config(overrides=base + [f"attention.backend={backend}"] + ov)
             workers = None
-            for b in args.batch_sizes:
+            sizes = args.batch_sizes
+            if name.startswith("spec") and args.spec_batch_sizes:
+                sizes = args.spec_batch_sizes
+            for b in sizes:
                 try:
                     r, workers = bench_engine(cfg, tok, prompts, b, args.max_tokens, workers)
                 except Exception as e:  # one broken variant must not lose the others' figures

@@ -1,0 +1,90 @@
+"""Triton attention backend: one plan-free paged kernel for every forward mode (DESIGN.md 5).
+
+init_forward_metadata turns the ForwardBatch into a few small device tensors with torch
+ops only. Host values come from shapes and fb.extend_lens (a host list), never from device
+data (no .tolist()/.item()), so building metadata and running the forward can both be
+captured in a CUDA graph; a replay then rebuilds the metadata from the graph's static
+inputs. The kernel reads request b's keys as req_to_token[row_b, 0 : prefix_b + E_b]: every
+caller writes the new keys' slots (out_cache_loc, draft scratch) at positions
+prefix_b.. of the request's row before the forward (see kernels/triton_attention.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from actors.attention.base import AttentionBackend
+from actors.forward_batch import ForwardBatch
+from kernels.triton_attention import paged_attention
+
+
+@dataclass
+class TritonMeta:
+    req_pool_indices: torch.Tensor  # [B] int64, rows of req_to_token
+    prefix_lens: torch.Tensor  # [B] int64, fully visible keys
+    new_kv_lens: torch.Tensor  # [B] int64, E_b keys after the prefix
+    qo_indptr: torch.Tensor  # [B+1] int64, query rows of each request
+    max_q_len: int  # host: the largest q_b (launch grid)
+    custom_mask: torch.Tensor | None  # [sum q_b*E_b] bool, per-request row-major blocks
+    mask_indptr: torch.Tensor | None  # [B+1] int64, start of each request's block
+
+
+class TritonBackend(AttentionBackend):
+    def __init__(self, kv_pool, req_to_token, scale: float, num_kv_splits: int | None = None):
+        super().__init__(kv_pool, req_to_token, scale)
+        self.num_kv_splits = num_kv_splits  # None: pick from the launch shape
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        dev = fb.req_pool_indices.device
+        B = fb.batch_size
+        qlens = list(fb.extend_lens)
+        uniform = len(set(qlens)) <= 1  # every graph-captured mode (decode/verify/draft)
+        n = qlens[0] if qlens else 0
+        if uniform:
+            # arange/full are device kernels: no host-to-device copy, capture-safe.
+            qo_indptr = torch.arange(B + 1, dtype=torch.int64, device=dev) * n  # [B+1] int64
+        else:  # ragged prefill chunks: eager only (host list -> device copy)
+            lens = torch.tensor(qlens, dtype=torch.int64)  # [B] int64 host
+            qo_indptr = torch.zeros(B + 1, dtype=torch.int64)  # [B+1] int64 host
+            qo_indptr[1:] = torch.cumsum(lens, 0)
+            qo_indptr = qo_indptr.to(dev)
+        if fb.new_kv_slots is not None:
+            E = int(fb.new_kv_slots.shape[1])  # a shape: host int
+            new_kv_lens = torch.full((B,), E, dtype=torch.int64, device=dev)  # [B] int64
+            elist = [E] * B
+        else:  # the new keys are the tokens this forward writes
+            new_kv_lens = qo_indptr[1:] - qo_indptr[:-1]  # [B] int64
+            elist = qlens
+        custom_mask = mask_indptr = None
+        if fb.custom_mask is not None:
+            cm = fb.custom_mask  # [B, Qm, Em] bool
+            if uniform and tuple(cm.shape) == (B, n, elist[0] if B else 0):
+                custom_mask = cm.reshape(-1)  # [B*n*E] bool, a view when contiguous
+                mask_indptr = torch.arange(B + 1, dtype=torch.int64, device=dev) * (n * cm.shape[2])
+            else:  # wider mask than the batch needs, or ragged: cut each request's block
+                custom_mask = torch.cat([cm[b, :qlens[b], :elist[b]].reshape(-1)
+                                         for b in range(B)])  # [sum q_b*E_b] bool
+                sizes = torch.tensor([q * e for q, e in zip(qlens, elist)], dtype=torch.int64)
+                mask_indptr = torch.zeros(B + 1, dtype=torch.int64)  # [B+1] int64 host
+                mask_indptr[1:] = torch.cumsum(sizes, 0)
+                mask_indptr = mask_indptr.to(dev)
+        fb.attn_meta = TritonMeta(fb.req_pool_indices, fb.prefix_lens, new_kv_lens, qo_indptr,
+                                  max(qlens) if qlens else 0, custom_mask, mask_indptr)
+
+    def forward(self, q, k, v, layer, fb):
+        m: TritonMeta = fb.attn_meta
+        self.kv_pool.store(layer, fb.out_cache_loc, k, v)
+        return paged_attention(
+            q, self.kv_pool.k[layer], self.kv_pool.v[layer], self.req_to_token.req_to_token,
+            m.req_pool_indices, m.prefix_lens, m.new_kv_lens, m.qo_indptr, m.max_q_len,
+            custom_mask=m.custom_mask, mask_indptr=m.mask_indptr, causal=True,
+            scale=self.scale, num_kv_splits=self.num_kv_splits)  # [T, H, D]
+
+    # ---- CUDA-graph hooks (actors/cuda_graph_runner.GraphBackend) -------------------------
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens,
+                                                seq_lens_sum, seq_lens_cpu, extend_lens=None,
+                                                **kwargs: Any) -> None:
+        """Nothing to plan: a captured forward rebuilds its metadata from the static inputs
+        on every replay (init_forward_metadata runs inside the graph)."""

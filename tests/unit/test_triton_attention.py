@@ -1,0 +1,343 @@
+"""kernels.triton_attention and actors.attention.triton_backend, small sizes.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors; with CUDA the same
+tests run compiled on the GPU. Skipped (kernel tests only) when triton is missing.
+
+Three checks on the same random paged batches, in every attention mode (decode, extend
+over a cached prefix, tree-mask verify, draft-decode ancestor masks, causal with more new
+keys than queries, and full visibility):
+  * paged_attention_ref agrees with TorchNativeBackend (the oracle) on a ForwardBatch;
+  * the Triton kernel agrees with paged_attention_ref (with and without key splits);
+  * TritonBackend.forward agrees with TorchNativeBackend.forward end to end.
+req_to_token comes from a paged SlotAllocator whose pages are handed out round-robin over
+requests, so a request's slots are not contiguous across pages.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# On a machine without CUDA the kernels run in Triton's interpreter, which is chosen when a
+# kernel is decorated: set it before triton is imported. With CUDA they compile and run
+# on the GPU (an interpreter switched on in a session would break the GPU tests).
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from actors.attention.torch_native import TorchNativeBackend  # noqa: E402
+from actors.dp.sync import ForwardMode  # noqa: E402
+from actors.forward_batch import ForwardBatch  # noqa: E402
+from actors.kv_cache import ReqToTokenPool, SlotAllocator, TokenToKVPool  # noqa: E402
+from kernels import triton_attention as ta  # noqa: E402
+
+INTERPRETED = ta.HAS_TRITON and type(ta._paged_attn_kernel).__name__ == "InterpretedFunction"
+DEV = "cuda" if _CUDA and not INTERPRETED else "cpu"  # where the tensors live
+
+needs_triton = pytest.mark.skipif(not ta.HAS_TRITON, reason="triton is not installed")
+if ta.HAS_TRITON and DEV == "cpu" and not INTERPRETED:
+    needs_triton = pytest.mark.skip(
+        reason="triton was imported before TRITON_INTERPRET=1; run this module on its own")
+
+if INTERPRETED:
+    try:
+        int(np.zeros(1))
+    except TypeError:
+        # Triton 3.6's interpreter turns a scalar into a 1-element array and calls int()
+        # on it inside range(); NumPy >= 2.4 refuses that. Convert through .item() instead.
+        import triton.runtime.interpreter as _interp
+
+        _orig_patch = _interp._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            _orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+        _interp._patch_lang_tensor = _patch_lang_tensor
+
+MODES = ("decode", "extend", "verify", "draft_decode", "causal_wide", "full")
+ORACLE_MODES = MODES[:-1]  # ForwardBatch has no "full" flag (it is an all-True custom mask)
+CONFIGS = {"smollm": (9, 3, 64), "gqa2_d24": (4, 2, 24), "mha_d16": (2, 2, 16)}  # H, Hkv, D
+
+
+# ---------------------------------------------------------------------------- cases
+def _tree_mask(n: int, rng: random.Random) -> torch.Tensor:
+    """[n, n] bool: node i sees its ancestors and itself (parent[i] < i, node 0 the root)."""
+    m = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        m[i] |= m[rng.randrange(i)]
+    return m
+
+
+def _draft_mask(K: int, step: int, rng: random.Random) -> torch.Tensor:
+    """[K, (step+1)*K] bool, as EagleWorker._draft builds it: ancestor bits over earlier
+    levels' scratch columns (one lane per level), then the lane itself."""
+    anc = torch.zeros(K, step * K, dtype=torch.bool)
+    for lane in range(K):
+        for lvl in range(step):
+            anc[lane, lvl * K + rng.randrange(K)] = True
+    return torch.cat([anc, torch.eye(K, dtype=torch.bool)], dim=1)
+
+
+def make_case(mode: str, page: int, cfg: str = "smollm", seed: int = 0, B: int | None = None,
+              dtype: torch.dtype = torch.float32, max_prefix: int = 200) -> dict:
+    """A random batch in ``mode``: lengths, paged req_to_token, K/V pool, q/k/v, masks."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    H, Hkv, D = CONFIGS[cfg]
+    B = B or rng.randint(1, 8)
+    prefix = [rng.randint(0, max_prefix) for _ in range(B)]
+    masks = None
+    if mode == "decode":
+        qlens, E = [1] * B, [1] * B
+    elif mode == "extend":
+        qlens = [rng.randint(1, 16) for _ in range(B)]
+        E = list(qlens)
+    elif mode == "verify":
+        n = rng.randint(1, 16)
+        qlens, E = [n] * B, [n] * B
+        masks = [_tree_mask(n, rng) for _ in range(B)]
+    elif mode == "draft_decode":
+        K, step = rng.randint(1, 4), rng.randint(0, 3)
+        qlens, E = [K] * B, [(step + 1) * K] * B
+        masks = [_draft_mask(K, step, rng) for _ in range(B)]
+    elif mode in ("causal_wide", "full"):
+        n = rng.randint(1, 16)
+        qlens, E = [n] * B, [n + rng.randint(0, 8)] * B
+    else:
+        raise ValueError(mode)
+    # Paged table: pages dealt round-robin over the rows (rows 1..B; row 0 is reserved).
+    L = max(p + e for p, e in zip(prefix, E))
+    L_pad = -(-L // page) * page
+    alloc = SlotAllocator((B * L_pad // page + 2) * page, page)
+    rt = ReqToTokenPool(B + 2, L_pad, "cpu")
+    for start in range(0, L_pad, page):
+        for r in range(1, B + 1):
+            rt.req_to_token[r, start:start + page] = alloc.alloc(page)
+    rt.req_to_token = rt.req_to_token.to(DEV)  # [B+2, L_pad] int64
+    rows = list(range(1, B + 1))
+    rng.shuffle(rows)
+    pool = TokenToKVPool(alloc.num_slots, 1, Hkv, D, dtype, DEV)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))  # [S, Hkv, D] stale/prefix K
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))  # [S, Hkv, D]
+    T = sum(qlens)
+    q = torch.randn(T, H, D, generator=gen).to(DEV, dtype)  # [T, H, D]
+    k = torch.randn(T, Hkv, D, generator=gen).to(DEV, dtype)  # [T, Hkv, D] new tokens' K
+    v = torch.randn(T, Hkv, D, generator=gen).to(DEV, dtype)  # [T, Hkv, D]
+    # This forward writes its q_b tokens at the last q_b new-key positions of each row
+    # (extend/verify: all E_b; draft decode: the newest level of the scratch window).
+    table = rt.req_to_token
+    out_loc = torch.cat([table[r, p + e - n:p + e] for r, p, e, n in zip(rows, prefix, E, qlens)])
+    return dict(mode=mode, B=B, H=H, Hkv=Hkv, D=D, prefix=prefix, qlens=qlens, E=E,
+                masks=masks, rows=rows, rt=rt, pool=pool, q=q, k=k, v=v, out_loc=out_loc,
+                causal=mode != "full", dtype=dtype)
+
+
+def forward_batch(c: dict) -> ForwardBatch:
+    """The case as the workers build it: new_kv_slots only when E_b != q_b (draft decode)."""
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEV)  # noqa: E731
+    B, rows, table = c["B"], c["rows"], c["rt"].req_to_token
+    new_kv = None
+    if c["E"] != c["qlens"]:
+        new_kv = torch.stack([table[r, p:p + e] for r, p, e in zip(rows, c["prefix"], c["E"])])
+    mask = torch.stack(c["masks"]).to(DEV) if c["masks"] is not None else None  # [B, q, E]
+    positions = torch.cat([torch.arange(p + e - n, p + e, device=DEV)
+                           for p, e, n in zip(c["prefix"], c["E"], c["qlens"])])
+    return ForwardBatch(ForwardMode.DECODE if c["mode"] in ("decode", "draft_decode")
+                        else ForwardMode.EXTEND,
+                        torch.zeros(sum(c["qlens"]), dtype=torch.int64, device=DEV),
+                        positions, c["out_loc"], t(rows), t(c["prefix"]), list(c["qlens"]),
+                        new_kv_slots=new_kv, custom_mask=mask)
+
+
+def kernel_args(c: dict) -> tuple[tuple, dict]:
+    """paged_attention(_ref) arguments for a case whose new K/V are already stored."""
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEV)  # noqa: E731
+    qo = [0]
+    for n in c["qlens"]:
+        qo.append(qo[-1] + n)
+    kw = dict(causal=c["causal"], scale=c["D"] ** -0.5)
+    if c["masks"] is not None:
+        kw["custom_mask"] = torch.cat([m.reshape(-1) for m in c["masks"]]).to(DEV)  # [sum q*E]
+        kw["mask_indptr"] = t([0] + np.cumsum([m.numel() for m in c["masks"]]).tolist())  # [B+1]
+    elif c["mode"] == "full":
+        kw["causal"] = False
+    args = (c["q"], c["pool"].k[0], c["pool"].v[0], c["rt"].req_to_token, t(c["rows"]),
+            t(c["prefix"]), t(c["E"]), t(qo), max(c["qlens"]))
+    return args, kw
+
+
+def store_new_kv(c: dict) -> None:
+    c["pool"].store(0, c["out_loc"], c["k"], c["v"])
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-3, rtol=3e-3)
+
+
+# ------------------------------------------------------- reference vs the torch oracle
+@pytest.mark.parametrize("page", [1, 4, 16])
+@pytest.mark.parametrize("mode", ORACLE_MODES)
+def test_ref_matches_torch_native(mode, page):
+    for seed in range(3):
+        c = make_case(mode, page, cfg=list(CONFIGS)[seed], seed=seed)
+        fb = forward_batch(c)
+        native = TorchNativeBackend(c["pool"], c["rt"], c["D"] ** -0.5)
+        native.init_forward_metadata(fb)
+        want = native.forward(c["q"], c["k"], c["v"], 0, fb)  # [T, H, D]; stores new K/V
+        args, kw = kernel_args(c)
+        got = ta.paged_attention_ref(*args, **kw)
+        torch.testing.assert_close(got, want, **tol(c["dtype"]))
+
+
+def test_ref_full_is_all_true_mask():
+    """causal=False equals an explicit all-True custom mask (no ForwardBatch spells it)."""
+    c = make_case("full", 4, seed=0)
+    assert c["E"][0] > c["qlens"][0] > 1  # the causal and full answers differ here
+    store_new_kv(c)
+    args, kw = kernel_args(c)
+    ones = [torch.ones(n, e, dtype=torch.bool) for n, e in zip(c["qlens"], c["E"])]
+    mask = torch.cat([m.reshape(-1) for m in ones]).to(DEV)  # [sum q*E] bool
+    indptr = torch.tensor([0] + np.cumsum([m.numel() for m in ones]).tolist(), device=DEV)
+    want = ta.paged_attention_ref(*args, custom_mask=mask, mask_indptr=indptr, scale=kw["scale"])
+    torch.testing.assert_close(ta.paged_attention_ref(*args, **kw), want)
+    causal = ta.paged_attention_ref(*args, scale=kw["scale"], causal=True)
+    assert not torch.allclose(causal, want)  # the flag matters for E > 1
+
+
+# ------------------------------------------------------------- kernel vs reference
+@needs_triton
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_matches_ref(mode, page):
+    # SmolLM2's GQA shape always, plus one other head layout per page size.
+    for seed, cfg in enumerate(("smollm", "mha_d16" if page == 1 else "gqa2_d24")):
+        c = make_case(mode, page, cfg=cfg, seed=10 + seed)
+        store_new_kv(c)
+        args, kw = kernel_args(c)
+        got = ta.paged_attention(*args, **kw, num_kv_splits=1)
+        torch.testing.assert_close(got, ta.paged_attention_ref(*args, **kw), **tol(c["dtype"]))
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["decode", "verify", "extend", "draft_decode"])
+def test_kernel_split_kv_matches_ref(mode):
+    """Flash-decoding: keys cut into splits, partial results merged (some splits empty)."""
+    c = make_case(mode, 4, seed=20, B=2, max_prefix=150)
+    store_new_kv(c)
+    args, kw = kernel_args(c)
+    want = ta.paged_attention_ref(*args, **kw)
+    for splits in (2, 5):
+        torch.testing.assert_close(ta.paged_attention(*args, **kw, num_kv_splits=splits), want,
+                                   **tol(c["dtype"]))
+
+
+@needs_triton
+def test_kernel_fp16_and_page4():
+    c = make_case("verify", 4, seed=30, dtype=torch.float16)
+    store_new_kv(c)
+    args, kw = kernel_args(c)
+    got = ta.paged_attention(*args, **kw, num_kv_splits=1)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, ta.paged_attention_ref(*args, **kw), **tol(torch.float16))
+
+
+@needs_triton
+def test_kernel_row_without_visible_keys_is_zero():
+    """No prefix and an all-False mask row: zeros, not NaN (kernel and reference)."""
+    c = make_case("verify", 1, seed=40, B=2, max_prefix=0)
+    for m in c["masks"]:
+        m[-1] = False  # the last node of each request sees no key at all
+    store_new_kv(c)
+    args, kw = kernel_args(c)
+    ref = ta.paged_attention_ref(*args, **kw)
+    n = c["qlens"][0]
+    for splits in (1, 2):
+        got = ta.paged_attention(*args, **kw, num_kv_splits=splits)
+        assert torch.isfinite(got).all()
+        assert (got[n - 1] == 0).all() and (got[2 * n - 1] == 0).all()
+        torch.testing.assert_close(got, ref, **tol(c["dtype"]))
+
+
+# -------------------------------------------------------------- backend vs the oracle
+@needs_triton
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("mode", ORACLE_MODES)
+def test_backend_matches_torch_native(mode, page):
+    from actors.attention.triton_backend import TritonBackend
+
+    c = make_case(mode, page, seed=50 + page)
+    fb = forward_batch(c)
+    pool_t = TokenToKVPool(c["pool"].k[0].shape[0], 1, c["Hkv"], c["D"], c["dtype"], DEV)
+    pool_t.k[0].copy_(c["pool"].k[0])
+    pool_t.v[0].copy_(c["pool"].v[0])
+    native = TorchNativeBackend(c["pool"], c["rt"], c["D"] ** -0.5)
+    native.init_forward_metadata(fb)
+    want = native.forward(c["q"], c["k"], c["v"], 0, fb)
+    backend = TritonBackend(pool_t, c["rt"], c["D"] ** -0.5)
+    backend.init_forward_metadata(fb)
+    got = backend.forward(c["q"], c["k"], c["v"], 0, fb)  # stores K/V, then attends
+    torch.testing.assert_close(got, want, **tol(c["dtype"]))
+    assert torch.equal(pool_t.k[0], c["pool"].k[0]) and torch.equal(pool_t.v[0], c["pool"].v[0])
+
+
+@needs_triton
+def test_backend_ragged_custom_mask():
+    """Ragged extend lens with a custom mask wider than needed: per-request blocks cut."""
+    from actors.attention.triton_backend import TritonBackend
+
+    c = make_case("extend", 4, seed=60, B=3)
+    rng = random.Random(1)
+    Q = max(c["qlens"])
+    full = torch.zeros(c["B"], Q, Q + 2, dtype=torch.bool)  # [B, Qm, Em] bool, padded
+    for b, n in enumerate(c["qlens"]):
+        full[b, :n, :n] = _tree_mask(n, rng)
+    fb = forward_batch(c)
+    fb.custom_mask = full.to(DEV)
+    native = TorchNativeBackend(c["pool"], c["rt"], c["D"] ** -0.5)
+    native.init_forward_metadata(fb)
+    want = native.forward(c["q"], c["k"], c["v"], 0, fb)
+    backend = TritonBackend(c["pool"], c["rt"], c["D"] ** -0.5)
+    backend.init_forward_metadata(fb)
+    torch.testing.assert_close(backend.forward(c["q"], c["k"], c["v"], 0, fb), want)
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify", "draft_decode"])
+def test_metadata_reads_no_device_values(mode, monkeypatch):
+    """Graph-captured modes build metadata with device ops only (capture-safe)."""
+    from actors.attention.triton_backend import TritonBackend
+
+    c = make_case(mode, 4, seed=70)
+    fb = forward_batch(c)
+    backend = TritonBackend(c["pool"], c["rt"], c["D"] ** -0.5)
+
+    def boom(*a, **k):
+        raise AssertionError("host read of device data in init_forward_metadata")
+
+    for name in ("tolist", "item", "cpu", "numpy", "__int__", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    backend.init_forward_metadata(fb)
+    monkeypatch.undo()
+    m = fb.attn_meta
+    assert m.qo_indptr.tolist() == np.cumsum([0] + c["qlens"]).tolist()
+    assert m.new_kv_lens.tolist() == c["E"]
+    assert m.max_q_len == max(c["qlens"])
+    if c["masks"] is not None:
+        want = torch.cat([x.reshape(-1) for x in c["masks"]]).to(DEV)
+        assert torch.equal(m.custom_mask, want)
+
+
+def test_default_num_kv_splits():
+    cpu = torch.device("cpu")
+    assert ta.default_num_kv_splits(3, 1, 9, 64, cpu) == 1  # interpreter: no splits
+    ta._SM_COUNT[99] = 132  # pretend device 99 is an H200
+    dev = torch.device("cuda", 99)
+    assert ta.default_num_kv_splits(3, 1, 9, 64, dev) == ta.MAX_KV_SPLITS  # B=1 decode
+    assert ta.default_num_kv_splits(64 * 3, 64, 9, 64, dev) == 3  # B=64 decode
+    assert ta.default_num_kv_splits(4 * 132, 4096, 9, 64, dev) == 1  # batch fills the GPU
+    assert ta.default_num_kv_splits(1, 1 << 20, 32, 128, dev) == 1  # partial buffer cap
