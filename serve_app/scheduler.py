@@ -45,6 +45,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_id = 0
         self._inflight: dict[int, list[Request]] = {}  # step id -> its requests, in plan order
+        # req_to_token updates not yet sent: they ride on the next plan that is dispatched,
+        # whichever it is (an admission can happen in an extend plan that is then dropped).
+        self._kv_writes: list[tuple[int, int, torch.Tensor]] = []
         self.coins_per_request = (cfg.draft.num_draft_tokens + 1) if self.spec else 1
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
         if self.slots.capacity < self.max_model_len + 2 * self.window + self.page:
@@ -93,7 +96,7 @@ class Scheduler:
             self.cache.evict(n - self.slots.free_slots)
         return self.slots.alloc(n)
 
-    def _grow_kv(self, req: Request, need: int, plan: StepPlan) -> bool:
+    def _grow_kv(self, req: Request, need: int) -> bool:
         """Make sure the row holds `need` slots (page-rounded). Allocation is monotonic."""
         need = min(self.slots.round_up(need), self.max_context)
         delta = need - req.kv_allocated_len
@@ -102,7 +105,7 @@ class Scheduler:
         new = self._alloc(delta)
         if new is None:
             return False
-        plan.kv_writes.append((req.row, req.kv_allocated_len, new))
+        self._kv_writes.append((req.row, req.kv_allocated_len, new))
         req.slots = torch.cat([req.slots, new])
         req.kv_allocated_len = need
         return True
@@ -143,9 +146,11 @@ class Scheduler:
         plan = self._schedule_extend() or self._schedule_decode()
         if plan is None and self.waiting:
             plan = self._schedule_extend()  # decode preempted everyone: prefill them again
+        if plan is not None:
+            plan.kv_writes, self._kv_writes = self._kv_writes, []
         return plan
 
-    def _admit(self, req: Request, plan: StepPlan) -> bool:
+    def _admit(self, req: Request) -> bool:
         row = self.rows.alloc()
         if row is None:
             return False
@@ -161,14 +166,14 @@ class Scheduler:
         req.cached_tokens += m.length
         self.stats["prompt_tokens_cached"] += m.length
         if m.length:
-            plan.kv_writes.append((row, 0, m.slots))
+            self._kv_writes.append((row, 0, m.slots))
         return True
 
     def _schedule_extend(self) -> StepPlan | None:
         plan = StepPlan(self.step_id, "extend", [])
         limit = self.cfg.scheduler.max_running_requests
         while self.waiting and len(self.running) + len(self.prefilling) < limit:
-            if not self._admit(self.waiting[0], plan):
+            if not self._admit(self.waiting[0]):
                 break
             self.prefilling.append(self.waiting.popleft())
         chosen = self._fill_chunks(plan)
@@ -197,7 +202,7 @@ class Scheduler:
             chunk = min(len(req.fill_ids) - start, budget)
             if chunk == 0:
                 continue
-            if not self._grow_kv(req, start + chunk, plan):
+            if not self._grow_kv(req, start + chunk):
                 break  # out of KV: wait for running requests to finish (or be preempted)
             chosen.append(req)
             budget -= chunk
@@ -218,7 +223,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            if self._grow_kv(req, req.kv_committed_len + ahead, plan):
+            if self._grow_kv(req, req.kv_committed_len + ahead):
                 i += 1
                 continue
             victim = self.running[-1]
