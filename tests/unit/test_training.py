@@ -1,0 +1,293 @@
+"""EAGLE head training on CPU: loss falls, training-time test drafts exactly as the engine
+does, export round trip, draft vocabulary, Magpie data with the engine, the CLI, resume."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from actors.models.eagle import load_eagle_head
+from actors.models.loader import build_model
+from configs.schema import load_config
+from serve_app.llm_engine import LLMEngine
+from serve_app.request import SamplingParams
+from training.export import export_head
+from training.train import Trainer, TrainConfig, init_head, make_spec, unroll
+from training.vocab import build_draft_vocab, count_assistant_tokens, coverage, from_d2t
+
+ARCHS = ["eagle", "eagle3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # On the 2 shared cores, two OpenMP threads fighting other processes made a tiny
+    # training step 30x slower than one thread does.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_cfg(path: str, *extra: str):
+    return load_config(overrides=[f"model.path={path}", "model.dtype=float32", "device=cpu",
+                                  "kv_cache.num_slots=4096", "scheduler.max_running_requests=32",
+                                  *extra])
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_llama_dir):
+    model, _ = build_model(tiny_llama_dir, torch.float32, "cpu")
+    return model
+
+
+@pytest.fixture(scope="module")
+def synthetic(tiny_llama_dir) -> list[dict]:
+    """32 sequences the tiny target wrote itself with the engine: 4 prompt + 40 output
+    tokens, the first 16 greedy (the engine test below replays their prompts), the rest
+    sampled at T=1."""
+    prompts = _prompts(32, seed=1)
+    eng = LLMEngine(tiny_cfg(tiny_llama_dir), load_tokenizer=False)
+    params = [SamplingParams(max_tokens=40, temperature=0.0 if i < 16 else 1.0, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    reqs = eng.generate(prompts, params)
+    return [{"input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids),
+             "prompt_len": len(p)} for p, r in zip(prompts, reqs)]
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (4,), generator=g).tolist() for _ in range(n)]
+
+
+def _config(arch: str, **kw) -> TrainConfig:
+    base = dict(arch=arch, epochs=75, batch_size=8, lr=1e-2, ttt_steps=3, log_every=10, save_every=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _new_head(arch, target, samples):
+    vocab = build_draft_vocab(samples, 128, 64) if arch == "eagle3" else None
+    return init_head(make_spec(target.arch, arch, vocab), target, vocab), vocab
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, synthetic):
+    """Both heads trained for 300 steps; shared by the tests below."""
+    out = {}
+    for arch in ARCHS:
+        head, vocab = _new_head(arch, tiny_target, synthetic)
+        res = Trainer(tiny_target, head, _config(arch), vocab).fit(synthetic, progress=False)
+        out[arch] = res
+    return out
+
+
+# ---- (a) the loss falls ------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loss_falls(trained, arch):
+    res = trained[arch]
+    assert res.steps == 300
+    first, last = res.history[0], res.history[-1]
+    assert last["loss"] < 0.7 * first["loss"], (first, last)
+    assert all(b > a + 0.2 for a, b in zip(first["acc"], last["acc"])), (first["acc"], last["acc"])
+
+
+# ---- training-time test drafts as the engine does ---------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_unrolled_steps_predict_engine_accept_lengths(trained, tiny_target, tiny_llama_dir, tmp_path, arch):
+    """Greedy chain drafting (K=1, S=3) in the real engine accepts exactly what the unrolled
+    head predicts on the same (teacher-forced) sequence: the pairing of tokens, features,
+    positions and attention in training is the engine's."""
+    head = trained[arch].head
+    export_head(head, tmp_path, torch.float32)
+    S = 3
+    eng = LLMEngine(tiny_cfg(tiny_llama_dir, "draft.enabled=true", f"draft.path={tmp_path}", "draft.topk=1",
+                             f"draft.num_steps={S}", f"draft.num_draft_tokens={S + 1}"), load_tokenizer=False)
+    prompts = _prompts(8, seed=1)  # greedy training prompts: the head knows them, so it gets accepted
+    reqs = eng.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    same = 0
+    total_accepts = 0
+    for p, r in zip(prompts, reqs):
+        seq = torch.tensor([p + r.output_ids])  # [1, T]
+        T = seq.shape[1]
+        with torch.no_grad():
+            hidden, aux = tiny_target(seq[0], torch.arange(T), _causal(T), head.aux_layers)
+            feat = torch.cat(aux, -1) if head.eagle3 else hidden
+            guesses = [head.topk(h, 1)[1][:, 0] for h in unroll(head, seq, feat, S)]  # S x [T] target ids
+        predicted, pos = [], len(p) - 1  # chain p = last prompt position after the prefill
+        for _ in r.accept_lengths[:-1]:  # the last round may run past the known tokens
+            n = 0
+            while n < S and pos + 2 + n < T and int(guesses[n][pos]) == int(seq[0, pos + 2 + n]):
+                n += 1
+            predicted.append(n + 1)
+            pos += n + 1
+        same += predicted == r.accept_lengths[:-1]
+        total_accepts += sum(r.accept_lengths)
+    assert total_accepts > 1.5 * sum(len(r.accept_lengths) for r in reqs), "head accepts too little to test"
+    assert same >= 7, "unrolled training steps disagree with the engine's draft"
+
+
+def _causal(T):
+    from training.train import CausalAttention
+    return CausalAttention(1, T)
+
+
+# ---- (b) export -> load round trip -------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_load_round_trip(trained, tiny_target, tmp_path, arch):
+    head = trained[arch].head
+    for dtype in (torch.float32, torch.bfloat16):
+        out = tmp_path / str(dtype)
+        files = export_head(head, out, dtype, max_shard_bytes=40_000)  # forces several shards
+        assert len(files) > 1 and (out / "model.safetensors.index.json").exists()
+        for f in files:
+            from safetensors.torch import load_file
+            t = load_file(str(f))
+            size = sum(v.numel() * v.element_size() for v in t.values())
+            assert size <= 40_000 or len(t) == 1  # only a lone tensor may exceed the limit
+        back = load_eagle_head(str(out), tiny_target, "auto", dtype, torch.device("cpu"))
+        assert back.spec == head.spec
+        want = {k: v.to(dtype) if v.is_floating_point() else v for k, v in head.state_for_export().items()}
+        got = back.state_for_export()
+        assert want.keys() == got.keys()
+        for k in want:
+            assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3" if arch == "eagle3" else "LlamaForCausalLMEagle"]
+        assert cfg["torch_dtype"] == str(dtype).removeprefix("torch.")
+    # published names: SpecForge's for EAGLE-3, the EAGLE repository's (no "model.") for EAGLE-1
+    names = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
+    if arch == "eagle3":
+        assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+                "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight"} <= names
+    else:
+        assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight",
+                "layers.0.post_attention_layernorm.weight"} <= names
+        assert not any(n.startswith("model.") for n in names)
+    one = export_head(head, tmp_path / "single", torch.bfloat16)
+    assert [f.name for f in one] == ["model.safetensors"]
+
+
+def test_export_t2d_matches_d2t(trained, tmp_path):
+    from safetensors.torch import load_file
+    head = trained["eagle3"].head
+    export_head(head, tmp_path, torch.bfloat16)
+    st = load_file(str(tmp_path / "model.safetensors"))
+    d2t, t2d = st["d2t"], st["t2d"]
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and t2d.numel() == 128
+    assert torch.equal(t2d.nonzero().squeeze(1), d2t + torch.arange(d2t.numel()))
+
+
+# ---- (c) draft vocabulary ----------------------------------------------------------------------
+def test_draft_vocab_mapping_and_coverage():
+    # assistant tokens: 50 x7, 9 x5, 30 x3, 3 x1; prompt tokens (mask 0) never count
+    samples = [{"input_ids": [99, 99, 99] + [50] * 7 + [9] * 5 + [30] * 3 + [3],
+                "loss_mask": [0, 0, 0] + [1] * 16}]
+    v = build_draft_vocab(samples, target_vocab_size=100, draft_vocab_size=3)
+    assert v.token_ids.tolist() == [9, 30, 50]  # the 3 most frequent, ascending
+    assert torch.equal(torch.arange(3) + v.d2t, v.token_ids)  # target id = draft id + d2t
+    assert v.t2d.dtype == torch.bool and v.t2d.nonzero().squeeze(1).tolist() == [9, 30, 50]
+    assert v.coverage == pytest.approx(15 / 16)
+    t2d_index = v.target_to_draft()
+    assert t2d_index[[9, 30, 50, 3, 99]].tolist() == [0, 1, 2, -1, -1]
+    # ties go to the lower id; always_include comes first
+    v2 = build_draft_vocab(samples, 100, 2, always_include=[3])
+    assert v2.token_ids.tolist() == [3, 50] and v2.coverage == pytest.approx(8 / 16)
+    # fewer distinct assistant tokens than asked: prompt tokens, then low ids fill it
+    v3 = build_draft_vocab(samples, 100, 6)
+    assert v3.size == 6 and {3, 9, 30, 50, 99} <= set(v3.token_ids.tolist())
+    assert v3.coverage == 1.0
+    # a loaded head's d2t gives the same vocabulary back
+    assert torch.equal(from_d2t(v.d2t, 100).t2d, v.t2d)
+    assert coverage(count_assistant_tokens(samples), v.t2d) == v.coverage
+
+
+# ---- (d) Magpie data with the real engine ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def wide_vocab_target(tmp_path_factory, tokenizer) -> str:
+    """A tiny random Llama over SmolLM2's vocabulary, so its tokens decode with the real tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2)
+    path = tmp_path_factory.mktemp("wide_vocab")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def test_user_turn_prefix_smollm2(tokenizer):
+    from training.data import user_turn_prefix
+    prefix, eot = user_turn_prefix(tokenizer)
+    assert eot == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text = tokenizer.decode(prefix)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>user\n")
+
+
+def test_degenerate_filter():
+    from training.data import is_degenerate
+    assert is_degenerate([5] * 20)
+    assert is_degenerate([1, 2, 3, 4, 5, 6] * 30)
+    assert not is_degenerate(list(range(200)))
+    assert not is_degenerate([7, 7, 7, 1, 2, 3])
+
+
+def test_generate_dataset_with_engine(wide_vocab_target, tokenizer):
+    from training.data import generate_dataset, user_turn_prefix
+    cfg = tiny_cfg(wide_vocab_target, "kv_cache.prefix_caching=true")
+    eng = LLMEngine(cfg, tokenizer=tokenizer)
+    users = ["Name a color.", "  name a COLOR. ", "Name a fruit."]  # the second is a duplicate
+    # a random model almost never ends its user turn: accept unfinished prompts here
+    ds = generate_dataset(eng, tokenizer, n_samples=8, max_prompt_tokens=12, max_response_tokens=12,
+                          user_prompts=users, require_prompt_end=False, eval_fraction=0.25,
+                          seed=3, progress=False)
+    rows = ds.train + ds.eval
+    assert ds.stats["prompts_duplicate"] >= 1
+    assert len(ds.eval) >= 1 and len(ds.train) >= 4
+    assert sum(r["source"] == "user" for r in rows) >= 1 and sum(r["source"] == "magpie" for r in rows) >= 1
+    assert len({tuple(r["input_ids"]) for r in rows}) == len(rows)  # deduped
+    prefix, _ = user_turn_prefix(tokenizer)
+    for r in rows:
+        n, P = len(r["input_ids"]), r["prompt_len"]
+        assert 0 < P < n
+        assert r["loss_mask"] == [0] * P + [1] * (n - P)  # assistant tokens only
+        assert r["input_ids"][:len(prefix)] == prefix
+        assert tokenizer.decode(r["input_ids"][:P]).endswith("<|im_start|>assistant\n")
+
+
+# ---- the CLI end to end, and resume -------------------------------------------------------------
+def test_cli_train_export_eval(tiny_llama_dir, synthetic, tmp_path):
+    from training.data import save_jsonl
+    from training.train import main
+    save_jsonl(synthetic, tmp_path / "data.jsonl")
+    out = tmp_path / "head"
+    report = main(["--target", tiny_llama_dir, "--arch", "eagle3", "--out", str(out),
+                   "--data", str(tmp_path / "data.jsonl"), "--draft-vocab", "64", "--epochs", "3",
+                   "--batch-size", "8", "--lr", "1e-2", "--ttt-steps", "3", "--device", "cpu",
+                   "--set", "model.dtype=float32", "--set", "kv_cache.num_slots=4096",
+                   "--eval-samples", "4", "--eval-max-tokens", "12"])
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    assert (out / "train_state" / "state.pt").exists()
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["draft_vocab"]["size"] == 64 and 0 < saved["draft_vocab"]["train_coverage"] <= 1
+    settings = saved["acceptance"]["heldout"]["settings"]
+    assert set(settings) == {"no_spec", "chain_k1_s3", "chain_k1_s5", "tree_k4_s5_n8"}
+    for name, row in settings.items():
+        if name != "no_spec":
+            assert row["mean_accept_length"] >= 1.0
+    assert report["train"]["steps"] > 0
+
+
+def test_resume_continues_bit_exactly(tiny_target, synthetic, tmp_path):
+    arch = "eagle3"
+    cfg = _config(arch, epochs=2, save_every=3)
+    straight, vocab = _new_head(arch, tiny_target, synthetic)
+    Trainer(tiny_target, straight, cfg, vocab).fit(synthetic, progress=False)
+    state = tmp_path / "state.pt"
+    first, _ = _new_head(arch, tiny_target, synthetic)
+    Trainer(tiny_target, first, cfg, vocab).fit(synthetic, state, progress=False, stop_at=5)  # "crash"
+    second, _ = _new_head(arch, tiny_target, synthetic)
+    res = Trainer(tiny_target, second, cfg, vocab).fit(synthetic, state, resume=True, progress=False)
+    assert res.steps == 8
+    for (k, a), b in zip(straight.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), k

@@ -1,0 +1,69 @@
+"""Acceptance of a trained head measured with the real engine (not a proxy metric)."""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+log = logging.getLogger("kestrel.training.eval")
+
+# (name, topk K, num_steps S, num_draft_tokens N): chains hold S+1 nodes, the root included.
+DEFAULT_SETTINGS = [("chain_k1_s3", 1, 3, 4), ("chain_k1_s5", 1, 5, 6), ("tree_k4_s5_n8", 4, 5, 8)]
+
+
+def _free(engine) -> None:
+    import torch
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def eval_acceptance(cfg, draft_path: str | None, prompts: list[list[int]], *, tokenizer=None,
+                    settings=DEFAULT_SETTINGS, max_tokens: int = 256, arch: str = "auto",
+                    baseline: bool = True, progress: bool = True) -> dict:
+    """Greedy generation of `prompts` (token ids) with the head at `draft_path`, once per
+    (K, S, N) setting. Reports the mean accept length over all speculative iterations
+    (accepted drafts + the bonus token, as `kestrel generate` does) and output tokens/s of
+    the whole batch; with `baseline`, also plain decoding's tokens/s."""
+    import sys
+
+    from tqdm import tqdm
+
+    from configs.schema import DraftConfig
+    from serve_app.llm_engine import LLMEngine
+    from serve_app.request import SamplingParams
+
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    runs = ([("no_spec", None)] if baseline else []) + [(n, (k, s, m)) for n, k, s, m in settings]
+    out: dict = {"prompts": len(prompts), "max_tokens": max_tokens, "settings": {}}
+    for name, kst in runs:
+        c = cfg.model_copy(deep=True)
+        c.draft = (DraftConfig(enabled=False) if kst is None else
+                   DraftConfig(enabled=True, path=draft_path, arch=arch, topk=kst[0],
+                               num_steps=kst[1], num_draft_tokens=kst[2]))
+        engine = LLMEngine(c, tokenizer=tokenizer, load_tokenizer=tokenizer is not None)
+        bar = tqdm(total=len(prompts), desc=f"eval {name}", unit="req", file=sys.stderr,
+                   disable=not progress)
+        t0 = time.perf_counter()
+        reqs = engine.generate(prompts, greedy, progress=bar)
+        dt = time.perf_counter() - t0
+        bar.close()
+        toks = sum(len(r.output_ids) for r in reqs)
+        acc = [a for r in reqs for a in r.accept_lengths]
+        row = {"output_tokens": toks, "seconds": round(dt, 3),
+               "tokens_per_s": round(toks / dt, 2) if dt > 0 else None}
+        if kst is not None:
+            row.update(topk=kst[0], num_steps=kst[1], num_draft_tokens=kst[2],
+                       iterations=len(acc),
+                       mean_accept_length=round(sum(acc) / len(acc), 4) if acc else None)
+            log.info("%s: mean accept length %s, %.1f tok/s", name, row["mean_accept_length"],
+                     row["tokens_per_s"] or 0.0)
+        out["settings"][name] = row
+        _free(engine)
+    base = out["settings"].get("no_spec", {}).get("tokens_per_s")
+    if base:
+        for name, row in out["settings"].items():
+            if name != "no_spec" and row.get("tokens_per_s"):
+                row["speedup_vs_no_spec"] = round(row["tokens_per_s"] / base, 3)
+    return out

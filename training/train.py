@@ -1,0 +1,688 @@
+"""EAGLE head trainer (EAGLE-3 with training-time test, EAGLE-1/2) and `kestrel train-draft`.
+
+The target is frozen and runs inside every training step (bf16 on GPU, fp32 on CPU): it
+yields the head's input features and its own next-token distribution, which the head
+learns to match (soft cross-entropy; the data tokens are the target's outputs anyway).
+
+Pairing, as the engine drafts (DESIGN.md section 3, actors/spec/eagle_worker.py): draft
+position p reads token t[p+1] with the target feature f[p] (EAGLE-1: final normed hidden;
+EAGLE-3: the residual streams entering aux_layers, concatenated); its output hidden h0[p]
+predicts t[p+2], i.e. should match the target's distribution at position p+1.
+
+Training-time test (TTT) unrolls the head on its own outputs as draft decode does. Step k
+(k >= 1) continues the chain that started at p: its input is token t[p+1+k] with the
+head's step-(k-1) output h_{k-1}[p] in place of a target feature, at RoPE position p+k;
+it is scored against the target's distribution at p+1+k. Its query attends to the step-0
+keys at positions <= p (what draft extend left in the draft KV cache) plus the keys of
+its own chain's steps 1..k (its ancestors in the draft tree, and itself): a causal block
+followed by k diagonal blocks. This is exactly what the engine's draft decode sees along
+the accepted path, positions included. Step k's loss has weight step_decay**k.
+
+EAGLE-1/2 adds feature regression: smooth-L1 of h_k[p] against the target's feature at
+p+1+k, plus the token loss weighted 0.1 (the EAGLE paper's mix).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from actors.models.eagle import EagleHead, EagleSpec
+from actors.models.llama import LlamaForCausalLM
+from training.vocab import DraftVocab
+
+log = logging.getLogger("kestrel.training")
+
+
+# ---- attention for training ----------------------------------------------------------------
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, L, D] -> [B, Hkv*groups, L, D]: query head h reads kv head h // groups (HF)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+class CausalAttention:
+    """Dense causal attention over B right-padded rows of T tokens, flattened to [B*T].
+    Padding sits after each row's tokens, so causality alone keeps it out of their view."""
+
+    def __init__(self, B: int, T: int):
+        self.B, self.T = B, T
+
+    def __call__(self, q, k, v, layer_id):
+        B, T, Hq, D = self.B, self.T, q.shape[1], q.shape[2]
+        q4 = q.view(B, T, Hq, D).transpose(1, 2)  # [B, Hq, T, D]
+        g = Hq // k.shape[1]
+        k4 = _expand_kv(k.view(B, T, -1, D).transpose(1, 2), g)  # [B, Hq, T, D]
+        v4 = _expand_kv(v.view(B, T, -1, D).transpose(1, 2), g)
+        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
+        return o.transpose(1, 2).reshape(B * T, Hq, D)
+
+
+class TTTAttention:
+    """The head's attention across unrolled steps (one instance per training batch).
+
+    Call n (n = 0, 1, ...) is TTT step n. Keys/values of every step are kept; step n's
+    query at chain p sees step-0 keys at positions <= p and the keys of steps 1..n at the
+    same chain p: mask [T, (n+1)T] = [tril | I | ... | I].
+    """
+
+    def __init__(self, B: int, T: int, device: torch.device):
+        self.B, self.T, self.device = B, T, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def mask(self, n: int) -> torch.Tensor:
+        T = self.T
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        eye = torch.eye(T, dtype=torch.bool, device=self.device)
+        return torch.cat([causal] + [eye] * n, dim=1)  # [T, (n+1)T] bool
+
+    def __call__(self, q, k, v, layer_id):
+        B, T, Hq, D = self.B, self.T, q.shape[1], q.shape[2]
+        self.keys.append(k.view(B, T, -1, D))
+        self.values.append(v.view(B, T, -1, D))
+        n = len(self.keys) - 1
+        g = Hq // k.shape[1]
+        q4 = q.view(B, T, Hq, D).transpose(1, 2)  # [B, Hq, T, D]
+        k4 = _expand_kv(torch.cat(self.keys, 1).transpose(1, 2), g)  # [B, Hq, (n+1)T, D]
+        v4 = _expand_kv(torch.cat(self.values, 1).transpose(1, 2), g)
+        if n == 0:
+            o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=self.mask(n))
+        return o.transpose(1, 2).reshape(B * T, Hq, D)
+
+
+def unroll(head: EagleHead, ids: torch.Tensor, feat: torch.Tensor, steps: int,
+           amp: bool = False) -> list[torch.Tensor]:
+    """The head's outputs h_k [B*T, H] for k < steps over right-padded ids [B, T], from
+    target features feat [B*T, F] (see the module docstring for the pairing)."""
+    B, T = ids.shape
+    dev = ids.device
+    pos = torch.arange(T, device=dev).repeat(B)  # [B*T] int64
+    attn = TTTAttention(B, T, dev)
+    h_in, out = feat, []
+    for k in range(steps):
+        step_ids = torch.zeros_like(ids)  # [B, T] int64: t[p+1+k] at chain p, 0 past the end
+        step_ids[:, :max(T - 1 - k, 0)] = ids[:, 1 + k:]
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=amp):
+            h = head(step_ids.reshape(-1), pos + k, attn, h_in)  # [B*T, H]
+        out.append(h)
+        h_in = h  # the next step reads the head's own output, as draft decode does
+    return out
+
+
+# ---- configuration ----------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    arch: str = "eagle3"  # "eagle3" | "eagle" (EAGLE-1/2)
+    epochs: float = 4.0
+    batch_size: int = 32  # sequences per batch, at most
+    max_batch_tokens: int = 16384  # padded tokens per batch, at most
+    max_len: int = 2048  # longer samples are cut
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * this
+    warmup_ratio: float = 0.05
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    ttt_steps: int | None = None  # unrolled steps; None = 7 for EAGLE-3, 3 for EAGLE-1/2
+    step_decay: float = 0.8  # weight of step k's loss: step_decay ** k
+    feature_weight: float = 1.0  # EAGLE-1/2 smooth-L1 on features
+    token_weight: float = 0.1  # EAGLE-1/2 token loss
+    hard_targets: bool = False  # train on the target's argmax instead of its distribution
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 200  # optimizer steps between checkpoints (0: only at the end)
+    time_budget_s: float | None = None  # cut the schedule to fit (measured after a few steps)
+
+    def steps_unrolled(self) -> int:
+        return self.ttt_steps if self.ttt_steps else (7 if self.arch == "eagle3" else 3)
+
+
+@dataclass
+class TrainResult:
+    head: EagleHead
+    steps: int
+    seconds: float
+    history: list[dict] = field(default_factory=list)
+
+
+def make_spec(target_arch, arch: str, vocab: DraftVocab | None) -> EagleSpec:
+    s = EagleSpec.for_target(target_arch, arch, vocab.size if vocab is not None else None)
+    if arch == "eagle3":
+        # (2, L//2, L-3) leaves 0..L for targets of fewer than 3 layers (tiny test models).
+        L = target_arch.num_layers
+        s.aux_layers = tuple(min(max(i, 0), L) for i in s.aux_layers)
+    return s
+
+
+@torch.no_grad()
+def init_head(spec: EagleSpec, target: LlamaForCausalLM, vocab: DraftVocab | None,
+              seed: int = 0, lm_head_from_target: bool = False) -> EagleHead:
+    """A new head in fp32 on the target's device, nn.Linear's default init.
+
+    lm_head_from_target (EAGLE-3) starts the norm and LM head from the target's final norm
+    and LM-head rows. It is off by default: with a random hidden state those weights give
+    large, confidently wrong logits (CE ~16 nats on SmolLM2). Fitting 6 SmolLM2 samples
+    for 30 steps on CPU, a random start reached 87/82/78% top-1 on steps 0/1/2, the
+    copied one 67/38/28%."""
+    dev = next(target.parameters()).device
+    torch.manual_seed(seed)
+    head = EagleHead(spec, target)  # nn.Linear default init
+    if spec.arch == "eagle3":
+        if vocab is None:
+            raise ValueError("EAGLE-3 needs a draft vocabulary")
+        head.d2t.copy_(vocab.d2t)
+    if spec.arch == "eagle3" and lm_head_from_target:
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab.token_ids.to(dev)].float().cpu())
+        head.norm.weight.copy_(target.model.norm.weight.float().cpu())
+    return head.to(dev)
+
+
+# ---- batches ----------------------------------------------------------------------------------
+def make_batches(lengths: list[int], batch_size: int, max_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Index batches of similar lengths (little padding), in a random order.
+
+    Shuffle, sort inside windows of 64 batches (so epochs differ), then cut greedily while
+    count * longest stays within max_tokens and count within batch_size.
+    """
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = max(1, batch_size * 64)
+    batches: list[list[int]] = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w:w + window], key=lambda i: lengths[i])
+        cur: list[int] = []
+        longest = 0
+        for i in chunk:
+            L = max(longest, lengths[i])
+            if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * L > max_tokens):
+                batches.append(cur)
+                cur, L = [], lengths[i]
+            cur.append(i)
+            longest = L
+        if cur:
+            batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(samples: list[dict], idx: list[int], max_len: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> ids [B, T] int64 (0-padded), loss_mask [B, T] bool, lens [B] int64; T a multiple of 8."""
+    rows = [samples[i] for i in idx]
+    lens = [min(len(r["input_ids"]), max_len) for r in rows]
+    T = max(8, -(-max(lens) // 8) * 8)
+    ids = torch.zeros(len(rows), T, dtype=torch.int64)  # [B, T] int64
+    mask = torch.zeros(len(rows), T, dtype=torch.bool)  # [B, T] bool
+    for b, (r, n) in enumerate(zip(rows, lens)):
+        ids[b, :n] = torch.tensor(r["input_ids"][:n], dtype=torch.int64)
+        mask[b, :n] = torch.tensor(r["loss_mask"][:n], dtype=torch.bool)
+    return ids.to(device), mask.to(device), torch.tensor(lens, dtype=torch.int64, device=device)
+
+
+# ---- the trainer ------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, target: LlamaForCausalLM, head: EagleHead, cfg: TrainConfig,
+                 vocab: DraftVocab | None = None):
+        self.target = target.eval().requires_grad_(False)
+        self.head = head
+        self.cfg = cfg
+        self.eagle3 = head.eagle3
+        self.device = next(target.parameters()).device
+        # bf16 autocast on GPU; the CPU path stays fp32 (reference numerics, and CPU
+        # autocast would only slow it down).
+        self.amp = self.device.type == "cuda"
+        self.K = cfg.steps_unrolled()
+        if self.eagle3:
+            vocab = vocab or _vocab_of(head)
+            self.draft_ids = vocab.token_ids.to(self.device)  # [Vd] int64 target id of draft id
+            self.t2d = vocab.t2d.to(self.device)  # [V] bool
+        params = [p for p in head.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas,
+                                     weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.total_steps = 1
+
+    # -- one batch ------------------------------------------------------------------------------
+    def losses(self, ids: torch.Tensor, loss_mask: torch.Tensor, lens: torch.Tensor):
+        """ids/loss_mask [B, T], lens [B] -> (weighted loss, per-step [loss, correct, count])."""
+        B, T = ids.shape
+        dev = ids.device
+        flat = ids.reshape(-1)  # [B*T] int64
+        pos = torch.arange(T, device=dev).repeat(B)  # [B*T] int64
+        valid = torch.arange(T, device=dev)[None, :] < lens[:, None]  # [B, T] bool
+        # pred[b, q]: the target's prediction at q is for t[q+1], an assistant token.
+        pred = torch.zeros_like(loss_mask)
+        pred[:, :-1] = loss_mask[:, 1:] & valid[:, 1:]
+        with torch.no_grad():
+            hidden, aux = self.target(flat, pos, CausalAttention(B, T), self.head.aux_layers)
+            feat = torch.cat(aux, -1) if self.eagle3 else hidden  # [B*T, 3H] or [B*T, H]
+            q_rows = pred.reshape(-1).nonzero().squeeze(1)  # [M] int64 flat supervised positions
+            t_logits = self.target.compute_logits(hidden[q_rows])  # [M, V] fp32
+            t_top = t_logits.argmax(-1)  # [M] int64 target's greedy token
+            if self.eagle3:
+                in_vocab = self.t2d[t_top]  # [M] bool: the draft can propose it at all
+                t_logits = t_logits[:, self.draft_ids]  # [M, Vd]: renormalised over the draft vocab
+            else:
+                in_vocab = torch.ones_like(t_top, dtype=torch.bool)
+            if self.cfg.hard_targets:
+                t_probs = F.one_hot(t_logits.argmax(-1), t_logits.shape[-1]).float()
+            else:
+                t_probs = torch.softmax(t_logits, -1)  # [M, Vd|V] fp32
+            del t_logits
+            row_of = torch.full((B * T,), -1, dtype=torch.int64, device=dev)  # flat q -> row in M
+            row_of[q_rows] = torch.arange(q_rows.numel(), device=dev)
+            row_of = row_of.view(B, T)
+            t_feat = hidden.float() if not self.eagle3 else None  # [B*T, H] regression targets
+
+        total = torch.zeros((), device=dev)
+        stats = []
+        for k, h in enumerate(unroll(self.head, ids, feat, self.K, self.amp)):
+            # chain p at step k is scored against the target's row for q = p+1+k
+            rows = torch.full_like(row_of, -1)
+            rows[:, :max(T - 1 - k, 0)] = row_of[:, 1 + k:]
+            chains = (rows.reshape(-1) >= 0).nonzero().squeeze(1)  # [Mk] int64 flat chain p
+            r = rows.reshape(-1)[chains]  # [Mk] int64 rows of the target tensors
+            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.amp):
+                logits = self.head.compute_logits(h[chains])  # [Mk, Vd|V] fp32
+            logp = torch.log_softmax(logits.float(), -1)
+            w = in_vocab[r].float()  # [Mk]
+            n = w.sum().clamp(min=1.0)
+            ce = -(t_probs[r] * logp).sum(-1)  # [Mk]
+            loss_k = (ce * w).sum() / n
+            if not self.eagle3:
+                reg = F.smooth_l1_loss(h[chains].float(), t_feat[chains + 1 + k], reduction="none").mean(-1)
+                loss_k = self.cfg.feature_weight * (reg * w).sum() / n + self.cfg.token_weight * loss_k
+            total = total + (self.cfg.step_decay ** k) * loss_k
+            with torch.no_grad():
+                guess = logits.argmax(-1)
+                if self.eagle3:
+                    guess = self.draft_ids[guess]
+                correct = (guess == t_top[r]).sum()
+            stats.append((loss_k.detach(), correct, torch.tensor(r.numel(), device=dev)))
+        return total, stats
+
+    # -- schedule -------------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        c = self.cfg
+        warm = max(1, int(c.warmup_ratio * self.total_steps))
+        if step < warm:
+            return c.lr * (step + 1) / warm
+        t = min(1.0, (step - warm) / max(1, self.total_steps - warm))
+        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    def train_step(self, ids, loss_mask, lens) -> tuple[float, list[tuple[float, int, int]]]:
+        self.head.train()
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(self.step)
+        loss, stats = self.losses(ids, loss_mask, lens)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return float(loss.detach()), [(float(l), int(c), int(n)) for l, c, n in stats]
+
+    @torch.no_grad()
+    def evaluate(self, samples: list[dict], batch_size: int | None = None) -> dict:
+        """Held-out loss and per-step top-1 agreement with the target (a proxy; the engine's
+        accept length is the real measure)."""
+        if not samples:
+            return {}
+        self.head.eval()
+        c = self.cfg
+        lengths = [min(len(s["input_ids"]), c.max_len) for s in samples]
+        loss_sum, n_batches = 0.0, 0
+        correct = [0] * self.K
+        count = [0] * self.K
+        for idx in make_batches(lengths, batch_size or c.batch_size, c.max_batch_tokens, random.Random(0)):
+            loss, stats = self.losses(*collate(samples, idx, c.max_len, self.device))
+            loss_sum += float(loss)
+            n_batches += 1
+            for k, (_, cr, n) in enumerate(stats):
+                correct[k] += int(cr)
+                count[k] += int(n)
+        return {"loss": loss_sum / max(n_batches, 1),
+                "acc": [round(cr / max(n, 1), 4) for cr, n in zip(correct, count)]}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save(self, path: Path, epoch: int, batch: int, history: list[dict]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                    "total_steps": self.total_steps, "epoch": epoch, "batch": batch,
+                    "arch": self.head.spec.arch, "cfg": asdict(self.cfg), "history": history,
+                    "draft_ids": self.draft_ids.cpu() if self.eagle3 else None}, tmp)
+        tmp.replace(path)  # never a torn checkpoint
+
+    def load(self, path: Path) -> dict:
+        st = torch.load(path, map_location=self.device, weights_only=False)
+        if st["arch"] != self.head.spec.arch:
+            raise ValueError(f"{path}: checkpoint is {st['arch']}, this run trains {self.head.spec.arch}")
+        if self.eagle3 and not torch.equal(st["draft_ids"].to(self.device), self.draft_ids):
+            raise ValueError(f"{path}: checkpoint has another draft vocabulary (different data or --draft-vocab)")
+        self.head.load_state_dict(st["head"])
+        self.opt.load_state_dict(st["opt"])
+        self.step, self.total_steps = st["step"], st["total_steps"]
+        return st
+
+    # -- the loop -------------------------------------------------------------------------------
+    def fit(self, samples: list[dict], state_path: Path | None = None, resume: bool = False,
+            progress: bool = True, stop_at: int | None = None) -> TrainResult:
+        """Train over `samples` for cfg.epochs. With state_path, checkpoints every
+        cfg.save_every steps and at the end; `resume` continues from it (same data and
+        settings: the batch order of every epoch is fixed by the seed). stop_at ends the
+        run early after that many steps, checkpointed, as an interruption would."""
+        from tqdm import tqdm
+        c = self.cfg
+        if not samples:
+            raise ValueError("no training samples")
+        lengths = [min(len(s["input_ids"]), c.max_len) for s in samples]
+        per_epoch = len(make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed)))
+        planned = max(1, int(math.ceil(per_epoch * c.epochs)))
+        history: list[dict] = []
+        epoch, next_batch = 0, 0  # where the batch stream continues
+        if resume and state_path is not None and state_path.exists():
+            st = self.load(state_path)
+            epoch, next_batch, history = st["epoch"], st["batch"], st["history"]
+            log.info("resumed from %s at step %d (epoch %d, batch %d)", state_path, self.step,
+                     epoch, next_batch)
+        self.total_steps = planned
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.head.spec.arch}",
+                   unit="step", file=sys.stderr, disable=not progress)
+        t0 = time.monotonic()
+        first_step = self.step
+        calibrated = c.time_budget_s is None
+        window: list[tuple[float, list]] = []
+        batches = make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed + epoch))
+        while self.step < self.total_steps and (stop_at is None or self.step < stop_at):
+            if next_batch >= len(batches):
+                epoch, next_batch = epoch + 1, 0
+                batches = make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed + epoch))
+            idx = batches[next_batch]
+            next_batch += 1
+            loss, stats = self.train_step(*collate(samples, idx, c.max_len, self.device))
+            window.append((loss, stats))
+            done = self.step - first_step
+            if not calibrated and done == 10:
+                # Steps cost about the same from here on: fit the schedule to the budget.
+                per_step = (time.monotonic() - t0) / done
+                fits = self.step + int((c.time_budget_s - (time.monotonic() - t0)) / per_step)
+                if fits < self.total_steps:
+                    log.warning("time budget: %d of %d steps fit (%.2fs/step)", fits,
+                                self.total_steps, per_step)
+                    self.total_steps = max(self.step, fits)
+                    bar.total = self.total_steps
+                calibrated = True
+            bar.update(1)
+            if self.step % c.log_every == 0 or self.step == self.total_steps:
+                rec = _summarise(window, self.step, self.lr_at(self.step - 1))
+                history.append(rec)
+                window = []
+                bar.set_postfix(loss=f"{rec['loss']:.3f}",
+                                acc="/".join(f"{a * 100:.0f}" for a in rec["acc"]), refresh=False)
+            if state_path is not None and c.save_every and self.step % c.save_every == 0:
+                self.save(state_path, epoch, next_batch, history)
+        bar.close()
+        if window:
+            history.append(_summarise(window, self.step, self.lr_at(self.step - 1)))
+        if state_path is not None:
+            self.save(state_path, epoch, next_batch, history)
+        return TrainResult(self.head, self.step, time.monotonic() - t0, history)
+
+
+def _summarise(window: list[tuple[float, list]], step: int, lr: float) -> dict:
+    K = len(window[0][1])
+    corr = [sum(s[k][1] for _, s in window) for k in range(K)]
+    cnt = [sum(s[k][2] for _, s in window) for k in range(K)]
+    return {"step": step, "lr": lr, "loss": sum(l for l, _ in window) / len(window),
+            "step_loss": [round(sum(s[k][0] for _, s in window) / len(window), 4) for k in range(K)],
+            "acc": [round(cr / max(n, 1), 4) for cr, n in zip(corr, cnt)]}
+
+
+def _vocab_of(head: EagleHead) -> DraftVocab:
+    from training.vocab import from_d2t
+    return from_d2t(head.d2t, head._target.arch.vocab_size)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kestrel train-draft",
+        description="Generate data with the target (Magpie), train an EAGLE head, export it in the "
+                    "SGLang/EAGLE format and measure its acceptance with the engine.")
+    a = p.add_argument
+    a("--config", default=None, help="YAML preset for the engine (data generation and evaluation)")
+    a("--set", action="append", metavar="KEY=VALUE", help="config override (repeatable)")
+    a("--target", default=None, help="target model: .gguf or HF folder (default: the config's model)")
+    a("--arch", choices=["eagle3", "eagle"], default="eagle3")
+    a("--out", required=True, help="output folder: the head (config.json, *.safetensors), report.json, "
+                                   "data/ and train_state/")
+    a("--device", choices=["cuda", "cpu"], default=None, help="default: the config's device")
+    a("--seed", type=int, default=0)
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, help="training JSONL (input_ids + loss_mask) instead of generating")
+    g.add_argument("--eval-data", default=None, help="held-out JSONL (default: split off --data)")
+    g.add_argument("--samples", type=int, default=2000, help="conversations to generate (train + held-out)")
+    g.add_argument("--user-prompts", default=None, help="JSONL of prompts answered first (prompt/messages/turns)")
+    g.add_argument("--max-prompt-tokens", type=int, default=128)
+    g.add_argument("--max-response-tokens", type=int, default=384)
+    g.add_argument("--greedy-fraction", type=float, default=0.5, help="responses decoded greedily; the rest sampled")
+    g.add_argument("--response-temperature", type=float, default=0.8)
+    g.add_argument("--prompt-temperature", type=float, default=1.0)
+    g.add_argument("--eval-fraction", type=float, default=0.05)
+    g.add_argument("--gen-batch", type=int, default=None,
+                   help="concurrent requests while generating (default: 256 on cuda, the config's on cpu)")
+    g.add_argument("--gen-time-budget", type=float, default=None, help="seconds for data generation, at most")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=float, default=4.0)
+    t.add_argument("--batch-size", type=int, default=32, help="sequences per batch, at most")
+    t.add_argument("--max-batch-tokens", type=int, default=16384, help="padded tokens per batch, at most")
+    t.add_argument("--max-len", type=int, default=2048)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup-ratio", type=float, default=0.05)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--grad-clip", type=float, default=0.5)
+    t.add_argument("--ttt-steps", type=int, default=None, help="unrolled steps (default 7 eagle3, 3 eagle)")
+    t.add_argument("--step-decay", type=float, default=0.8)
+    t.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    t.add_argument("--hard-targets", action="store_true", help="match the target's argmax, not its distribution")
+    t.add_argument("--lm-head-init", choices=["random", "target"], default="random",
+                   help="EAGLE-3: start the LM head and norm at random (default) or from the target's")
+    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--resume", action="store_true", help="continue from OUT/train_state (and reuse OUT/data)")
+    t.add_argument("--train-time-budget", type=float, default=None, help="seconds for training, at most")
+    t.add_argument("--export-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    e = p.add_argument_group("evaluation")
+    e.add_argument("--no-eval", action="store_true")
+    e.add_argument("--eval-samples", type=int, default=64, help="held-out prompts run through the engine")
+    e.add_argument("--eval-prompts", default=None, help="also evaluate on these prompts (JSONL: prompt/messages/turns)")
+    e.add_argument("--eval-max-tokens", type=int, default=256)
+    e.add_argument("--eval-batch", type=int, default=None, help="concurrent eval requests (default: the config's)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]  # `kestrel train-draft -- --arch ...`: argparse REMAINDER keeps the "--"
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    from actors.models.loader import build_model, default_model_path
+    from configs.schema import ConfigError, load_config
+    from training.data import generate_dataset, load_jsonl, save_jsonl
+
+    try:
+        cfg = load_config(args.config, list(args.set or []))
+        if args.target:
+            cfg.model.path = args.target
+        if args.device:
+            cfg.device = args.device
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"kestrel train-draft: {e}")
+    device = cfg.resolved_device()
+    target_path = cfg.model.path or default_model_path()
+    cfg.model.path = target_path
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir, state_path = out / "data", out / "train_state" / "state.pt"
+    report: dict = {"arch": args.arch, "target": target_path, "device": device,
+                    "args": {k: v for k, v in vars(args).items()}, "seconds": {}}
+    t_all = time.monotonic()
+    tokenizer = None
+
+    def get_tokenizer():
+        nonlocal tokenizer
+        if tokenizer is None:
+            from serve_app.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(target_path)
+        return tokenizer
+
+    # 1. data ------------------------------------------------------------------------------
+    t0 = time.monotonic()
+    if args.data:
+        train = load_jsonl(args.data)
+        if args.eval_data:
+            held = load_jsonl(args.eval_data)
+        else:
+            rng = random.Random(args.seed)
+            rng.shuffle(train)
+            n_eval = min(len(train) - 1, max(1, round(len(train) * args.eval_fraction))) if len(train) > 1 else 0
+            held, train = train[:n_eval], train[n_eval:]
+        report["data"] = {"source": args.data, "train": len(train), "eval": len(held)}
+    elif args.resume and (data_dir / "train.jsonl").exists():
+        train, held = load_jsonl(data_dir / "train.jsonl"), load_jsonl(data_dir / "eval.jsonl")
+        report["data"] = json.loads((data_dir / "stats.json").read_text()) if (data_dir / "stats.json").exists() else {}
+        log.info("reusing %s (%d train, %d held-out samples)", data_dir, len(train), len(held))
+    else:
+        from serve_app.llm_engine import LLMEngine
+        from training.data import read_user_prompts
+        gen_cfg = cfg.model_copy(deep=True)
+        gen_cfg.draft.enabled = False
+        gen_cfg.scheduler.max_running_requests = args.gen_batch or (
+            256 if device == "cuda" else cfg.scheduler.max_running_requests)
+        engine = LLMEngine(gen_cfg, tokenizer=get_tokenizer())
+        users = read_user_prompts(args.user_prompts) if args.user_prompts else None
+        ds = generate_dataset(engine, tokenizer, args.samples, args.max_prompt_tokens,
+                              args.max_response_tokens, user_prompts=users,
+                              greedy_fraction=args.greedy_fraction,
+                              prompt_temperature=args.prompt_temperature,
+                              response_temperature=args.response_temperature,
+                              eval_fraction=args.eval_fraction, seed=args.seed,
+                              time_budget_s=args.gen_time_budget)
+        del engine
+        _free_memory()
+        train, held = ds.train, ds.eval
+        save_jsonl(train, data_dir / "train.jsonl")
+        save_jsonl(held, data_dir / "eval.jsonl")
+        (data_dir / "stats.json").write_text(json.dumps(ds.stats, indent=2))
+        report["data"] = ds.stats
+        log.info("data: %s", ds.stats)
+    report["seconds"]["data"] = round(time.monotonic() - t0, 1)
+    if not train:
+        sys.exit("kestrel train-draft: no training samples")
+
+    # 2. target, vocabulary, head -------------------------------------------------------------
+    t0 = time.monotonic()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target, tarch = build_model(target_path, dtype, device)
+    vocab = None
+    if args.arch == "eagle3":
+        from training.vocab import build_draft_vocab, count_assistant_tokens, coverage
+        size = min(args.draft_vocab, tarch.vocab_size)
+        vocab = build_draft_vocab(train, tarch.vocab_size, size, always_include=tarch.eos_token_ids)
+        report["draft_vocab"] = {"size": vocab.size, "train_coverage": round(vocab.coverage, 5),
+                                 "eval_coverage": round(coverage(count_assistant_tokens(held), vocab.t2d), 5)}
+        log.info("draft vocabulary: %s", report["draft_vocab"])
+    tc = TrainConfig(arch=args.arch, epochs=args.epochs, batch_size=args.batch_size,
+                     max_batch_tokens=args.max_batch_tokens, max_len=args.max_len, lr=args.lr,
+                     warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
+                     grad_clip=args.grad_clip, ttt_steps=args.ttt_steps, step_decay=args.step_decay,
+                     hard_targets=args.hard_targets, seed=args.seed, save_every=args.save_every,
+                     time_budget_s=args.train_time_budget)
+    head = init_head(make_spec(tarch, args.arch, vocab), target, vocab, seed=args.seed,
+                     lm_head_from_target=args.lm_head_init == "target")
+    trainer = Trainer(target, head, tc, vocab)
+    before = trainer.evaluate(held)
+
+    # 3. train ------------------------------------------------------------------------------
+    res = trainer.fit(train, state_path, resume=args.resume)
+    after = trainer.evaluate(held)
+    report["train"] = {"config": asdict(tc), "steps": res.steps, "seconds": round(res.seconds, 1),
+                       "heldout_before": before, "heldout_after": after,
+                       "history": res.history}
+    log.info("held-out: before %s, after %s", before, after)
+    report["seconds"]["train"] = round(time.monotonic() - t0, 1)
+
+    # 4. export -----------------------------------------------------------------------------
+    from training.export import export_head
+    files = export_head(res.head, out, getattr(torch, args.export_dtype))
+    report["export"] = {"files": [f.name for f in files],
+                        "bytes": {f.name: f.stat().st_size for f in files}}
+    del trainer, res, head, target
+    _free_memory()
+
+    # 5. acceptance with the real engine --------------------------------------------------------
+    if not args.no_eval:
+        from training.evaluate import eval_acceptance
+        t0 = time.monotonic()
+        ev_cfg = cfg.model_copy(deep=True)
+        if args.eval_batch:
+            ev_cfg.scheduler.max_running_requests = args.eval_batch
+        ev_cfg.model.max_model_len = max(ev_cfg.model.max_model_len,
+                                         max((s["prompt_len"] for s in held), default=0) + args.eval_max_tokens + 1)
+        prompts = [s["input_ids"][:s["prompt_len"]] for s in held[:args.eval_samples]]
+        report["acceptance"] = {}
+        if prompts:
+            report["acceptance"]["heldout"] = eval_acceptance(
+                ev_cfg, str(out), prompts, tokenizer=tokenizer, max_tokens=args.eval_max_tokens)
+        if args.eval_prompts:
+            from training.data import read_user_prompts, render_prompt
+            tok = get_tokenizer()
+            extra = [render_prompt(tok, p) for p in read_user_prompts(args.eval_prompts)]
+            report["acceptance"][Path(args.eval_prompts).stem] = eval_acceptance(
+                ev_cfg, str(out), extra, tokenizer=tok, max_tokens=args.eval_max_tokens)
+        report["seconds"]["eval"] = round(time.monotonic() - t0, 1)
+    report["seconds"]["total"] = round(time.monotonic() - t_all, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    _print_summary(report, out)
+    return report
+
+
+def _free_memory() -> None:
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _print_summary(report: dict, out: Path) -> None:
+    lines = [f"head written to {out} ({report['arch']}); report: {out / 'report.json'}"]
+    if "draft_vocab" in report:
+        dv = report["draft_vocab"]
+        lines.append(f"draft vocab {dv['size']}: coverage {dv['train_coverage']:.3f} train, "
+                     f"{dv['eval_coverage']:.3f} held-out")
+    after = report.get("train", {}).get("heldout_after")
+    if after:
+        lines.append("held-out top-1 per step: " + " ".join(f"{a:.3f}" for a in after["acc"]))
+    for split, res in report.get("acceptance", {}).items():
+        for name, row in res["settings"].items():
+            if "mean_accept_length" in row:
+                lines.append(f"{split} {name}: accept length {row['mean_accept_length']}, "
+                             f"{row['tokens_per_s']} tok/s (x{row.get('speedup_vs_no_spec', '?')})")
+    lines.append("seconds: " + json.dumps(report["seconds"]))
+    print("\n".join(lines), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
