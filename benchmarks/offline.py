@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mt_bench_questions.jsonl"
+DATA = Path(__file__).resolve().parent / "data" / "mt_bench_questions.jsonl"  # MT-bench, Apache-2.0
 
 
 def load_questions(path: Path, n: int) -> list[str]:

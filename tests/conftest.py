@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "spec"))  # spec_helpers
-SHARED_DATA = ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"
+SHARED_DATA = ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"  # MT-bench, Apache-2.0
 
 
 def mt_bench_first_turns(n: int) -> list[str]:
