@@ -126,19 +126,17 @@ def cmd_serve(args) -> None:
     run_server(cfg, **overrides)
 
 
-def cmd_bench(args) -> None:
-    from benchmarks.offline import main as offline_main
-    offline_main(args.rest)
-
-
-def cmd_train_draft(args) -> None:
-    from training.train import main as train_main
-    train_main(args.rest)
-
-
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
+    argv = sys.argv[1:] if argv is None else argv
+    # These own their whole argument list (argparse's REMAINDER refuses a leading option).
+    if argv and argv[0] == "train-draft":
+        from training.train import main as train_main
+        return train_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from benchmarks.offline import main as offline_main
+        return offline_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kestrel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -166,13 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--port", type=int, default=None)
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks: `kestrel bench offline --help`")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=cmd_bench)
-
-    t = sub.add_parser("train-draft", help="train an EAGLE head: `kestrel train-draft --help`")
-    t.add_argument("rest", nargs=argparse.REMAINDER)
-    t.set_defaults(func=cmd_train_draft)
+    # Listed for --help; main() hands their arguments over before parsing.
+    sub.add_parser("bench", help="benchmarks: `kestrel bench offline --help`")
+    sub.add_parser("train-draft", help="train an EAGLE head: `kestrel train-draft --help`")
 
     args = parser.parse_args(argv)
     try:
