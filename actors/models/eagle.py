@@ -19,7 +19,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from actors.models.llama import MLP, AttnFn, LlamaForCausalLM, RMSNorm

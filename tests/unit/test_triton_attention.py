@@ -141,7 +141,7 @@ def make_case(mode: str, page: int, cfg: str = "smollm", seed: int = 0, B: int |
 def forward_batch(c: dict) -> ForwardBatch:
     """The case as the workers build it: new_kv_slots only when E_b != q_b (draft decode)."""
     t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEV)  # noqa: E731
-    B, rows, table = c["B"], c["rows"], c["rt"].req_to_token
+    rows, table = c["rows"], c["rt"].req_to_token
     new_kv = None
     if c["E"] != c["qlens"]:
         new_kv = torch.stack([table[r, p:p + e] for r, p, e in zip(rows, c["prefix"], c["E"])])

@@ -4,17 +4,13 @@ padding keeps dtype. Two processes over gloo, spawned once for the whole file.""
 
 from __future__ import annotations
 
-import os
-import pickle
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dp_harness import finish_rank, run_ranks
 from actors.dp.group import DPGroup, find_free_port
 from actors.dp.sync import ForwardMode, dp_sync, idle_sync_row, make_sync_row, pad_int64
 
@@ -116,35 +112,12 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         for name, fn in originals.items():
             setattr(dist, name, fn)
     res["seen"] = seen
-    with open(Path(outdir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(res, f)
-    _fast_exit()
-
-
-def _fast_exit() -> None:
-    """Leave the spawned rank without interpreter teardown, which takes seconds on a
-    loaded 2-core machine; the results are already on disk. Only the success path
-    gets here: an exception still goes through torch.multiprocessing's error report."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_rank(outdir, rank, res)
 
 
 def _run_ranks(outdir: Path, timeout_s: float = 60.0) -> list[dict]:
     port = find_free_port()
-    ctx = mp.spawn(_worker, args=(port, str(outdir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"DP ranks did not finish within {timeout_s}s")
-    out = []
-    for r in range(WORLD):
-        with open(outdir / f"rank{r}.pkl", "rb") as f:
-            out.append(pickle.load(f))
-    return out
+    return run_ranks(_worker, (port,), outdir, WORLD, timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from serve_app.request import SamplingParams
 
 
 def test_c09_draft_extend_prep_leaves_lengths_alone():
-    B, N, S, F = 3, 4, 3, 8
+    B, N, F = 3, 4, 8
     t = torch.tensor([10, 11, 12], dtype=torch.int64)
     c = t.clone()  # the CPU mirror
     s = int(c.sum())
