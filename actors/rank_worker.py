@@ -6,6 +6,7 @@ tests call it in-process through the same `execute(plan)` interface.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from functools import lru_cache
 
@@ -58,6 +59,9 @@ class RankWorker:
         self.rank = rank
         self.device = torch.device(cfg.resolved_device())
         self.dtype = resolve_dtype(cfg.model.dtype, self.device.type)
+        if self.device.type == "cpu":
+            cores = os.cpu_count() or 1
+            torch.set_num_threads(cfg.cpu_threads or max(1, cores // cfg.parallel.dp_size))
         torch.manual_seed(cfg.seed)
         path = cfg.model.path or default_model_path()
         t0 = time.time()

@@ -115,6 +115,9 @@ class KestrelConfig(_Strict):
     seed: int = 0
     # Synchronize and time each phase of a step (benchmarks); costs a sync per phase.
     profile_steps: bool = False
+    # torch threads of each rank on CPU; None = the machine's cores shared among DP ranks.
+    # (Ray starts an actor with OMP_NUM_THREADS = its bundle's CPUs, usually 1.)
+    cpu_threads: int | None = Field(None, ge=1)
     model: ModelConfig = Field(default_factory=ModelConfig)
     draft: DraftConfig = Field(default_factory=DraftConfig)
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
