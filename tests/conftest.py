@@ -1,7 +1,6 @@
 """Shared fixtures: the default model loaded once per test session (fp32 for exactness)."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -11,12 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "spec"))  # spec_helpers
-SHARED_DATA = ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"  # MT-bench, Apache-2.0
+sys.path.insert(0, str(ROOT / "tests"))  # kestrel_testing
 
-
-def mt_bench_first_turns(n: int) -> list[str]:
-    rows = [json.loads(line) for line in SHARED_DATA.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows[:n]]
+from kestrel_testing import mt_bench_first_turns  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -73,19 +69,3 @@ def hf_model(smollm_path):
     return AutoModelForCausalLM.from_pretrained(
         os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path),
         dtype=torch.float32).eval()
-
-
-def assert_same_or_near_tie(hf_model, prompt, ours, theirs, tol=1e-4):
-    """Equal token for token, or the first divergence is at a near-tie of the reference
-    (top-2 logit gap below tol), where fp32 rounding may pick either."""
-    import torch
-    if ours == theirs:
-        return
-    n = min(len(ours), len(theirs))
-    d = next((i for i in range(n) if ours[i] != theirs[i]), n)
-    assert d < n, f"same tokens but different lengths ({len(ours)} vs {len(theirs)})"
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([prompt + ours[:d]])).logits[0, -1]
-    top2 = logits.topk(2).values
-    gap = float(top2[0] - top2[1])
-    assert gap < tol, f"diverged at output {d} where the top-2 logit gap is {gap:.2e} (not a tie)"

@@ -8,7 +8,7 @@ from configs.schema import load_config
 from serve_app.llm_engine import LLMEngine
 from serve_app.request import SamplingParams
 
-from conftest import assert_same_or_near_tie
+from kestrel_testing import assert_same_or_near_tie
 
 BASE = ["model.dtype=float32", "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
         "device=cpu"]

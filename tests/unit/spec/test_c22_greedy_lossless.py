@@ -5,7 +5,7 @@ of off-position accepted nodes all happen)."""
 import pytest
 import torch
 
-from conftest import assert_same_or_near_tie
+from kestrel_testing import assert_same_or_near_tie
 from configs.schema import load_config
 from serve_app.llm_engine import LLMEngine
 from spec_helpers import CHAIN, TREE, greedy

@@ -1,0 +1,29 @@
+"""Helpers shared by test modules (a plain module: `conftest` names clash across folders)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MT_BENCH = ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"  # MT-bench, Apache-2.0
+
+
+def mt_bench_first_turns(n: int) -> list[str]:
+    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows[:n]]
+
+
+def assert_same_or_near_tie(hf_model, prompt, ours, theirs, tol=1e-4):
+    """Equal token for token, or the first divergence is at a near-tie of the reference
+    (top-2 logit gap below tol), where fp32 rounding may pick either."""
+    import torch
+    if ours == theirs:
+        return
+    n = min(len(ours), len(theirs))
+    d = next((i for i in range(n) if ours[i] != theirs[i]), n)
+    assert d < n, f"same tokens but different lengths ({len(ours)} vs {len(theirs)})"
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + ours[:d]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < tol, f"diverged at output {d} where the top-2 logit gap is {gap:.2e} (not a tie)"
