@@ -8,28 +8,9 @@ import pytest
 import torch
 
 from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
+from graph_fakes import RecordingBackend
 
 K, H, SLOTS = 2, 3, 4  # topk lanes, hidden size, draft scratch slots per request
-
-
-class RecordingBackend:
-    """Records what each replay-metadata call saw (cloned: static buffers change later)."""
-
-    def __init__(self, fill: int):
-        self.fill = fill
-        self.calls: list[dict] = []
-
-    def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return self.fill
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum,
-                                                seq_lens_cpu, extend_lens=None, **kw):
-        spec = kw["spec"]
-        self.calls.append(dict(
-            bs=bs, batch_size=spec.batch_size, seq_lens=seq_lens.tolist(),
-            seq_lens_sum=seq_lens_sum, spec_sum=spec.seq_lens_sum,
-            seq_lens_cpu=seq_lens_cpu.tolist(), req_pool_indices=req_pool_indices.tolist(),
-            positions=spec.positions.tolist()))
 
 
 def _forward(view: GraphBatch):

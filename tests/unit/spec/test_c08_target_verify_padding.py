@@ -7,27 +7,9 @@ import pytest
 import torch
 
 from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
+from graph_fakes import RecordingBackend
 
 N = 4
-
-
-class RecordingBackend:
-    def __init__(self, fill: int):
-        self.fill = fill
-        self.calls: list[dict] = []
-
-    def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return self.fill
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum,
-                                                seq_lens_cpu, extend_lens=None, **kw):
-        spec = kw["spec"]
-        self.calls.append(dict(
-            bs=bs, mode=kw["forward_mode"], seq_lens=seq_lens.tolist(), seq_lens_sum=seq_lens_sum,
-            seq_lens_cpu=seq_lens_cpu.tolist(), extend_lens=extend_lens.tolist(),
-            req_pool_indices=req_pool_indices.tolist(), positions=spec.positions.tolist(),
-            out_cache_loc=spec.out_cache_loc.tolist(), input_ids=spec.input_ids.tolist(),
-            mask=spec.custom_mask.clone()))
 
 
 def _verify_batch(bs: int) -> GraphBatch:
