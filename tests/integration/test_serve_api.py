@@ -3,11 +3,11 @@ the official `openai` client. All tests share the session server of conftest.py.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
 import httpx
+from kestrel_testing import mt_bench_first_turns
 import openai
 import pytest
 
@@ -19,10 +19,7 @@ GREEDY = {"temperature": 0.0}
 IGNORE_EOS = {"ignore_eos": True}  # extension field: fixed lengths make counts exact
 
 
-def mt_bench(n: int) -> list[str]:
-    path = ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows[:n]]
+mt_bench = mt_bench_first_turns
 
 
 def assert_error_body(r: httpx.Response, status: int | tuple[int, ...]) -> dict:
