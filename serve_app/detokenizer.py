@@ -159,3 +159,10 @@ class StopChecker:
             if any(s.startswith(tail) for s in self.stops):
                 return k
         return 0
+
+
+def detokenizer_factory(tokenizer: Any):
+    """What the Scheduler calls per request: its (IncrementalDetokenizer, StopChecker)."""
+    def make(req) -> tuple[IncrementalDetokenizer, StopChecker]:
+        return IncrementalDetokenizer(tokenizer, req.prompt_ids), StopChecker(req.params.stop)
+    return make

@@ -24,10 +24,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.rank_actor import RankActor
 from configs.schema import KestrelConfig
-from serve_app.detokenizer import IncrementalDetokenizer, StopChecker
+from serve_app.detokenizer import detokenizer_factory
 from serve_app.metrics import EngineGauges
 from serve_app.request import Request, RequestOutput, SamplingParams
 from serve_app.scheduler import Scheduler
+from serve_app.tokenizer import stop_token_ids
 
 log = logging.getLogger("kestrel.engine")
 
@@ -129,10 +130,9 @@ class EngineDeployment:
         tok_task = asyncio.to_thread(load_tokenizer, cfg_obj.model.path or default_model_path())
         infos, self.tokenizer = await asyncio.gather(
             asyncio.gather(*[a.info.remote() for a in self.actors]), tok_task)
-        eos = list(infos[0]["eos_token_ids"])
-        if self.tokenizer.eos_token_id is not None:
-            eos.append(self.tokenizer.eos_token_id)
-        self.schedulers = [Scheduler(cfg_obj, info, eos, self._detok) for info in infos]
+        eos = sorted(stop_token_ids(self.tokenizer, infos[0]["eos_token_ids"]))
+        self.schedulers = [Scheduler(cfg_obj, info, eos, detokenizer_factory(self.tokenizer))
+                           for info in infos]
         sc = cfg_obj.scheduler
         # Per rank: requests it runs plus requests it queues; more is a QueueFull.
         self._capacity = sc.max_running_requests + sc.max_queued_requests
@@ -143,9 +143,6 @@ class EngineDeployment:
         self._gauges_task = asyncio.create_task(self._publish_gauges())
         log.info("engine replica %s ready: dp_size=%d, placement group %s, %s", self._replica,
                  dp, pg.id.hex() if pg is not None else None, infos[0])
-
-    def _detok(self, req: Request):
-        return IncrementalDetokenizer(self.tokenizer, req.prompt_ids), StopChecker(req.params.stop)
 
     # ---- the step loop ---------------------------------------------------------------
     async def _run_rank(self, rank: int) -> None:

@@ -13,9 +13,10 @@ import time
 
 from actors.rank_worker import RankWorker
 from configs.schema import KestrelConfig
-from serve_app.detokenizer import IncrementalDetokenizer, StopChecker
+from serve_app.detokenizer import detokenizer_factory
 from serve_app.request import Request, RequestOutput, SamplingParams
 from serve_app.scheduler import Scheduler
+from serve_app.tokenizer import stop_token_ids
 
 log = logging.getLogger("kestrel.engine")
 
@@ -35,17 +36,12 @@ class LLMEngine:
             from serve_app.tokenizer import load_tokenizer as _load
             tokenizer = _load(cfg.model.path or default_model_path())
         self.tokenizer = tokenizer
-        eos = list(arch.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.append(tokenizer.eos_token_id)
-        factory = self._detok if tokenizer is not None else None
+        eos = sorted(stop_token_ids(tokenizer, arch))
+        factory = detokenizer_factory(tokenizer) if tokenizer is not None else None
         self.schedulers = [Scheduler(cfg, {**w.info(), **(worker_info or {})}, eos, factory)
                            for w in self.workers]
         self._ids = itertools.count()
         self.steps = 0
-
-    def _detok(self, req: Request):
-        return IncrementalDetokenizer(self.tokenizer, req.prompt_ids), StopChecker(req.params.stop)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,

@@ -8,10 +8,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from actors.models.model_config import LlamaArch
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +71,10 @@ def apply_chat_template(tok: Any, messages: list[dict[str, Any]]) -> list[int]:
     return [int(t) for t in out]
 
 
-def stop_token_ids(tok: Any, arch: "LlamaArch") -> set[int]:
-    """Ids that end generation: the model's eos ids plus the tokenizer's eos token."""
-    ids = {int(t) for t in arch.eos_token_ids}
+def stop_token_ids(tok: Any, model_eos_ids) -> set[int]:
+    """Ids that end generation: the model's eos ids (a list, or an arch carrying them)
+    plus the tokenizer's eos token."""
+    ids = {int(t) for t in getattr(model_eos_ids, "eos_token_ids", model_eos_ids)}
     if getattr(tok, "eos_token_id", None) is not None:
         ids.add(int(tok.eos_token_id))
     return ids
