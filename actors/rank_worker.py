@@ -104,11 +104,8 @@ class RankWorker:
 
         def forward(view):
             # Metadata is rebuilt inside the graph from the static inputs on every replay.
-            fb = ForwardBatch(ForwardMode.DECODE, view.input_ids, view.positions,
-                              view.out_cache_loc, view.req_pool_indices, view.seq_lens - 1,
-                              [1] * view.batch_size)
-            hidden, _ = self.target.forward(fb)
-            return self.model.compute_logits(hidden)  # [bs, V] fp32
+            return self._decode_logits(view.input_ids, view.seq_lens - 1, view.out_cache_loc,
+                                       view.req_pool_indices)
 
         t0 = time.time()
         with torch.inference_mode():
@@ -172,18 +169,24 @@ class RankWorker:
         fb = self.extend_batch(plan)
         aux = self.eagle.aux_layers if self.eagle else ()
         hidden, aux_hidden = self.target.forward(fb, aux_layers=aux)
-        last = torch.cumsum(self._tensor(plan.extend_lens), 0) - 1  # [B] int64
+        last = torch.cumsum(fb.seq_lens - fb.prefix_lens, 0) - 1  # [B] int64 last row per chunk
         logits = self.model.compute_logits(hidden[last])
         tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins)
-        rows = fb.req_pool_indices
-        done = self._tensor([int(x) for x in plan.last_chunk]).bool()
-        seq_lens = fb.prefix_lens + self._tensor(plan.extend_lens)
+        done = self._tensor(plan.last_chunk).bool()  # [B] prompts finished by this chunk
         if self.eagle is not None:
-            self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done)
+            self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done, last)
         else:
-            self.future.store(rows[done], seq_lens[done], tokens[done])
+            self.future.store(fb.req_pool_indices[done], fb.seq_lens[done], tokens[done])
         toks = tokens.tolist()
         return [[toks[i]] if plan.last_chunk[i] else [] for i in range(len(plan.rows))]
+
+    def _decode_logits(self, ids, prefix_lens, loc, rows) -> torch.Tensor:
+        """One token per request at position prefix_len -> logits [B, V] fp32 (eager, and
+        the body captured as a graph)."""
+        fb = ForwardBatch(ForwardMode.DECODE, ids, prefix_lens, loc, rows, prefix_lens,
+                          [1] * rows.numel())
+        hidden, _ = self.target.forward(fb)
+        return self.model.compute_logits(hidden)
 
     def _decode(self, plan: StepPlan) -> list[list[int]]:
         rows = self._tensor(plan.rows)
@@ -195,10 +198,7 @@ class RankWorker:
             logits = self.decode_graphs.replay(
                 GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1))
         else:
-            fb = ForwardBatch(ForwardMode.DECODE, c.bonus, c.seq_lens.clone(), loc, rows,
-                              c.seq_lens, [1] * B)
-            hidden, _ = self.target.forward(fb)
-            logits = self.model.compute_logits(hidden)
+            logits = self._decode_logits(c.bonus, c.seq_lens, loc, rows)
         tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins)
         self.future.store(rows, c.seq_lens + 1, tokens)
         return [[t] for t in tokens.tolist()]

@@ -277,11 +277,11 @@ class Scheduler:
                     continue
                 self.prefilling.remove(req)
                 self.running.append(req)
+                accepted = []
             else:
                 req.kv_committed_len += len(toks)
-                if self.spec:
-                    req.accept_lengths.append(len(toks))
-            accepted = [len(toks)] if plan.mode == "decode" and self.spec else []
+                accepted = [len(toks)] if self.spec else []
+                req.accept_lengths += accepted
             ev = self._emit(req, toks, accepted)
             if ev is not None:
                 events.append(ev)
@@ -292,13 +292,12 @@ class Scheduler:
             req.first_token_time = time.time()
         new_ids: list[int] = []
         reason = None
+        stop_token = False  # the last token ended the request and is not part of the text
         for t in toks:
             req.output_ids.append(t)
             new_ids.append(t)
-            if not req.params.ignore_eos and t in self.eos:
-                reason = "stop"
-            elif t in req.params.stop_token_ids:
-                reason = "stop"
+            if (not req.params.ignore_eos and t in self.eos) or t in req.params.stop_token_ids:
+                reason, stop_token = "stop", True
             elif len(req.output_ids) >= req.params.max_tokens:
                 reason = "length"
             elif len(req.all_ids) >= self.max_model_len:
@@ -307,9 +306,7 @@ class Scheduler:
                 break
         text = ""
         if req.detok is not None:
-            # The stop token itself is not part of the text.
-            hidden_stop = reason == "stop" and (new_ids[-1] in self.eos or new_ids[-1] in req.params.stop_token_ids)
-            piece = req.detok.add(new_ids[:-1] if hidden_stop else new_ids)
+            piece = req.detok.add(new_ids[:-1] if stop_token else new_ids)
             if reason:
                 piece += req.detok.flush()
             text, stopped = req.stopper.feed(piece)

@@ -67,24 +67,23 @@ class EagleWorker:
         self.extend_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token, scale)
         self.decode_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token, scale)
         self.runner = ModelRunner(self.head, self.extend_backend)
-        self.last_timings: dict[str, float] = {}
         self.decode_runner = ModelRunner(self.head, self.decode_backend)
+        self.last_timings: dict[str, float] = {}  # per-phase seconds of the last iteration
 
     def _features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
         """What the head reads from the target: final hidden (EAGLE-1) or 3 layers (EAGLE-3)."""
         return torch.cat(aux, -1) if self.aux_layers else hidden
 
     # ---- after a prefill chunk -------------------------------------------------------------
-    def extend_after_prefill(self, plan: StepPlan, fb: ForwardBatch, hidden, aux, tokens, done):
+    def extend_after_prefill(self, plan: StepPlan, fb: ForwardBatch, hidden, aux, tokens, done,
+                             ends):
         """Draft extend over a prefill chunk: ids shifted by one (the token after each
-        position: the next prompt token, or the sampled first output on the last chunk)."""
+        position: the next prompt token, or the sampled first output on the last chunk).
+        `ends` [B] are the chunks' last rows, `done` the requests whose prompt is complete."""
         w = self.w
-        ids = fb.input_ids.clone()
-        lens = torch.tensor(plan.extend_lens, dtype=torch.int64, device=w.device)
-        ends = torch.cumsum(lens, 0) - 1  # [B] int64 last row of each chunk
         nxt = torch.tensor(plan.next_ids, dtype=torch.int64, device=w.device)
         nxt = torch.where(nxt >= 0, nxt, tokens)
-        shifted = torch.roll(ids, -1)
+        shifted = torch.roll(fb.input_ids, -1)  # a new tensor: fb keeps its ids
         shifted[ends] = nxt
         dfb = ForwardBatch(ForwardMode.DRAFT_EXTEND, draft_extend_ids(shifted), fb.positions,
                            fb.out_cache_loc, fb.req_pool_indices, fb.prefix_lens,
@@ -92,8 +91,7 @@ class EagleWorker:
         h = self.runner.forward(dfb, hidden_in=dfb.hidden_in)  # [T, H]
         last = h[ends]
         topk_p, topk_index = self.head.topk(last, self.K)
-        seq_lens = fb.prefix_lens + lens
-        w.future.store(fb.req_pool_indices[done], seq_lens[done], tokens[done],
+        w.future.store(fb.req_pool_indices[done], fb.seq_lens[done], tokens[done],
                        topk_p[done], topk_index[done], last[done])
 
     # ---- one speculative decode iteration ---------------------------------------------------
