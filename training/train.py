@@ -483,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gen-batch", type=int, default=None,
                    help="concurrent requests while generating (default: 256 on cuda, the config's on cpu)")
     g.add_argument("--gen-time-budget", type=float, default=None, help="seconds for data generation, at most")
+    g.add_argument("--data-only", action="store_true",
+                   help="stop after writing OUT/data (train several heads on it with --data/--eval-data)")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=float, default=4.0)
     t.add_argument("--batch-size", type=int, default=32, help="sequences per batch, at most")
@@ -591,6 +593,9 @@ def main(argv: list[str] | None = None) -> dict:
     report["seconds"]["data"] = round(time.monotonic() - t0, 1)
     if not train:
         sys.exit("kestrel train-draft: no training samples")
+    if args.data_only:
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        return report
 
     # 2. target, vocabulary, head -------------------------------------------------------------
     t0 = time.monotonic()
