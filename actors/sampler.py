@@ -18,5 +18,5 @@ def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[fl
             torch.tensor([temperature[i] for i in hot], device=logits.device),
             torch.tensor([top_p[i] for i in hot], device=logits.device),
             torch.tensor([top_k[i] for i in hot], dtype=torch.int64, device=logits.device))
-        tokens[idx] = sample_from_probs(probs, coins[idx, 0].to(logits.device))
+        tokens[idx] = sample_from_probs(probs, coins.to(logits.device)[idx, 0])
     return tokens
