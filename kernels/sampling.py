@@ -41,6 +41,21 @@ def process_logits(
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [T] float32
     probs = torch.softmax(logits.float() / safe_t[:, None], dim=-1)  # [T, V] float32
 
+    # Without top-k/top-p every token stays: skip the [T, V] sort, the bulk of the cost.
+    filtered = bool(((top_k > 0) | (top_p < 1.0)).any())
+    out = _top_k_top_p(probs, top_p, top_k) if filtered else probs  # [T, V] float32
+
+    if bool(greedy.any()):
+        one_hot = torch.zeros((T, V), dtype=torch.float32, device=device)  # [T, V] float32
+        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        out = torch.where(greedy[:, None], one_hot, out)
+    return out
+
+
+def _top_k_top_p(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """probs [T, V] float32 -> the renormalised top-k, then top-p, distribution [T, V] float32."""
+    T, V = probs.shape
+    device = probs.device
     # Rank tokens once; both filters act on ranks.
     sorted_p, sorted_idx = torch.sort(probs, dim=-1, descending=True, stable=True)  # [T, V] f32, [T, V] i64
     rank = torch.arange(V, device=device, dtype=torch.int64)[None, :]  # [1, V] int64
@@ -59,13 +74,7 @@ def process_logits(
     keep = torch.zeros((T, V), dtype=torch.bool, device=device)  # [T, V] bool, token order
     keep.scatter_(1, sorted_idx, keep_sorted)
     out = torch.where(keep, probs, torch.zeros_like(probs))  # [T, V] float32
-    out = out / out.sum(dim=-1, keepdim=True)
-
-    if bool(greedy.any()):
-        one_hot = torch.zeros((T, V), dtype=torch.float32, device=device)  # [T, V] float32
-        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        out = torch.where(greedy[:, None], one_hot, out)
-    return out
+    return out / out.sum(dim=-1, keepdim=True)
 
 
 def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
@@ -86,7 +95,9 @@ def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1]  # [T] float64
     threshold = (coins.double() * total)[:, None].contiguous()  # [T, 1] float64
     idx = torch.searchsorted(cdf, threshold, right=True).squeeze(1)  # [T] int64
-    # Fallback for threshold >= total: last positive-probability token.
+    over = idx >= V  # [T] bool: rounding pushed the threshold past the end (rare)
+    if not bool(over.any()):
+        return idx.to(torch.int64)
     positive = probs > 0  # [T, V] bool
     last_pos = (V - 1) - torch.flip(positive, dims=[1]).to(torch.int64).argmax(dim=-1)  # [T] int64
-    return torch.where(idx >= V, last_pos, idx).to(torch.int64)
+    return torch.where(over, last_pos, idx).to(torch.int64)

@@ -67,3 +67,51 @@ def eval_acceptance(cfg, draft_path: str | None, prompts: list[list[int]], *, to
             if name != "no_spec" and row.get("tokens_per_s"):
                 row["speedup_vs_no_spec"] = round(row["tokens_per_s"] / base, 3)
     return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """`python -m training.evaluate`: accept lengths and tokens/s of a head on a prompt file."""
+    import argparse
+    import json
+    import sys
+
+    from configs.schema import load_config
+    from serve_app.tokenizer import load_tokenizer
+    from training.data import read_user_prompts, render_prompt
+
+    names = [n for n, *_ in DEFAULT_SETTINGS]
+    p = argparse.ArgumentParser(prog="python -m training.evaluate", description=eval_acceptance.__doc__)
+    p.add_argument("--config", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--draft", default=None, help="head folder (default: the shipped head of the default model)")
+    p.add_argument("--prompts", required=True, help="JSONL of prompts (prompt/messages/turns: first turn)")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=None, help="concurrent requests (default: the config's)")
+    p.add_argument("--settings", nargs="+", choices=names, default=names)
+    p.add_argument("--no-baseline", action="store_true", help="skip plain decoding")
+    p.add_argument("--out", default=None, help="write the result here as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    cfg = load_config(args.config, args.set)
+    if args.batch:
+        cfg.scheduler.max_running_requests = args.batch
+    from actors.models.eagle import resolve_draft_path
+    from actors.models.loader import default_model_path
+    draft = resolve_draft_path(args.draft, cfg.model.path)
+    tok = load_tokenizer(cfg.model.path or default_model_path())
+    prompts = [render_prompt(tok, q) for q in read_user_prompts(args.prompts)][:args.num_prompts]
+    settings = [s for s in DEFAULT_SETTINGS if s[0] in args.settings]
+    res = eval_acceptance(cfg, draft, prompts, tokenizer=tok, settings=settings,
+                          max_tokens=args.max_tokens, baseline=not args.no_baseline)
+    res["draft"], res["prompts_file"] = draft, args.prompts
+    text = json.dumps(res, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -222,6 +222,18 @@ def read_eagle_spec(folder: Path, target: LlamaArch, arch: str = "auto") -> Eagl
     return s
 
 
+def resolve_draft_path(draft_path: str | None, model_path: str | None) -> str:
+    """draft.path as given; when unset, the shipped head of the default target, and an
+    error for any other target (a random head would only slow it down)."""
+    if draft_path:
+        return draft_path
+    if model_path is None:
+        from heads import default_head_path
+        return default_head_path()
+    raise ValueError(f"draft.enabled=true needs draft.path for model.path={model_path!r}: the shipped "
+                     "head fits only the default SmolLM2 target (train one: kestrel train-draft)")
+
+
 def load_eagle_head(path: str, target: LlamaForCausalLM, arch: str, dtype: torch.dtype,
                     device: torch.device, seed: int = 0) -> EagleHead:
     """A head from an SGLang/EAGLE folder, or `path="random"` for a random one (tests)."""

@@ -23,7 +23,7 @@ from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
 from actors.kv_cache import TokenToKVPool
 from actors.model_runner import ModelRunner
-from actors.models.eagle import load_eagle_head
+from actors.models.eagle import load_eagle_head, resolve_draft_path
 from actors.step_plan import StepPlan
 from configs.schema import KestrelConfig
 from kernels.sampling import process_logits
@@ -55,8 +55,8 @@ class EagleWorker:
         self.w = worker
         d = cfg.draft
         self.K, self.S, self.N = d.topk, d.num_steps, d.num_draft_tokens
-        self.head = load_eagle_head(d.path or "random", worker.model, d.arch, worker.dtype,
-                                    worker.device, seed=cfg.seed)
+        self.head = load_eagle_head(resolve_draft_path(d.path, cfg.model.path), worker.model,
+                                    d.arch, worker.dtype, worker.device, seed=cfg.seed)
         s = self.head.spec
         self.hidden_size = s.hidden_size
         self.aux_layers = self.head.aux_layers

@@ -155,3 +155,16 @@ def test_sample_never_returns_zero_prob_token_random(seed):
     coins[8:16] = 0.0
     tokens = sample_from_probs(probs, coins)
     assert (probs[torch.arange(T), tokens] > 0).all()
+
+
+def test_unfiltered_rows_skip_the_sort_and_match_a_no_op_filter():
+    """top_k <= 0 and top_p >= 1 everywhere take the fast path; top_k = V goes through the
+    sort yet keeps every token: the two distributions agree."""
+    torch.manual_seed(3)
+    V = 300
+    logits = torch.randn(5, V) * 3
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.0, 2.0])
+    fast = process_logits(logits, temperature, torch.ones(5), torch.zeros(5, dtype=torch.int64))
+    slow = process_logits(logits, temperature, torch.ones(5), torch.full((5,), V, dtype=torch.int64))
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-6)
+    assert torch.equal(fast[3], torch.nn.functional.one_hot(logits[3].argmax(), V).float())
