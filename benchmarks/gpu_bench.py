@@ -1,10 +1,11 @@
 """GPU benchmark, one command on the GPU machine:
 
     python -m benchmarks.gpu_bench [--batch-sizes 1 8 32 64] [--max-tokens 256]
-        [--backends torch_native triton] [--draft PATH|random] [--out DIR]
+        [--backends torch_native triton flashinfer] [--draft PATH|random] [--out DIR]
 
-SmolLM2-135M bf16, MT-bench first turns, greedy, ignore EOS. For each backend: plain
-eager, plain with CUDA graphs (backends that can be captured), speculative; and Hugging
+SmolLM2-135M bf16, MT-bench first turns, greedy, ignore EOS. For each backend: plain and
+speculative (chain and tree), eager and with CUDA graphs (backends that can be
+captured); the shipped head unless --draft says otherwise; and Hugging
 Face transformers `generate` on the same prompts in the same run as the peer. Reports
 tokens/s, per-step wall times, mean accept length and ratios as a markdown table, and
 the raw figures as JSON under --out.
@@ -78,9 +79,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--backends", nargs="+", default=["torch_native", "triton"])
-    ap.add_argument("--draft", default="random")
-    ap.add_argument("--spec-shape", choices=["chain", "tree"], default="tree")
+    ap.add_argument("--backends", nargs="+", default=["torch_native", "triton", "flashinfer"])
+    ap.add_argument("--draft", default=None, help="head folder or 'random' (default: the shipped head)")
+    ap.add_argument("--spec-shapes", nargs="+", choices=["chain", "tree"], default=["chain", "tree"])
     ap.add_argument("--spec-batch-sizes", type=int, nargs="+", default=None,
                     help="batch sizes for the speculative variant (default: --batch-sizes)")
     ap.add_argument("--skip-hf", action="store_true")
@@ -97,16 +98,21 @@ def main(argv=None):
     prompts = [apply_chat_template(tok, [{"role": "user", "content": qs[i % len(qs)]}]) for i in range(n)]
     base = ["device=cuda", "model.dtype=bfloat16", "kv_cache.num_slots=200000", "profile_steps=true",
             f"scheduler.max_running_requests={max(64, n)}", "model.max_model_len=2048"]
-    shape = TREE if args.spec_shape == "tree" else CHAIN
+    draft = [f"draft.path={args.draft}"] if args.draft else []
     results = []
     for backend in args.backends:
-        variants = [("plain eager", ["attention.cuda_graphs=false"])]
+        modes = [("eager", "attention.cuda_graphs=false")]
         if backend != "torch_native":
-            variants.append(("plain graphs", ["attention.cuda_graphs=true"]))
-        variants.append((f"spec {args.spec_shape}", ["attention.cuda_graphs=false", "draft.enabled=true",
-                                                     f"draft.path={args.draft}", *shape]))
+            modes.append(("graphs", "attention.cuda_graphs=true"))
+        variants = [(f"plain {m}", [g]) for m, g in modes]
+        variants += [(f"spec {sh} {m}", [g, "draft.enabled=true", *draft, *(TREE if sh == "tree" else CHAIN)])
+                     for sh in args.spec_shapes for m, g in modes]
         for name, ov in variants:
-            cfg = load_config(overrides=base + [f"attention.backend={backend}"] + ov)
+            try:
+                cfg = load_config(overrides=base + [f"attention.backend={backend}"] + ov)
+            except Exception as e:
+                print(f"{backend} {name}: skipped ({e})", file=sys.stderr)
+                continue
             workers = None
             sizes = args.batch_sizes
             if name.startswith("spec") and args.spec_batch_sizes:
@@ -141,12 +147,13 @@ def main(argv=None):
     with open(Path(args.out) / "gpu_bench.json", "w") as f:
         json.dump([{k: v for k, v in r.items() if k != "outputs"} for r in results], f, indent=1)
     hf = {r["batch"]: r["tok_s"] for r in results if r["backend"] == "transformers"}
-    plain = {(r["backend"], r["batch"]): r["tok_s"] for r in results if r["variant"] == "plain eager"}
+    plain = {(r["backend"], r["variant"].split()[-1], r["batch"]): r["tok_s"] for r in results
+             if r["variant"].startswith("plain")}
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.max_tokens} new tokens, greedy\n")
-    print("| backend | variant | batch | tok/s | vs plain eager | vs transformers | accept | step ms | agree |")
+    print("| backend | variant | batch | tok/s | vs plain (same mode) | vs transformers | accept | step ms | agree |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        pe = plain.get((r["backend"], r["batch"]))
+        pe = plain.get((r["backend"], r["variant"].split()[-1], r["batch"]))
         print(f"| {r['backend']} | {r['variant']} | {r['batch']} | {r['tok_s']:.1f} | "
               f"{r['tok_s'] / pe:.2f} | " if pe else f"| {r['backend']} | {r['variant']} | {r['batch']} | {r['tok_s']:.1f} | - | ",
               end="")

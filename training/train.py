@@ -414,8 +414,10 @@ class Trainer:
             window.append((loss, stats))
             done = self.step - first_step
             if not calibrated and done == 10:
+                t_warm = time.monotonic()  # the first steps pay for kernel compilation and caching
+            if not calibrated and done == 20:
                 # Steps cost about the same from here on: fit the schedule to the budget.
-                per_step = (time.monotonic() - t0) / done
+                per_step = (time.monotonic() - t_warm) / 10
                 fits = self.step + int((c.time_budget_s - (time.monotonic() - t0)) / per_step)
                 if fits < self.total_steps:
                     log.warning("time budget: %d of %d steps fit (%.2fs/step)", fits,

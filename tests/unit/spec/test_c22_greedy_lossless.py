@@ -104,3 +104,22 @@ def test_c22_oracle_draft_long_accepts(spec_workers, tokenizer, chat_prompts, pl
         assert max(r.accept_lengths) >= 3
     if shape is TREE:
         assert moves, "the tree oracle accepts off-position nodes: their KV must move"
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_c22_shipped_head(tokenizer, chat_prompts, plain, hf_model, shape):
+    """The trained head shipped for the default model (draft.path unset): lossless, and it
+    really drafts: a random head accepts ~1.0 tokens per iteration, this one clearly more."""
+    cfg = load_config(overrides=BASE + ["draft.enabled=true", *shape])
+    assert cfg.draft.path is None and cfg.model.path is None
+    reqs = LLMEngine(cfg, tokenizer=tokenizer).generate(chat_prompts[:4], greedy(MAX))
+    for prompt, r, ref in zip(chat_prompts, reqs, plain):
+        assert_same_or_near_tie(hf_model, prompt, r.output_ids, ref[:MAX])
+    acc = [a for r in reqs for a in r.accept_lengths]
+    assert sum(acc) / len(acc) > 1.2, f"mean accept length {sum(acc) / len(acc):.2f}"
+
+
+def test_draft_path_unset_for_another_target_is_an_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="draft.path"):
+        LLMEngine(load_config(overrides=[f"model.path={tiny_llama_dir}", "device=cpu",
+                                         "draft.enabled=true"]), load_tokenizer=False)
