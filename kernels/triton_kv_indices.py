@@ -76,7 +76,7 @@ if HAS_TRITON:
         n_pages = (tl.load(SeqLens + b).to(tl.int64) + PAGE - 1) // PAGE
         dst = tl.load(KvIndptr + b)
         src = ReqToToken + row * stride_rt
-        for i in range(0, tl.cdiv(n_pages, BLOCK)):  # loop over BLOCK-page chunks
+        for i in range(tl.cdiv(n_pages, BLOCK)):  # loop over BLOCK-page chunks
             pages = i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             ok = pages < n_pages
             slot = tl.load(src + pages * PAGE, mask=ok, other=0).to(tl.int64)
@@ -101,7 +101,7 @@ def paged_kv_indices_triton(
         raise RuntimeError("triton is not installed; use paged_kv_indices_ref")
     if req_to_token.stride(-1) != 1:
         raise ValueError("req_to_token needs a contiguous last dim")
-    num_pages, kv_indptr, last = _indptr_and_last_len(seq_lens, page_size)
+    _, kv_indptr, last = _indptr_and_last_len(seq_lens, page_size)
     if out is None:
         out = torch.empty(int(kv_indptr[-1]), dtype=torch.int64, device=req_to_token.device)  # [total] int64
     B = req_pool_indices.numel()

@@ -47,12 +47,12 @@ if HAS_TRITON:
 
         # 1. Kept flag of every candidate (stable descending rank < N-1), staged in
         #    FlatToNode.
-        for jt in range(0, n_tiles):
+        for jt in range(n_tiles):
             j = jt * TILE + tl.arange(0, TILE)
             j_ok = j < M
             s_j = tl.load(scores + j, mask=j_ok, other=0.0)
             rank = tl.zeros((TILE,), dtype=tl.int32)
-            for it in range(0, n_tiles):
+            for it in range(n_tiles):
                 i = it * TILE + tl.arange(0, TILE)
                 s_i = tl.load(scores + i, mask=i < M, other=0.0)
                 before = (s_i[None, :] > s_j[:, None]) | (
@@ -65,7 +65,7 @@ if HAS_TRITON:
         # 2. Node id of each kept candidate (1 + kept before it, in flat order); gather its
         #    token into place. Non-kept candidates map to -1.
         carry = tl.zeros((), dtype=tl.int64)
-        for jt in range(0, n_tiles):
+        for jt in range(n_tiles):
             j = jt * TILE + tl.arange(0, TILE)
             j_ok = j < M
             kept = tl.load(flat_to_node + j, mask=j_ok, other=0)
@@ -78,7 +78,7 @@ if HAS_TRITON:
         tl.debug_barrier()  # the whole flat -> node table is written before parents read it
 
         # 3. Parent of each kept candidate as a node id (0 = root, -1 = parent not kept).
-        for jt in range(0, n_tiles):
+        for jt in range(n_tiles):
             j = jt * TILE + tl.arange(0, TILE)
             j_ok = j < M
             node = tl.load(flat_to_node + j, mask=j_ok, other=-1)

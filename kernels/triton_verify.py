@@ -85,7 +85,7 @@ if HAS_TRITON:
         hit = (rejected >= lo) & (rejected < lo + BLOCK_V)
         if tl.sum(hit.to(tl.int32), axis=0) > 0:  # rare: only chunks holding a rejected token
             slots = tl.arange(0, BLOCK_N)
-            for r in range(0, n_rejected):
+            for r in range(n_rejected):
                 tok = tl.sum(tl.where(slots == r, rejected, 0), axis=0)
                 x = tl.where(offs == tok, 0.0, x)
         return offs, x
