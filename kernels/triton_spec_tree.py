@@ -185,10 +185,12 @@ def build_tree_triton(
     )
     if B == 0:
         return info
+    block_n = triton.next_power_of_2(N)
     _build_tree_kernel[(B,)](
         verified_id.contiguous(), draft_tokens.contiguous(), parent_node.contiguous(),
         seq_lens.contiguous(), info.tokens, info.parent, info.depth, info.positions,
         info.tree_mask.view(torch.uint8), info.first_child, info.next_sibling,
-        info.retrieve_index, N=N, BLOCK_N=triton.next_power_of_2(N), num_warps=4,
+        info.retrieve_index, N=N, BLOCK_N=block_n,
+        num_warps=8 if block_n >= 64 else 4,  # [N, N] relations: 4 warps hit 255 regs at N=64
     )
     return info
