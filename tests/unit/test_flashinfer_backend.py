@@ -169,3 +169,216 @@ def test_unknown_backend_lists_flashinfer():
     kv, rt = tiny_pools()
     with pytest.raises(NotImplementedError, match="torch_native, triton, flashinfer"):
         make_backend("nope", kv, rt, 1.0)
+
+
+# ---- the backend's plan/run orchestration, on CPU, over a stand-in for flashinfer ----------
+# FakeFlashInfer keeps FlashInfer's contract as the backend relies on it: plan() takes host
+# lengths and never runs while a graph is captured; graph-mode wrappers copy the plan into
+# the caller's buffers, and run() reads those buffers (so a mask written after plan() counts);
+# masks are packed as segment_packbits(bitorder="little") packs them.
+CAPTURING = [False]
+
+
+def _attend(q, kc, vc, qo, kv_indptr, indices, last, P, scale, causal, mask):
+    qo, kv_indptr, indices, last = (t.long() for t in (qo, kv_indptr, indices, last))
+    out = torch.empty_like(q)
+    H, Hkv = q.shape[1], kc.shape[2]
+    for b in range(last.numel()):
+        pages = indices[kv_indptr[b]:kv_indptr[b + 1]]
+        n = (pages.numel() - 1) * P + int(last[b])
+        K = kc[pages].reshape(-1, Hkv, kc.shape[3])[:n].repeat_interleave(H // Hkv, 1)
+        V = vc[pages].reshape(-1, Hkv, vc.shape[3])[:n].repeat_interleave(H // Hkv, 1)
+        qb = q[qo[b]:qo[b + 1]]
+        i, j = torch.arange(qb.shape[0])[:, None], torch.arange(n)[None, :]
+        if mask is not None:
+            buf, mindptr = mask
+            bit = int(mindptr[b]) * 8 + i * n + j
+            vis = ((buf.long()[bit // 8] >> (bit % 8)) & 1).bool()
+        else:
+            vis = (j <= i + n - qb.shape[0]) if causal else torch.ones_like(i * j, dtype=torch.bool)
+        s = torch.einsum("qhd,khd->hqk", qb, K) * scale
+        p = torch.softmax(s.masked_fill(~vis, float("-inf")), -1)
+        out[qo[b]:qo[b + 1]] = torch.einsum("hqk,khd->qhd", p, V)
+    return out
+
+
+class _FakeWrapper:
+    def __init__(self, workspace, layout, use_cuda_graph=False, **bufs):
+        self.graph, self.bufs, self.t = use_cuda_graph, bufs, None
+
+    def _keep(self, names, values):
+        assert not CAPTURING[0], "plan() inside a capture"
+        if not self.graph:
+            return [None if v is None else v.clone() for v in values]
+        kept = []
+        for name, v in zip(names, values):
+            buf = self.bufs.get(name)
+            if v is not None:
+                buf[:len(v)].copy_(v)
+            kept.append(buf)
+        return kept
+
+
+class FakeDecode(_FakeWrapper):
+    def plan(self, indptr, indices, last, H, Hkv, D, P, q_data_type=None, kv_data_type=None,
+             sm_scale=None):
+        self.t = self._keep(("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+                             "paged_kv_last_page_len_buffer"), (indptr, indices, last))
+        self.P, self.scale = P, sm_scale
+
+    def run(self, q, kv):
+        qo = torch.arange(q.shape[0] + 1)
+        return _attend(q, *kv, qo, *self.t, self.P, self.scale, False, None)
+
+
+class FakePrefill(_FakeWrapper):
+    def plan(self, qo, kv_indptr, indices, last, H, Hkv, D, P, custom_mask=None, causal=False,
+             sm_scale=None, q_data_type=None, kv_data_type=None):
+        packed = mindptr = None
+        if custom_mask is not None:
+            sizes = ((qo[1:] - qo[:-1]).long() * ((kv_indptr[1:] - kv_indptr[:-1]).long() - 1) * P
+                     + (qo[1:] - qo[:-1]).long() * last.long())
+            packed, mindptr = ref_packed(custom_mask.cpu(), sizes.tolist())
+        self.t = self._keep(("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
+                             "paged_kv_last_page_len_buf", "custom_mask_buf", "mask_indptr_buf"),
+                            (qo, kv_indptr, indices, last, packed, mindptr))
+        self.P, self.scale, self.causal, self.masked = P, sm_scale, causal, packed is not None
+
+    def run(self, q, kv):
+        qo, kv_indptr, indices, last, packed, mindptr = self.t
+        return _attend(q, *kv, qo, kv_indptr, indices, last, self.P, self.scale, self.causal,
+                       (packed, mindptr) if self.masked else None)
+
+
+class FakeFlashInfer:
+    BatchDecodeWithPagedKVCacheWrapper = FakeDecode
+    BatchPrefillWithPagedKVCacheWrapper = FakePrefill
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    import actors.attention.flashinfer_backend as fib
+    monkeypatch.setattr(fib, "import_flashinfer", lambda device: FakeFlashInfer)
+    monkeypatch.setattr(fib, "WORKSPACE_BYTES", 16)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: CAPTURING[0])
+    return fib.FlashInferBackend
+
+
+class CpuCase:
+    """Scattered pages, random fp32 K/V, one forward of `mode` (as the workers build it)."""
+
+    def __init__(self, mode, B, page, seed, n=4, K=2, step=1, rows=None, prefix=None, like=None):
+        from actors.forward_batch import ForwardBatch
+        rng = random.Random(seed)
+        gen = torch.Generator().manual_seed(seed)
+        width, self.H, self.Hkv, self.D = 64, 6, 2, 8
+        if like is not None:  # another case's table and pools (a graph's fresh inputs)
+            self.rt, self.pool = like.rt, like.pool
+        else:
+            self.rt = ReqToTokenPool(B + 1, width, "cpu")
+            self.rt.req_to_token[1:] = paged_table(B, width, page, seed)
+            self.pool = TokenToKVPool(B * width + page, 1, self.Hkv, self.D, torch.float32, "cpu")
+            self.pool.k[0].normal_(generator=gen)
+            self.pool.v[0].normal_(generator=gen)
+        mask = new_kv = None
+        if mode == "decode":
+            qlens, E = [1] * B, [1] * B
+        elif mode == "extend":
+            qlens = [rng.randint(1, 9) for _ in range(B)]
+            E = qlens
+        elif mode == "verify":
+            qlens, E = [n] * B, [n] * B
+            mask = tree_masks(B, n, n, seed)
+        else:  # draft decode: K lanes, keys = (step+1)*K scratch slots, ancestor masks
+            qlens, E = [K] * B, [(step + 1) * K] * B
+            mask = tree_masks(B, K, (step + 1) * K, seed)
+        rows = torch.arange(1, B + 1) if rows is None else rows
+        prefix = [rng.randint(0, width - 12) for _ in range(B)] if prefix is None else prefix
+        table = self.rt.req_to_token
+        loc = torch.cat([table[r, p + e - q:p + e] for r, p, e, q in zip(rows.tolist(), prefix, E, qlens)])
+        if mode == "draft_decode":
+            new_kv = torch.stack([table[r, p:p + e] for r, p, e in zip(rows.tolist(), prefix, E)])
+        T = sum(qlens)
+        self.q = torch.randn(T, self.H, self.D, generator=gen)
+        self.k = torch.randn(T, self.Hkv, self.D, generator=gen)
+        self.v = torch.randn(T, self.Hkv, self.D, generator=gen)
+        modes = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND,
+                 "verify": ForwardMode.TARGET_VERIFY, "draft_decode": ForwardMode.DECODE}
+        self.fb = ForwardBatch(modes[mode], torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64),
+                               loc, rows, torch.tensor(prefix), qlens, new_kv_slots=new_kv,
+                               custom_mask=mask)
+
+    def reference(self):
+        from actors.attention.torch_native import TorchNativeBackend
+        pool = TokenToKVPool(self.pool.k[0].shape[0], 1, self.Hkv, self.D, torch.float32, "cpu")
+        pool.k[0].copy_(self.pool.k[0])
+        pool.v[0].copy_(self.pool.v[0])
+        native = TorchNativeBackend(pool, self.rt, self.D ** -0.5)
+        native.init_forward_metadata(self.fb)
+        return native.forward(self.q, self.k, self.v, 0, self.fb)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("mode", ["decode", "extend", "verify", "draft_decode"])
+def test_eager_forward_equals_torch_native(fake_backend, mode, page):
+    case = CpuCase(mode, 5, page, seed=7 + page)
+    want = case.reference()
+    backend = fake_backend(case.pool, case.rt, case.D ** -0.5, page_size=page)
+    backend.init_forward_metadata(case.fb)
+    wrapper = backend._decode if mode == "decode" else backend._prefill
+    assert case.fb.attn_meta.wrapper is wrapper
+    torch.testing.assert_close(backend.forward(case.q, case.k, case.v, 0, case.fb), want)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("mode,kind", [("decode", ForwardMode.DECODE),
+                                       ("verify", ForwardMode.TARGET_VERIFY),
+                                       ("draft_decode", ForwardMode.DECODE)])
+def test_graph_protocol_replays_fresh_batches(fake_backend, mode, kind, page):
+    """Capture hook, two warm-ups, a capture that only binds, then replays: the replay hook
+    re-plans from the padded seq_lens (FILL lanes), the captured forward sets the mask
+    bits, and the result equals torch_native on every replay's fresh inputs."""
+    bs, raw = 4, 3
+    draft = mode == "draft_decode"
+    static = CpuCase(mode, bs, page, seed=1)
+    backend = fake_backend(static.pool, static.rt, static.D ** -0.5, page_size=page)
+    fb = static.fb  # the graph's static inputs
+    spec = type("View", (), {"topk_p": torch.zeros(bs, 2) if draft else None})()
+    backend.init_forward_metadata_capture_cuda_graph(bs, len(static.q), fb.req_pool_indices,
+                                                     None, forward_mode=kind, spec=spec)
+
+    def forward():
+        backend.init_forward_metadata(fb)
+        return backend.forward(static.q, static.k, static.v, 0, fb)
+
+    forward(), forward()
+    CAPTURING[0] = True
+    try:
+        forward()
+        for trial in range(2):
+            # A raw batch of 3 padded to 4: lane 3 is row 0 with FILL (prefix 0 for decode).
+            rows = torch.tensor([2, 4, 1, 0])
+            fill_prefix = 0 if (kind == ForwardMode.DECODE and not draft) else 1
+            prefix = [5 + trial, 30, 17 - trial, fill_prefix]
+            fresh = CpuCase(mode, bs, page, seed=50 + trial, rows=rows, prefix=prefix, like=static)
+            for name in ("out_cache_loc", "req_pool_indices", "prefix_lens"):
+                getattr(fb, name).copy_(getattr(fresh.fb, name))
+            for name in ("new_kv_slots", "custom_mask"):
+                if getattr(fb, name) is not None:
+                    getattr(fb, name).copy_(getattr(fresh.fb, name))
+            for dst, src in ((static.q, fresh.q), (static.k, fresh.k), (static.v, fresh.v)):
+                dst.copy_(src)
+            seq = torch.tensor(prefix) + (1 if fill_prefix == 0 else 0)  # the runner's seq_lens
+            CAPTURING[0] = False  # the hook runs outside the graph
+            backend.init_forward_metadata_replay_cuda_graph(
+                bs, fb.req_pool_indices, seq, int(seq.sum()), None, forward_mode=kind, spec=spec)
+            CAPTURING[0] = True  # the "replay": what the capture recorded, no plan allowed
+            got = forward()
+            fresh.fb = fb
+            torch.testing.assert_close(got[:raw * (len(static.q) // bs)],
+                                       fresh.reference()[:raw * (len(static.q) // bs)])
+    finally:
+        CAPTURING[0] = False
+    with pytest.raises(ValueError, match="C04"):
+        backend.init_forward_metadata_replay_cuda_graph(
+            bs, fb.req_pool_indices, torch.tensor([3, 3, 3, 1]), 9, None, forward_mode=kind, spec=spec)
