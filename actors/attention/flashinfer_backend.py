@@ -201,7 +201,10 @@ class FlashInferBackend(AttentionBackend):
         if key not in steps:
             if capturing:
                 raise RuntimeError(f"shape {key} ran in capture but not in the warm-up before it")
-            steps[key] = self._new_step(p[1], shape)
+            # Plain tensors, though warm-up may run under inference_mode: replays re-plan
+            # into these buffers from wherever the runner is called.
+            with torch.inference_mode(False):
+                steps[key] = self._new_step(p[1], shape)
         return steps[key]
 
     def _new_step(self, bs: int, shape: _Shape) -> _GraphStep:

@@ -351,10 +351,15 @@ def test_graph_protocol_replays_fresh_batches(fake_backend, mode, kind, page):
         backend.init_forward_metadata(fb)
         return backend.forward(static.q, static.k, static.v, 0, fb)
 
-    forward(), forward()
+    with torch.inference_mode():  # as RankWorker captures; replays below run outside it
+        forward(), forward()
+        CAPTURING[0] = True
+        try:
+            forward()
+        finally:
+            CAPTURING[0] = False
     CAPTURING[0] = True
     try:
-        forward()
         for trial in range(2):
             # A raw batch of 3 padded to 4: lane 3 is row 0 with FILL (prefix 0 for decode).
             rows = torch.tensor([2, 4, 1, 0])
