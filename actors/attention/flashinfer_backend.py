@@ -237,11 +237,10 @@ class FlashInferBackend(AttentionBackend):
         target verify and draft decode count the committed tokens only. Padded lanes
         (FILL) are clamped to an empty prefix."""
         mode, draft = kind
-        if mode == ForwardMode.DECODE and not draft:
-            seq_lens = seq_lens - 1
-        elif mode == ForwardMode.DRAFT_EXTEND:
-            seq_lens = seq_lens - new
-        return seq_lens.clamp(min=0)
+        counted = 1 if mode == ForwardMode.DECODE and not draft else 0
+        if mode == ForwardMode.DRAFT_EXTEND:
+            counted = new
+        return (seq_lens - counted).clamp(min=0)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens,
                                                 seq_lens_sum, seq_lens_cpu, extend_lens=None,
