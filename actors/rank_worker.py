@@ -43,14 +43,20 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.float32
 
 
-def make_backend(name: str, kv_pool, req_to_token, scale: float):
+def make_backend(name: str, kv_pool, req_to_token, scale: float, page_size: int = 1):
+    """The attention backend `attention.backend` names. page_size is the KV allocator's;
+    1 is valid for any pool (FlashInfer then reads slots as one-token pages)."""
     if name == "torch_native":
         return TorchNativeBackend(kv_pool, req_to_token, scale)
     if name == "triton":
         from actors.attention.triton_backend import TritonBackend
         return TritonBackend(kv_pool, req_to_token, scale)
+    if name == "flashinfer":
+        # Raises, naming the setting and the alternatives, without CUDA or flashinfer.
+        from actors.attention.flashinfer_backend import FlashInferBackend
+        return FlashInferBackend(kv_pool, req_to_token, scale, page_size=page_size)
     raise NotImplementedError(f"attention.backend={name!r} is not available in this build "
-                              "(allowed here: torch_native, triton)")
+                              "(allowed here: torch_native, triton, flashinfer)")
 
 
 class RankWorker:
