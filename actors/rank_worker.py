@@ -86,7 +86,8 @@ class RankWorker:
         self.kv_pool = TokenToKVPool(self.num_slots, a.num_layers, a.num_kv_heads, a.head_dim,
                                      self.dtype, self.device)
         scale = a.head_dim ** -0.5
-        backend = make_backend(cfg.attention.backend, self.kv_pool, self.req_to_token, scale)
+        backend = make_backend(cfg.attention.backend, self.kv_pool, self.req_to_token, scale,
+                               page_size=cfg.kv_cache.page_size)
         self.target = ModelRunner(self.model, backend)
         self.eagle = None
         if spec:
