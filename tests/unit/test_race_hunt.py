@@ -1,0 +1,23 @@
+"""benchmarks/race_hunt.py on CPU: a short hunt on the tiny target passes, and a run whose
+tokens differ is reported as FAIL with exit code 1."""
+from benchmarks import race_hunt
+
+
+def test_short_hunt_passes_on_cpu(tiny_llama_dir, capsys):
+    code = race_hunt.main(["--iterations", "30", "--device", "cpu", "--model", tiny_llama_dir,
+                           "--max-tokens", "16", "--seed", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "PASS" in out
+    # Batches went past the largest captured size (8): replayed and eager steps both ran.
+    assert int(out.rsplit("largest batch", 1)[1].split()[0]) > 8
+
+
+def test_mismatch_fails(monkeypatch, capsys):
+    def fake_run(args, device, graphs):
+        return {"r0": [1, 2, 3], "r1": [4, 5 if graphs else 6]}, 2, 2
+
+    monkeypatch.setattr(race_hunt, "run", fake_run)
+    assert race_hunt.main(["--iterations", "2", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: 1/2 requests identical" in out and "mismatch r1: first difference at token 1" in out
