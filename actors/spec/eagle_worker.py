@@ -12,6 +12,13 @@ Per request, with seq_len tokens in KV and the bonus token b (no KV yet):
                 with the target features of the accepted nodes; rows past the accept
                 length are padding), then the row of the last accepted node yields the
                 next top-k and hidden state, stored in the future map.
+
+Draft decode, verify and draft extend each have one forward body (`draft_body`,
+`verify_body`, `extend_body`) that runs eagerly or is captured by a GraphRunner
+(actors/spec/spec_graphs.py); a batch replays when a captured size holds it, padded by the
+runner (C04-C08), and runs eagerly above the largest size. Verify and draft-extend inputs
+are prepared through the plan stream (C15-C17): on a side stream when
+`attention.plan_stream` is on, inline otherwise.
 """
 from __future__ import annotations
 
@@ -77,7 +84,7 @@ class EagleWorker:
         self.feature_size = worker.arch.hidden_size * max(1, len(self.aux_layers))
         # Verify and draft-extend inputs are prepared here, on a side stream when on (C16/C17).
         self.plan = PlanStream(cfg.attention.plan_stream, worker.device)
-        self.verify_path = VerifyPath(worker.target.backend, self._verify_eager, plan=self.plan)
+        self.verify_path = VerifyPath(worker.target.backend, self._verify_forward, plan=self.plan)
         self.graphs: SpecGraphs | None = None  # capture_graphs() sets them
         self.last_timings: dict[str, float] = {}  # per-phase seconds of the last iteration
 
@@ -110,7 +117,7 @@ class EagleWorker:
         """Replay verify, draft decode and draft extend for batches up to max(sizes) from now
         on; ``use_cuda_graph=False`` keeps the padded path but runs it eagerly (CPU tests)."""
         self.graphs = capture_spec_graphs(self, sizes, use_cuda_graph=use_cuda_graph)
-        self.verify_path = VerifyPath(self.verify_path.backend, self._verify_eager,
+        self.verify_path = VerifyPath(self.verify_path.backend, self._verify_forward,
                                       runner=self.graphs.verify, plan=self.plan)
 
     @staticmethod
@@ -127,23 +134,19 @@ class EagleWorker:
         c = w.future.resolve(rows)
         seq = c.seq_lens  # [B] int64
         table = w.req_to_token.req_to_token
-        g = self.graphs
         clock = PhaseClock(self.cfg.profile_steps, w.device)
         # The draft scratch: (S-1)*K slots per request from seq_len on, inside its window.
         scratch = assign_cache_locs(table, rows, seq, (S - 1) * K)  # [B*(S-1)*K] int64
         batch = GraphBatch(B, c.topk_index.reshape(-1), seq.repeat_interleave(K), scratch, rows,
                            seq, width=K, topk_p=c.topk_p, topk_index=c.topk_index, hidden=c.hidden)
-        if self._fits(g and g.draft_decode, B):
-            draft_tokens, parent_node = g.draft_decode.replay(batch)
-        else:
-            draft_tokens, parent_node = self.draft_body(batch)
+        draft_tokens, parent_node = self._draft(batch)
         tree = build_tree(c.bonus, draft_tokens, parent_node, seq)
         clock.mark("draft_decode")
         # -- verify: the batch moves from draft decode to verify on the plan stream (C16/C17)
         verify = VerifyInputs(tree.tokens.reshape(-1), tree.tree_mask, tree.positions.reshape(-1),
                               tree.retrieve_index, tree.first_child, tree.next_sibling)
-        prepared = self.verify_path.prepare_verify(batch, self._fits(g and g.verify, B), verify,
-                                                   build=self._verify_inputs)
+        prepared = self.verify_path.prepare_verify(batch, self._fits(self.verify_path.runner, B),
+                                                   verify, build=self._verify_inputs)
         logits, feats = self.verify_path.forward_verify(prepared)
         logits = logits.view(B, N, -1)  # [B, N, V] fp32
         loc = batch.out_cache_loc.view(B, N)  # [B, N] int64 verify slots
@@ -164,6 +167,13 @@ class EagleWorker:
         self.last_timings = clock.times
         pl, al = predict.tolist(), accept_length.tolist()
         return [pl[b][:al[b]] for b in range(B)]
+
+    def _draft(self, batch: GraphBatch):
+        """Draft decode, replayed when a captured size holds the batch."""
+        runner = self.graphs.draft_decode if self.graphs else None
+        if self._fits(runner, batch.batch_size):
+            return runner.replay(batch)
+        return self.draft_body(batch)
 
     def _verify_inputs(self, batch: GraphBatch, verify: VerifyInputs) -> dict:
         """Verify preparation (plan stream): the draft batch's fields become verify's."""
@@ -239,18 +249,15 @@ class EagleWorker:
 
     def verify_body(self, b: GraphBatch):
         """Target forward over the tree -> (logits [B*N, V] fp32, draft features [B*N, F])."""
-        fb = ForwardBatch(ForwardMode.TARGET_VERIFY, b.input_ids, b.positions, b.out_cache_loc,
-                          b.req_pool_indices, b.seq_lens, [b.width] * b.batch_size,
-                          custom_mask=b.custom_mask)
-        hidden, aux = self.w.target.forward(fb, aux_layers=self.aux_layers)
-        return self.w.model.compute_logits(hidden), self._features(hidden, aux)
+        return self._verify_forward(ForwardBatch(
+            ForwardMode.TARGET_VERIFY, b.input_ids, b.positions, b.out_cache_loc,
+            b.req_pool_indices, b.seq_lens, [b.width] * b.batch_size, custom_mask=b.custom_mask))
 
-    def _verify_eager(self, fb: ForwardBatch):
-        """verify_body's eager twin: VerifyPath built fb's metadata after DP padding (C15)."""
-        backend = self.w.target.backend
-        hidden, aux = self.w.model.forward(
-            fb.input_ids, fb.positions, lambda q, k, v, layer: backend.forward(q, k, v, layer, fb),
-            aux_layers=self.aux_layers)
+    def _verify_forward(self, fb: ForwardBatch):
+        # Eager verify enters here from VerifyPath, which built metadata after DP padding
+        # (C15); ModelRunner builds it again: one model entry point for every path, at the
+        # cost of a few small metadata ops on eager steps only.
+        hidden, aux = self.w.target.forward(fb, aux_layers=self.aux_layers)
         return self.w.model.compute_logits(hidden), self._features(hidden, aux)
 
     def extend_body(self, b: GraphBatch):
