@@ -11,7 +11,9 @@ GPU:  python -m benchmarks.race_hunt --iterations 2000 --seed 0
 CPU:  python -m benchmarks.race_hunt --iterations 30 --device cpu   (torch_native; the
       runners' eager stand-in replays the padded batches, no plan stream)
 
-Prints progress and a final PASS/FAIL line with counts; exit code 1 on any mismatch.
+Prints progress and a final PASS/FAIL line with counts; exit code 1 on any mismatch. A
+greedy flip where the target's top two logits are within --tie-gap (fp32 summation order
+differs between padded and raw shapes) is counted as a near-tie, not a mismatch.
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--arrival", type=float, default=0.3, help="chance of new requests per step")
     p.add_argument("--sampled", type=float, default=0.25,
                    help="fraction of seeded temperature>0 requests")
+    p.add_argument("--tie-gap", type=float, default=1e-3,
+                   help="a greedy flip where the top-2 logits are this close is a near-tie")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override, for both runs")
     return p.parse_args(argv)
@@ -92,8 +96,25 @@ class Workload:
         return out
 
 
-def run(args, device: str, graphs: bool) -> tuple[dict[str, list[int]], int, int]:
-    """-> (tokens per request id, speculative iterations, largest batch seen)."""
+def top2_gap(worker, ids: list[int]) -> float:
+    """Top-2 logit gap of the worker's target after ``ids``, from one dense causal forward."""
+    import torch.nn.functional as F
+    model, dev = worker.model, worker.device
+    t = torch.tensor(ids, device=dev)  # [T] int64
+
+    def attn(q, k, v, layer):
+        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return o[0].transpose(0, 1)  # [T, heads, D]
+
+    with torch.inference_mode():
+        h, _ = model.forward(t, torch.arange(len(ids), device=dev), attn)
+        top2 = model.compute_logits(h[-1:])[0].topk(2).values
+    return float(top2[0] - top2[1])
+
+
+def run(args, device: str, graphs: bool):
+    """-> (requests by id, speculative iterations, largest batch seen, the engine)."""
     eng = make_engine(args, device, graphs)
     eagle = eng.workers[0].eagle
     stats = {"iterations": 0, "max_batch": 0}
@@ -121,7 +142,7 @@ def run(args, device: str, graphs: bool) -> tuple[dict[str, list[int]], int, int
                   f"{time.time() - t0:.0f}s", flush=True)
     if device == "cuda":
         torch.cuda.synchronize()
-    return {r.rid: list(r.output_ids) for r in reqs}, stats["iterations"], stats["max_batch"]
+    return {r.rid: r for r in reqs}, stats["iterations"], stats["max_batch"], eng
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,17 +152,28 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"race hunt: {args.iterations} iterations, seed {args.seed}, {device}, {args.dtype}, "
           f"{args.shape}, graph sizes {args.graph_sizes}, up to {args.max_running} running")
-    got, iters, max_bs = run(args, device, graphs=True)
-    want, ref_iters, _ = run(args, device, graphs=False)
-    bad = [rid for rid in want if got.get(rid) != want[rid]]
-    for rid in bad[:5]:
-        a, b = got.get(rid, []), want[rid]
+    got, iters, max_bs, _ = run(args, device, graphs=True)
+    want, ref_iters, _, ref_engine = run(args, device, graphs=False)
+    bad, ties = [], []
+    for rid, ref in want.items():
+        a, b = got[rid].output_ids, ref.output_ids
+        if a == b:
+            continue
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        print(f"  mismatch {rid}: first difference at token {at} ({a[at:at + 3]} vs {b[at:at + 3]})")
-    tokens = sum(len(t) for t in want.values())
-    verdict = "PASS" if not bad and len(got) == len(want) else "FAIL"
-    print(f"{verdict}: {len(want) - len(bad)}/{len(want)} requests identical, {tokens} tokens, "
-          f"{iters} speculative iterations with graphs ({ref_iters} eager), largest batch {max_bs}")
+        # fp32 summation order differs between padded and raw shapes; a greedy token may
+        # flip only where the target's top two logits all but tie. A race gives garbage.
+        gap = (top2_gap(ref_engine.workers[0], ref.prompt_ids + b[:at])
+               if ref.params.temperature == 0 and at < min(len(a), len(b)) else None)
+        tie = gap is not None and gap < args.tie_gap
+        (ties if tie else bad).append(rid)
+        gap_text = "" if gap is None else f", top-2 gap {gap:.2e}"
+        print(f"  {'near-tie' if tie else 'MISMATCH'} {rid}: first difference at token {at} "
+              f"({a[at:at + 3]} vs {b[at:at + 3]}{gap_text})")
+    tokens = sum(len(r.output_ids) for r in want.values())
+    verdict = "PASS" if not bad else "FAIL"
+    print(f"{verdict}: {len(want) - len(bad) - len(ties)}/{len(want)} requests identical, "
+          f"{len(ties)} near-tie flips, {len(bad)} mismatches, {tokens} tokens, {iters} "
+          f"speculative iterations with graphs ({ref_iters} eager), largest batch {max_bs}")
     return 0 if verdict == "PASS" else 1
 
 

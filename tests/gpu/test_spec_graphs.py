@@ -40,28 +40,34 @@ def generate(eng, prompts, max_tokens=MAX):
                                                                        ignore_eos=True))]
 
 
-def same(a, b) -> bool:
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if a.dtype.is_floating_point:
-        return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4)
-    return torch.equal(a, b)
+def compare(got, want, raw: int) -> int:
+    """Float outputs must match (fp32, only summation order may differ); returns how many
+    of the raw requests have a differing integer output (a draft near-tie may flip one)."""
+    flipped = torch.zeros(raw, dtype=torch.bool, device=want[0].device)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        if b.dtype.is_floating_point:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        else:
+            flipped |= (a != b).reshape(raw, -1).any(1)
+    return int(flipped.sum())
 
 
-def check_against_eager(eagle) -> dict[str, set[int]]:
+def check_against_eager(eagle) -> dict[str, dict]:
     """Wrap every runner's replay: run the kind's body eagerly on the raw batch first (it
-    writes the same KV the replay writes), then replay, and require equal outputs."""
-    checked: dict[str, set[int]] = {}
+    writes the same KV the replay writes), then replay, and compare the outputs."""
+    checked: dict[str, dict] = {}
     g = eagle.graphs
     for runner, body in ((g.verify, eagle.verify_body), (g.draft_decode, eagle.draft_body),
                          (g.draft_extend, eagle.extend_body)):
         def replay(batch, *, bs=None, metadata_ready=False, _runner=runner, _body=body):
-            want = _body(batch)
-            want = tuple(t.clone() for t in want)  # replay outputs alias static buffers
+            raw = batch.batch_size
+            want = tuple(t.clone() for t in _body(batch))  # replay outputs alias static buffers
             got = type(_runner).replay(_runner, batch, bs=bs, metadata_ready=metadata_ready)
-            torch.cuda.synchronize()
-            assert same(got, want), f"{_runner.kind.value} replay != eager at batch {batch.batch_size}"
-            checked.setdefault(_runner.kind.value, set()).add(batch.batch_size)
+            stats = checked.setdefault(_runner.kind.value, {"sizes": set(), "rows": 0, "flipped": 0})
+            stats["sizes"].add(raw)
+            stats["rows"] += raw
+            stats["flipped"] += compare(got, want, raw)
             return got
 
         runner.replay = replay
@@ -80,7 +86,10 @@ def test_each_runner_replay_equals_eager(tokenizer, chat_prompts, shape, caplog)
     for n in (3, 4, 5):
         generate(eng, chat_prompts[:n], 24)
     for kind in ("target_verify", "draft_decode", "draft_extend"):
-        assert {3, 4, 5} <= checked[kind], (kind, checked.get(kind))
+        stats = checked[kind]
+        assert {3, 4, 5} <= stats["sizes"], (kind, stats)
+        # A stale lane or a wrong padded size changes whole requests; near-ties flip a few.
+        assert stats["flipped"] <= 0.02 * stats["rows"], (kind, stats)
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])

@@ -13,11 +13,24 @@ def test_short_hunt_passes_on_cpu(tiny_llama_dir, capsys):
     assert int(out.rsplit("largest batch", 1)[1].split()[0]) > 8
 
 
-def test_mismatch_fails(monkeypatch, capsys):
+def test_mismatch_fails_and_near_ties_do_not(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from serve_app.request import SamplingParams
+
+    def req(out):
+        return SimpleNamespace(output_ids=out, prompt_ids=[7, 8], params=SamplingParams())
+
     def fake_run(args, device, graphs):
-        return {"r0": [1, 2, 3], "r1": [4, 5 if graphs else 6]}, 2, 2
+        reqs = {"r0": req([1, 2, 3]), "r1": req([4, 5 if graphs else 6])}
+        return reqs, 2, 2, SimpleNamespace(workers=[None])
 
     monkeypatch.setattr(race_hunt, "run", fake_run)
+    monkeypatch.setattr(race_hunt, "top2_gap", lambda worker, ids: 0.5)
     assert race_hunt.main(["--iterations", "2", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL: 1/2 requests identical" in out and "mismatch r1: first difference at token 1" in out
+    assert "FAIL: 1/2 requests identical, 0 near-tie flips, 1 mismatches" in out
+    assert "MISMATCH r1: first difference at token 1" in out
+    monkeypatch.setattr(race_hunt, "top2_gap", lambda worker, ids: 1e-5)
+    assert race_hunt.main(["--iterations", "2", "--device", "cpu"]) == 0
+    assert "PASS: 1/2 requests identical, 1 near-tie flips" in capsys.readouterr().out
