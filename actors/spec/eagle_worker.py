@@ -115,7 +115,8 @@ class EagleWorker:
     # ---- graphs and the plan stream ---------------------------------------------------------
     def capture_graphs(self, sizes: list[int], *, use_cuda_graph: bool | None = None) -> None:
         """Replay verify, draft decode and draft extend for batches up to max(sizes) from now
-        on; ``use_cuda_graph=False`` keeps the padded path but runs it eagerly (CPU tests)."""
+        on. ``use_cuda_graph`` None: CUDA graphs on a GPU; on CPU the runners' eager
+        stand-in, which runs the same padded batches (how CPU tests check the wiring)."""
         self.graphs = capture_spec_graphs(self, sizes, use_cuda_graph=use_cuda_graph)
         self.verify_path = VerifyPath(self.verify_path.backend, self._verify_forward,
                                       runner=self.graphs.verify, plan=self.plan)
