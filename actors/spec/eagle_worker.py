@@ -181,9 +181,9 @@ class EagleWorker:
         N = self.N
         loc = assign_cache_locs(self.w.req_to_token.req_to_token, batch.req_pool_indices,
                                 batch.seq_lens, N)  # [B*N] int64 tree node slots
-        return dict(input_ids=verify.draft_tokens, positions=verify.positions, out_cache_loc=loc,
-                    custom_mask=verify.tree_mask, width=N, topk_p=None, topk_index=None,
-                    hidden=None)
+        return {"input_ids": verify.draft_tokens, "positions": verify.positions,
+                "out_cache_loc": loc, "custom_mask": verify.tree_mask, "width": N,
+                "topk_p": None, "topk_index": None, "hidden": None}
 
     def _draft_extend(self, verified: GraphBatch, accept_index, accept_length, predict, feats):
         """Draft extend after ``verified`` (the verify batch), its inputs prepared on the plan
@@ -201,7 +201,7 @@ class EagleWorker:
 
         def build() -> dict:
             fb = prepare_draft_extend(rows, seq, loc.view(B, N), accept_index, ids, feats, N)
-            new = dict(input_ids=fb.input_ids, positions=fb.positions, hidden=fb.hidden_in)
+            new = {"input_ids": fb.input_ids, "positions": fb.positions, "hidden": fb.hidden_in}
             if use_graph:
                 runner.init_replay_metadata(dataclasses.replace(batch, **new))
             return new

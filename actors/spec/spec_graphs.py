@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ def capture_spec_graphs(eagle: Any, sizes: list[int], *,
     ``use_cuda_graph`` None: real graphs on CUDA, the eager stand-in elsewhere.
     """
     w, K, S, N = eagle.w, eagle.K, eagle.S, eagle.N
-    common = dict(device=w.device, use_cuda_graph=use_cuda_graph)
+    common = {"device": w.device, "use_cuda_graph": use_cuda_graph}
     verify = GraphRunner(GraphKind.TARGET_VERIFY, sizes, graph_backend(w.target.backend),
                          width=N, mask_width=N, **common)
     draft_decode = None

@@ -9,9 +9,9 @@ the C17 order around verify and draft extend inside the real iteration.
 from __future__ import annotations
 
 import pytest
+from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
 
 from actors.cuda_graph_runner import GraphRunner
-from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
 
 SIZES = [1, 2, 4, 8]
 MAX_TOKENS = 12
