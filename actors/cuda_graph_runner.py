@@ -41,6 +41,8 @@ __all__ = [
     "GraphKind",
     "GraphBatch",
     "GraphBackend",
+    "MetadataInForward",
+    "graph_backend",
     "GraphRunner",
     "pad_graph_batch",
     "PreparedVerify",
@@ -114,6 +116,33 @@ class GraphBackend(Protocol):
 
     # Optional: init_cuda_graph_state(max_bs, max_num_tokens) and
     # init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens, **kw).
+
+
+class MetadataInForward:
+    """The replay hooks of a backend whose captured forward builds its own metadata.
+
+    A runner whose forward calls ``backend.init_forward_metadata`` (as every Kestrel
+    forward does) needs no separate replay planning: the forward reads the padded static
+    inputs. Backends without the hooks (torch_native, the CPU path) get them from here.
+    """
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return int(self.backend.get_cuda_graph_seq_len_fill_value())
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens,
+                                                seq_lens_sum, seq_lens_cpu, extend_lens=None,
+                                                **kwargs: Any) -> None:
+        """Nothing to plan: the forward rebuilds metadata from the padded inputs."""
+
+
+def graph_backend(backend: Any) -> Any:
+    """``backend`` when it has the runner's replay hook, else :class:`MetadataInForward`."""
+    if hasattr(backend, "init_forward_metadata_replay_cuda_graph"):
+        return backend
+    return MetadataInForward(backend)
 
 
 def _padded_sum(raw_sum: int | None, raw_bs: int, bs: int, fill: int) -> int | None:

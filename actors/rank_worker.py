@@ -96,17 +96,24 @@ class RankWorker:
         self.future = FutureMap(self.num_rows, cfg.draft.topk,
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,
                                 self.dtype, self.device, spec)
-        self.decode_graphs = self._capture_decode_graphs() if cfg.attention.cuda_graphs else None
+        self.decode_graphs = None
+        if cfg.attention.cuda_graphs:
+            sizes = self._graph_batch_sizes()
+            self.decode_graphs = self._capture_decode_graphs(sizes)
+            if self.eagle is not None:  # verify, draft decode and draft extend replay too
+                self.eagle.capture_graphs(sizes)
 
-    def _capture_decode_graphs(self):
-        """Plain target decode as CUDA graphs, one per captured batch size (DESIGN.md 6)."""
-        from actors.cuda_graph_runner import GraphKind, GraphRunner
+    def _graph_batch_sizes(self) -> list[int]:
         if self.device.type != "cuda":
             raise ValueError("attention.cuda_graphs needs a CUDA device (set it false on CPU)")
         if self.cfg.attention.backend == "torch_native":
             raise ValueError("attention.cuda_graphs needs a capturable backend "
                              "(attention.backend=triton); torch_native plans on the host")
-        sizes = [b for b in self.cfg.attention.cuda_graph_batch_sizes if b < self.num_rows]
+        return [b for b in self.cfg.attention.cuda_graph_batch_sizes if b < self.num_rows]
+
+    def _capture_decode_graphs(self, sizes: list[int]):
+        """Plain target decode as CUDA graphs, one per captured batch size (DESIGN.md 6)."""
+        from actors.cuda_graph_runner import GraphKind, GraphRunner
         runner = GraphRunner(GraphKind.TARGET_DECODE, sizes, self.target.backend, device=self.device)
 
         def forward(view):

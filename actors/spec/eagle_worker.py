@@ -12,20 +12,32 @@ Per request, with seq_len tokens in KV and the bonus token b (no KV yet):
                 with the target features of the accepted nodes; rows past the accept
                 length are padding), then the row of the last accepted node yields the
                 next top-k and hidden state, stored in the future map.
+
+Draft decode, verify and draft extend each have one forward body (`draft_body`,
+`verify_body`, `extend_body`) that runs eagerly or is captured by a GraphRunner
+(actors/spec/spec_graphs.py); a batch replays when a captured size holds it, padded by the
+runner (C04-C08), and runs eagerly above the largest size. Verify and draft-extend inputs
+are prepared through the plan stream (C15-C17): on a side stream when
+`attention.plan_stream` is on, inline otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
+from actors.cuda_graph_runner import GraphBatch, GraphRunner, VerifyPath
 from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
 from actors.kv_cache import TokenToKVPool
 from actors.model_runner import ModelRunner
 from actors.models.eagle import load_eagle_head, resolve_draft_path
+from actors.plan_stream import PlanStream, VerifyInputs, prepare_draft_extend_inputs
+from actors.spec.spec_graphs import SpecGraphs, capture_spec_graphs
 from actors.step_plan import StepPlan
 from configs.schema import KestrelConfig
+from kernels.cache_loc import assign_cache_locs
 from kernels.sampling import process_logits
 from kernels.spec_tree import build_tree, expand_level, organize_draft
 from kernels.verify import greedy_verify, select_last_index, tree_sampling_verify
@@ -64,10 +76,18 @@ class EagleWorker:
                                      worker.dtype, worker.device)
         scale = s.head_dim ** -0.5
         # C11: the runner's backend is the draft-extend backend; draft decode has its own.
-        self.extend_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token, scale)
-        self.decode_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token, scale)
+        self.extend_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token, scale,
+                               page_size=cfg.kv_cache.page_size)
+        self.decode_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token, scale,
+                               page_size=cfg.kv_cache.page_size)
         self.runner = ModelRunner(self.head, self.extend_backend)
         self.decode_runner = ModelRunner(self.head, self.decode_backend)
+        # What draft extend reads per token: the target's final hidden, or EAGLE-3's layers.
+        self.feature_size = worker.arch.hidden_size * max(1, len(self.aux_layers))
+        # Verify and draft-extend inputs are prepared here, on a side stream when on (C16/C17).
+        self.plan = PlanStream(cfg.attention.plan_stream, worker.device)
+        self.verify_path = VerifyPath(worker.target.backend, self._verify_forward, plan=self.plan)
+        self.graphs: SpecGraphs | None = None  # capture_graphs() sets them
         self.last_timings: dict[str, float] = {}  # per-phase seconds of the last iteration
 
     def _features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -94,6 +114,20 @@ class EagleWorker:
         w.future.store(fb.req_pool_indices[done], fb.seq_lens[done], tokens[done],
                        topk_p[done], topk_index[done], last[done])
 
+    # ---- graphs and the plan stream ---------------------------------------------------------
+    def capture_graphs(self, sizes: list[int], *, use_cuda_graph: bool | None = None) -> None:
+        """Replay verify, draft decode and draft extend for batches up to max(sizes) from now
+        on. ``use_cuda_graph`` None: CUDA graphs on a GPU; on CPU the runners' eager
+        stand-in, which runs the same padded batches (how CPU tests check the wiring)."""
+        self.graphs = capture_spec_graphs(self, sizes, use_cuda_graph=use_cuda_graph)
+        self.verify_path = VerifyPath(self.verify_path.backend, self._verify_forward,
+                                      runner=self.graphs.verify, plan=self.plan)
+
+    @staticmethod
+    def _fits(runner: GraphRunner | None, bs: int) -> bool:
+        """Replay when a captured size holds the batch; larger batches run eagerly."""
+        return runner is not None and runner.pad_size(bs) is not None
+
     # ---- one speculative decode iteration ---------------------------------------------------
     def decode(self, plan: StepPlan) -> list[list[int]]:
         w, K, S, N = self.w, self.K, self.S, self.N
@@ -104,16 +138,21 @@ class EagleWorker:
         seq = c.seq_lens  # [B] int64
         table = w.req_to_token.req_to_token
         clock = PhaseClock(self.cfg.profile_steps, w.device)
-        draft_tokens, parent_node = self._draft(rows, seq, c)
+        # The draft scratch: (S-1)*K slots per request from seq_len on, inside its window.
+        scratch = assign_cache_locs(table, rows, seq, (S - 1) * K)  # [B*(S-1)*K] int64
+        batch = GraphBatch(B, c.topk_index.reshape(-1), seq.repeat_interleave(K), scratch, rows,
+                           seq, width=K, topk_p=c.topk_p, topk_index=c.topk_index, hidden=c.hidden)
+        draft_tokens, parent_node = self._draft(batch)
         tree = build_tree(c.bonus, draft_tokens, parent_node, seq)
         clock.mark("draft_decode")
-        # -- verify
-        loc = table[rows[:, None], seq[:, None] + torch.arange(N, device=dev)]  # [B, N] int64
-        vfb = ForwardBatch(ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1),
-                           tree.positions.reshape(-1), loc.reshape(-1), rows, seq, [N] * B,
-                           custom_mask=tree.tree_mask)
-        hidden, aux = w.target.forward(vfb, aux_layers=self.aux_layers)
-        logits = w.model.compute_logits(hidden).view(B, N, -1)  # [B, N, V] fp32
+        # -- verify: the batch moves from draft decode to verify on the plan stream (C16/C17)
+        verify = VerifyInputs(tree.tokens.reshape(-1), tree.tree_mask, tree.positions.reshape(-1),
+                              tree.retrieve_index, tree.first_child, tree.next_sibling)
+        prepared = self.verify_path.prepare_verify(batch, self._fits(self.verify_path.runner, B),
+                                                   verify, build=self._verify_inputs)
+        logits, feats = self.verify_path.forward_verify(prepared)
+        logits = logits.view(B, N, -1)  # [B, N, V] fp32
+        loc = batch.out_cache_loc.view(B, N)  # [B, N] int64 verify slots
         clock.mark("verify")
         accept_index, accept_length, predict = self._accept(plan, tree, logits)
         # -- move accepted target KV to the slots of their final positions
@@ -123,11 +162,8 @@ class EagleWorker:
             b_idx = torch.arange(B, device=dev)[:, None].expand(B, S + 1)[moved]
             w.kv_pool.move(loc[b_idx, accept_index[moved]], loc[b_idx, j[moved]])
         # -- draft extend over N rows per request
-        efb = prepare_draft_extend(rows, seq, loc, accept_index, predict,
-                                   self._features(hidden, aux), N)
-        h = self.runner.forward(efb, hidden_in=efb.hidden_in)  # [B*N, H]
-        last = h[select_last_index(accept_length, N)]  # [B, H]
-        topk_p, topk_index = self.head.topk(last, K)
+        topk_p, topk_index, last = self._draft_extend(batch, accept_index, accept_length,
+                                                      predict, feats)
         bonus = predict.gather(1, (accept_length - 1)[:, None])[:, 0]
         w.future.store(rows, seq + accept_length, bonus, topk_p, topk_index, last)
         clock.mark("accept_and_draft_extend")
@@ -135,28 +171,72 @@ class EagleWorker:
         pl, al = predict.tolist(), accept_length.tolist()
         return [pl[b][:al[b]] for b in range(B)]
 
-    def _draft(self, rows, seq, c):
-        """S-1 draft forwards growing the tree; returns (draft_tokens [B,N-1], parent_node)."""
-        w, K, S, N = self.w, self.K, self.S, self.N
-        dev = w.device
-        B, H = rows.numel(), self.hidden_size
-        scores, tokens = c.topk_p, c.topk_index  # [B, K]
+    def _draft(self, batch: GraphBatch):
+        """Draft decode, replayed when a captured size holds the batch."""
+        runner = self.graphs.draft_decode if self.graphs else None
+        if self._fits(runner, batch.batch_size):
+            return runner.replay(batch)
+        return self.draft_body(batch)
+
+    def _verify_inputs(self, batch: GraphBatch, verify: VerifyInputs) -> dict:
+        """Verify preparation (plan stream): the draft batch's fields become verify's."""
+        N = self.N
+        loc = assign_cache_locs(self.w.req_to_token.req_to_token, batch.req_pool_indices,
+                                batch.seq_lens, N)  # [B*N] int64 tree node slots
+        return {"input_ids": verify.draft_tokens, "positions": verify.positions,
+                "out_cache_loc": loc, "custom_mask": verify.tree_mask, "width": N,
+                "topk_p": None, "topk_index": None, "hidden": None}
+
+    def _draft_extend(self, verified: GraphBatch, accept_index, accept_length, predict, feats):
+        """Draft extend after ``verified`` (the verify batch), its inputs prepared on the plan
+        stream (C17) -> (topk_p [B,K], topk_index [B,K], hidden [B,H]) of each request's
+        last accepted row."""
+        N, B = self.N, verified.batch_size
+        rows, seq, loc = verified.req_pool_indices, verified.seq_lens, verified.out_cache_loc
+        runner = self.graphs.draft_extend if self.graphs else None
+        use_graph = self._fits(runner, B)
+        ids = draft_extend_ids(predict)  # C01: int64 on the compute stream, before the plan stream
+        # Until preparation rebinds them, the batch holds verify's results; its lengths are
+        # the forward-side view seq + N (C09: seq itself is never written).
+        batch = GraphBatch(B, ids.reshape(-1), verified.positions, loc, rows, seq + N, width=N,
+                           accept_lens=accept_length, hidden=feats)
+
+        def build() -> dict:
+            fb = prepare_draft_extend(rows, seq, loc.view(B, N), accept_index, ids, feats, N)
+            new = {"input_ids": fb.input_ids, "positions": fb.positions, "hidden": fb.hidden_in}
+            if use_graph:
+                runner.init_replay_metadata(dataclasses.replace(batch, **new))
+            return new
+
+        prepare_draft_extend_inputs(self.plan, batch, build)
+        if use_graph:
+            return runner.replay(batch, metadata_ready=True)
+        return self.extend_body(batch)
+
+    # ---- forward bodies: run eagerly, or captured once per graph size ------------------------
+    def draft_body(self, b: GraphBatch):
+        """S-1 draft forwards growing the tree -> (draft_tokens [B,N-1], parent_node [B,N-1]).
+
+        Lane j of request r starts from the carried top-k token j at position seq_len; step
+        i writes scratch slots [i*K, (i+1)*K) and sees its ancestors among the earlier ones.
+        """
+        K, S, N = self.K, self.S, self.N
+        B, H, dev = b.batch_size, self.hidden_size, b.seq_lens.device
+        scores, tokens = b.topk_p, b.topk_index  # [B, K]
         lane_flat = torch.arange(K, device=dev).expand(B, K)
-        lane_hidden = c.hidden[:, None, :].expand(B, K, H)
+        lane_hidden = b.hidden[:, None, :].expand(B, K, H)
         all_scores, all_tokens = [scores], [tokens]
         all_parents = [torch.full((B, K), -1, dtype=torch.int64, device=dev)]
-        scratch_w = (S - 1) * K
-        scratch = w.req_to_token.req_to_token[
-            rows[:, None], seq[:, None] + torch.arange(scratch_w, device=dev)]  # [B, (S-1)K]
+        scratch = b.out_cache_loc.view(B, (S - 1) * K)  # [B, (S-1)K] int64
         anc = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # ancestors among scratch cols
         eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         offset = K
         for i in range(S - 1):
             cols = (i + 1) * K
             mask = torch.cat([anc, eye], dim=2)  # [B, K, cols]: ancestors + itself
-            fb = ForwardBatch(ForwardMode.DECODE, tokens.reshape(-1),
-                              (seq + i).repeat_interleave(K), scratch[:, i * K:cols].reshape(-1),
-                              rows, seq, [K] * B, new_kv_slots=scratch[:, :cols], custom_mask=mask)
+            fb = ForwardBatch(ForwardMode.DECODE, tokens.reshape(-1), b.positions + i,
+                              scratch[:, i * K:cols].reshape(-1), b.req_pool_indices, b.seq_lens,
+                              [K] * B, new_kv_slots=scratch[:, :cols], custom_mask=mask)
             h = self.decode_runner.forward(fb, hidden_in=lane_hidden.reshape(B * K, H))  # [B*K, H]
             p, idx = self.head.topk(h, K)  # [B*K, K]
             (scores, tokens, lane_flat, parent_lane, cs, ct, cp) = expand_level(
@@ -169,6 +249,31 @@ class EagleWorker:
             anc = mask.gather(1, parent_lane[:, :, None].expand(B, K, cols))
         return organize_draft(torch.cat(all_scores, 1), torch.cat(all_tokens, 1),
                               torch.cat(all_parents, 1), N)
+
+    def verify_body(self, b: GraphBatch):
+        """Target forward over the tree -> (logits [B*N, V] fp32, draft features [B*N, F])."""
+        return self._verify_forward(ForwardBatch(
+            ForwardMode.TARGET_VERIFY, b.input_ids, b.positions, b.out_cache_loc,
+            b.req_pool_indices, b.seq_lens, [b.width] * b.batch_size, custom_mask=b.custom_mask))
+
+    def _verify_forward(self, fb: ForwardBatch):
+        # Eager verify enters here from VerifyPath, which built metadata after DP padding
+        # (C15); ModelRunner builds it again: one model entry point for every path, at the
+        # cost of a few small metadata ops on eager steps only.
+        hidden, aux = self.w.target.forward(fb, aux_layers=self.aux_layers)
+        return self.w.model.compute_logits(hidden), self._features(hidden, aux)
+
+    def extend_body(self, b: GraphBatch):
+        """Draft forward over N rows per request -> (topk_p [B,K], topk_index [B,K], hidden
+        [B,H]) at each request's last accepted row."""
+        # seq_lens is the view seq + N; padded lanes hold FILL < N, whose prefix is empty.
+        prefix = (b.seq_lens - b.width).clamp(min=0)  # [B] int64
+        fb = ForwardBatch(ForwardMode.DRAFT_EXTEND, b.input_ids, b.positions, b.out_cache_loc,
+                          b.req_pool_indices, prefix, [b.width] * b.batch_size, hidden_in=b.hidden)
+        h = self.runner.forward(fb, hidden_in=fb.hidden_in)  # [B*N, H]
+        last = h[select_last_index(b.accept_lens, b.width)]  # [B, H]
+        topk_p, topk_index = self.head.topk(last, self.K)
+        return topk_p, topk_index, last
 
     def _accept(self, plan: StepPlan, tree, logits):
         S = self.S

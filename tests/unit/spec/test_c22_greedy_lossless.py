@@ -65,10 +65,10 @@ class OracleDraft:
         t = ref[pos] if pos < len(ref) else 0
         return t if right else (t + 1) % self.vocab
 
-    def __call__(self, rows, seq, c):
+    def __call__(self, batch):
         N, K = self.eagle.N, self.eagle.K
         drafts, parents = [], []
-        for row, s in zip(rows.tolist(), seq.tolist()):
+        for row, s in zip(batch.req_pool_indices.tolist(), batch.seq_lens.tolist()):
             flip = s % 3  # vary where the oracle goes wrong from round to round
             if K == 1:  # chain: right tokens, one wrong at a depth that moves around
                 d = [self.tok(row, s + 1 + i, right=(i != flip + 1)) for i in range(N - 1)]
