@@ -37,10 +37,11 @@ from actors.plan_stream import PlanStream, VerifyInputs, prepare_draft_extend_in
 from actors.spec.spec_graphs import SpecGraphs, capture_spec_graphs
 from actors.step_plan import StepPlan
 from configs.schema import KestrelConfig
-from kernels.cache_loc import assign_cache_locs
 from kernels.sampling import process_logits
-from kernels.spec_tree import build_tree, expand_level, organize_draft
-from kernels.verify import greedy_verify, select_last_index, tree_sampling_verify
+from kernels.spec_ops import (assign_cache_locs, build_tree, greedy_verify, organize_draft,
+                              tree_sampling_verify)
+from kernels.spec_tree import expand_level
+from kernels.verify import select_last_index
 
 
 class PhaseClock:
@@ -76,10 +77,10 @@ class EagleWorker:
                                      worker.dtype, worker.device)
         scale = s.head_dim ** -0.5
         # C11: the runner's backend is the draft-extend backend; draft decode has its own.
-        self.extend_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token, scale,
-                               page_size=cfg.kv_cache.page_size)
-        self.decode_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token, scale,
-                               page_size=cfg.kv_cache.page_size)
+        self.extend_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token,
+                                           scale, page_size=cfg.kv_cache.page_size)
+        self.decode_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token,
+                                           scale, page_size=cfg.kv_cache.page_size)
         self.runner = ModelRunner(self.head, self.extend_backend)
         self.decode_runner = ModelRunner(self.head, self.decode_backend)
         # What draft extend reads per token: the target's final hidden, or EAGLE-3's layers.
