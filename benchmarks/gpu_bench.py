@@ -84,6 +84,7 @@ def main(argv=None):
     ap.add_argument("--spec-shapes", nargs="+", choices=["chain", "tree"], default=["chain", "tree"])
     ap.add_argument("--spec-batch-sizes", type=int, nargs="+", default=None,
                     help="batch sizes for the speculative variant (default: --batch-sizes)")
+    ap.add_argument("--set", action="append", default=[], help="config override for every variant")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -97,7 +98,7 @@ def main(argv=None):
     qs = load_questions(Path(DATA), 80)
     prompts = [apply_chat_template(tok, [{"role": "user", "content": qs[i % len(qs)]}]) for i in range(n)]
     base = ["device=cuda", "model.dtype=bfloat16", "kv_cache.num_slots=200000", "profile_steps=true",
-            f"scheduler.max_running_requests={max(64, n)}", "model.max_model_len=2048"]
+            f"scheduler.max_running_requests={max(64, n)}", "model.max_model_len=2048", *args.set]
     draft = [f"draft.path={args.draft}"] if args.draft else []
     results = []
     for backend in args.backends:

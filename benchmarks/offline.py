@@ -4,7 +4,11 @@ Same prompts (MT-bench first turns, chat template), greedy, same max tokens, mea
 side by side in one run at each batch size. Prints a markdown table.
 
     kestrel bench offline [--batch-sizes 1 8] [--max-tokens 64] [--num-prompts 8]
-        [--dtype auto] [--spec-set draft.path=...] [--skip-hf]
+        [--dtype auto] [--spec-set draft.topk=1 ...] [--repeats R] [--skip-hf]
+
+With --repeats R, plain and speculative runs alternate R times at each batch size and
+the medians are reported, with the median of the R per-pair ratios: on a shared machine
+one pair alone can be off by 20%.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -67,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], help="config override for Kestrel")
     ap.add_argument("--spec-set", action="append", default=None,
                     help="also run speculative with these draft overrides (e.g. draft.path=DIR)")
+    ap.add_argument("--repeats", type=int, default=1, help="alternate plain and spec runs this many times")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--data", default=str(DATA))
     args = ap.parse_args(argv)
@@ -92,14 +98,21 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     workers = spec_workers = None
     for b in args.batch_sizes:
-        ours, _, workers = run_kestrel(cfg, tok, prompts, b, args.max_tokens, workers)
-        print(f"batch {b}: kestrel {ours:.1f} tok/s", file=sys.stderr, flush=True)
-        row = {"batch": b, "kestrel": ours}
-        if args.spec_set is not None:
-            scfg = load_config(overrides=base + ["draft.enabled=true"] + args.spec_set)
-            spec, acc, spec_workers = run_kestrel(scfg, tok, prompts, b, args.max_tokens, spec_workers)
-            row.update(spec=spec, accept=acc)
-            print(f"batch {b}: kestrel spec {spec:.1f} tok/s (accept {acc:.2f})", file=sys.stderr, flush=True)
+        plain_runs, spec_runs, ratios, acc = [], [], [], None
+        for _ in range(args.repeats):
+            ours, _, workers = run_kestrel(cfg, tok, prompts, b, args.max_tokens, workers)
+            plain_runs.append(ours)
+            print(f"batch {b}: kestrel {ours:.1f} tok/s", file=sys.stderr, flush=True)
+            if args.spec_set is not None:
+                scfg = load_config(overrides=base + ["draft.enabled=true"] + args.spec_set)
+                spec, acc, spec_workers = run_kestrel(scfg, tok, prompts, b, args.max_tokens, spec_workers)
+                spec_runs.append(spec)
+                ratios.append(spec / ours)
+                print(f"batch {b}: kestrel spec {spec:.1f} tok/s (accept {acc:.2f})", file=sys.stderr, flush=True)
+        row = {"batch": b, "kestrel": statistics.median(plain_runs)}
+        if spec_runs:
+            row.update(spec=statistics.median(spec_runs), accept=acc, ratio=statistics.median(ratios),
+                       ratios=ratios)
         if hf is not None:
             row["hf"] = run_hf(hf, tok, prompts, b, args.max_tokens)
             print(f"batch {b}: transformers {row['hf']:.1f} tok/s", file=sys.stderr, flush=True)
@@ -108,17 +121,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"device {dev}, torch {torch.__version__}, dtype {workers[0].dtype}, "
           f"{args.num_prompts} prompts x {args.max_tokens} tokens, greedy\n")
-    head = "| batch | kestrel tok/s |" + (" spec tok/s | accept | spec/plain |" if args.spec_set is not None else "") \
+    head = "| batch | kestrel tok/s |" + (" spec tok/s | accept | spec/plain (median of pairs) |" if args.spec_set is not None else "") \
         + (" transformers tok/s | kestrel/transformers |" if hf is not None else "")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
         line = f"| {r['batch']} | {r['kestrel']:.1f} |"
         if "spec" in r:
-            line += f" {r['spec']:.1f} | {r['accept']:.2f} | {r['spec'] / r['kestrel']:.2f} |"
+            line += f" {r['spec']:.1f} | {r['accept']:.2f} | {r['ratio']:.2f} |"
         if "hf" in r:
             line += f" {r['hf']:.1f} | {r['kestrel'] / r['hf']:.2f} |"
         print(line)
+    for r in rows:
+        if len(r.get("ratios", [])) > 1:
+            print(f"batch {r['batch']} spec/plain per pair: " + " ".join(f"{x:.2f}" for x in r["ratios"]))
 
 
 if __name__ == "__main__":
