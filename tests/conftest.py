@@ -33,7 +33,8 @@ def fp32_worker():
     from actors.rank_worker import RankWorker
     from configs.schema import load_config
     cfg = load_config(overrides=["model.dtype=float32", "kv_cache.num_slots=8192",
-                                 "scheduler.max_running_requests=16", "device=cpu"])
+                                 "scheduler.max_running_requests=16", "device=cpu",
+                                 "draft.enabled=false"])
     return RankWorker(cfg)
 
 

@@ -6,7 +6,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-BASE = ["device=cuda", "model.dtype=bfloat16", "kv_cache.num_slots=65536",
+BASE = ["device=cuda", "draft.enabled=false", "model.dtype=bfloat16", "kv_cache.num_slots=65536",
         "scheduler.max_running_requests=16"]
 CHAIN = ["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"]
 TREE = ["draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]

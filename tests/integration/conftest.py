@@ -18,6 +18,7 @@ import pytest
 
 SERVER_OVERRIDES = [
     "device=cpu",
+    "draft.enabled=false",  # plain: the served default (speculation on) has its own test
     "model.dtype=float32",  # token-for-token comparisons need fp32 (DESIGN.md section 10)
     "kv_cache.num_slots=4096",
     "scheduler.max_running_requests=16",

@@ -32,7 +32,7 @@ def one_thread():
 def tiny_cfg(path: str, *extra: str):
     return load_config(overrides=[f"model.path={path}", "model.dtype=float32", "device=cpu",
                                   "kv_cache.num_slots=4096", "scheduler.max_running_requests=32",
-                                  *extra])
+                                  "draft.enabled=false", *extra])
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ def tiny_config(model_dir: str, *overrides: str, spec: bool = True):
     base = [f"model.path={model_dir}", "model.dtype=float32", "device=cpu",
             "kv_cache.num_slots=4096", "model.max_model_len=512",
             "scheduler.max_running_requests=8"]
-    if spec:
-        base += ["draft.enabled=true", "draft.path=random"]
+    base += ["draft.enabled=true", "draft.path=random"] if spec else ["draft.enabled=false"]
     return load_config(overrides=base + list(overrides))
 
 
