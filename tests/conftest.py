@@ -12,6 +12,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "spec"))  # spec_helpers
 sys.path.insert(0, str(ROOT / "tests"))  # kestrel_testing
 
+# Before any test module imports triton (actors import kernels.spec_ops): without CUDA the
+# Triton kernels under test run in its interpreter, which is bound when they are decorated.
+import triton_interpreter  # noqa: E402,F401
 from kestrel_testing import mt_bench_first_turns  # noqa: E402
 
 

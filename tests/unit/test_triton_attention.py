@@ -14,51 +14,21 @@ requests, so a request's slots are not contiguous across pages.
 """
 from __future__ import annotations
 
-import os
+import random
 
+import numpy as np
+import pytest
 import torch
 
-# On a machine without CUDA the kernels run in Triton's interpreter, which is chosen when a
-# kernel is decorated: set it before triton is imported. With CUDA they compile and run
-# on the GPU (an interpreter switched on in a session would break the GPU tests).
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+import triton_interpreter  # first of the project imports: picks the interpreter without CUDA
+from actors.attention.torch_native import TorchNativeBackend
+from actors.dp.sync import ForwardMode
+from actors.forward_batch import ForwardBatch
+from actors.kv_cache import ReqToTokenPool, SlotAllocator, TokenToKVPool
+from kernels import triton_attention as ta
 
-import random  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from actors.attention.torch_native import TorchNativeBackend  # noqa: E402
-from actors.dp.sync import ForwardMode  # noqa: E402
-from actors.forward_batch import ForwardBatch  # noqa: E402
-from actors.kv_cache import ReqToTokenPool, SlotAllocator, TokenToKVPool  # noqa: E402
-from kernels import triton_attention as ta  # noqa: E402
-
-INTERPRETED = ta.HAS_TRITON and type(ta._paged_attn_kernel).__name__ == "InterpretedFunction"
-DEV = "cuda" if _CUDA and not INTERPRETED else "cpu"  # where the tensors live
-
-needs_triton = pytest.mark.skipif(not ta.HAS_TRITON, reason="triton is not installed")
-if ta.HAS_TRITON and DEV == "cpu" and not INTERPRETED:
-    needs_triton = pytest.mark.skip(
-        reason="triton was imported before TRITON_INTERPRET=1; run this module on its own")
-
-if INTERPRETED:
-    try:
-        int(np.zeros(1))
-    except TypeError:
-        # Triton 3.6's interpreter turns a scalar into a 1-element array and calls int()
-        # on it inside range(); NumPy >= 2.4 refuses that. Convert through .item() instead.
-        import triton.runtime.interpreter as _interp
-
-        _orig_patch = _interp._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor, scope):
-            _orig_patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-        _interp._patch_lang_tensor = _patch_lang_tensor
+INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(ta.HAS_TRITON,
+                                                                 ta._paged_attn_kernel)
 
 MODES = ("decode", "extend", "verify", "draft_decode", "causal_wide", "full")
 ORACLE_MODES = MODES[:-1]  # ForwardBatch has no "full" flag (it is an all-True custom mask)

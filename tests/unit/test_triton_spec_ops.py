@@ -8,49 +8,19 @@ triton is missing.
 """
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-# On a machine without CUDA the kernels run in Triton's interpreter, which is chosen when a
-# kernel is decorated: set it before triton is imported.
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+import triton_interpreter  # first of the project imports: picks the interpreter without CUDA
+from actors.kv_cache import SlotAllocator
+from kernels import cache_loc, spec_ops, spec_tree, verify
+from kernels import triton_cache_loc as tcl
+from kernels import triton_kv_indices as tkv
+from kernels import triton_spec_tree as tst
+from kernels import triton_verify as tv
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from actors.kv_cache import SlotAllocator  # noqa: E402
-from kernels import cache_loc, spec_ops, spec_tree, verify  # noqa: E402
-from kernels import triton_cache_loc as tcl  # noqa: E402
-from kernels import triton_kv_indices as tkv  # noqa: E402
-from kernels import triton_spec_tree as tst  # noqa: E402
-from kernels import triton_verify as tv  # noqa: E402
-
-INTERPRETED = tst.HAS_TRITON and type(tst._build_tree_kernel).__name__ == "InterpretedFunction"
-DEV = "cuda" if _CUDA and not INTERPRETED else "cpu"  # where the tensors live
-
-needs_triton = pytest.mark.skipif(not tst.HAS_TRITON, reason="triton is not installed")
-if tst.HAS_TRITON and DEV == "cpu" and not INTERPRETED:
-    needs_triton = pytest.mark.skip(
-        reason="triton was imported before TRITON_INTERPRET=1; run this module on its own")
-
-if INTERPRETED:
-    try:
-        int(np.zeros(1))
-    except TypeError:
-        # Triton 3.6's interpreter turns a scalar into a 1-element array and calls int()
-        # on it inside range(); NumPy >= 2.4 refuses that. Convert through .item() instead.
-        import triton.runtime.interpreter as _interp
-
-        _orig_patch = _interp._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor, scope):
-            _orig_patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-        _interp._patch_lang_tensor = _patch_lang_tensor
+INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(tst.HAS_TRITON,
+                                                                 tst._build_tree_kernel)
 
 
 # ---------------------------------------------------------------------------- cases

@@ -1,0 +1,49 @@
+"""Triton kernels under test: compiled on a GPU, in Triton's interpreter on CPU tensors
+when there is no CUDA (CI). Import this before anything imports triton: the interpreter
+is chosen when a kernel is decorated (switching it on with CUDA present would break the
+GPU tests)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _let_interpreter_index_numpy_scalars() -> None:
+    """Triton 3.6's interpreter turns a scalar into a 1-element array and calls int() on it
+    inside range(); NumPy >= 2.4 refuses that. Convert through .item() instead."""
+    try:
+        int(np.zeros(1))
+        return
+    except TypeError:
+        pass
+    import triton.runtime.interpreter as interp
+    if getattr(interp._patch_lang_tensor, "_kestrel_patched", False):
+        return
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+    patched._kestrel_patched = True
+    interp._patch_lang_tensor = patched
+
+
+def triton_setup(has_triton: bool, kernel) -> tuple[bool, str, pytest.MarkDecorator]:
+    """(interpreted, the device test tensors live on, the mark for kernel tests) for a
+    module whose kernels look like `kernel`."""
+    interpreted = has_triton and type(kernel).__name__ == "InterpretedFunction"
+    dev = "cuda" if CUDA and not interpreted else "cpu"
+    mark = pytest.mark.skipif(not has_triton, reason="triton is not installed")
+    if has_triton and dev == "cpu" and not interpreted:
+        mark = pytest.mark.skip(
+            reason="triton was imported before TRITON_INTERPRET=1; run this module on its own")
+    if interpreted:
+        _let_interpreter_index_numpy_scalars()
+    return interpreted, dev, mark
