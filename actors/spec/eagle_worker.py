@@ -157,11 +157,13 @@ class EagleWorker:
         clock.mark("verify")
         accept_index, accept_length, predict = self._accept(plan, tree, logits)
         # -- move accepted target KV to the slots of their final positions
-        j = torch.arange(S + 1, device=dev).expand(B, -1)
-        moved = (accept_index >= 0) & (accept_index != j)
-        if bool(moved.any()):
-            b_idx = torch.arange(B, device=dev)[:, None].expand(B, S + 1)[moved]
-            w.kv_pool.move(loc[b_idx, accept_index[moved]], loc[b_idx, j[moved]])
+        # Without a host sync: lanes that stay put copy their slot onto itself (the move
+        # gathers every source before it writes, so those copies change nothing).
+        j = torch.arange(S + 1, device=dev).expand(B, -1)  # [B, S+1] int64
+        moved = (accept_index >= 0) & (accept_index != j)  # [B, S+1] bool
+        dst = loc.gather(1, j.clamp(max=N - 1))  # [B, S+1] int64 (lanes past N never move)
+        src = torch.where(moved, loc.gather(1, accept_index.clamp(min=0)), dst)  # [B, S+1] int64
+        w.kv_pool.move(src.reshape(-1), dst.reshape(-1))
         # -- draft extend over N rows per request
         topk_p, topk_index, last = self._draft_extend(batch, accept_index, accept_length,
                                                       predict, feats)
