@@ -130,8 +130,8 @@ def _run(engine, prompts: list[list[int]], params: list, desc: str, deadline: fl
                         sum(r.finish_reason == "abort" for r in reqs))
             break
         for ev in engine.step():
-            toks += len(ev.new_token_ids)
-            if ev.finished:
+            if ev.finished:  # without a stream callback the engine reports finished requests
+                toks += ev.num_output_tokens
                 bar.update(1)
         bar.set_postfix(tok_s=f"{toks / max(time.monotonic() - t0, 1e-6):.0f}", refresh=False)
     bar.close()
