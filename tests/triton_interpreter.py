@@ -35,9 +35,11 @@ def _let_interpreter_index_numpy_scalars() -> None:
     interp._patch_lang_tensor = patched
 
 
-def triton_setup(has_triton: bool, kernel) -> tuple[bool, str, pytest.MarkDecorator]:
+def triton_setup(kernels_module, kernel_name: str) -> tuple[bool, str, pytest.MarkDecorator]:
     """(interpreted, the device test tensors live on, the mark for kernel tests) for a
-    module whose kernels look like `kernel`."""
+    kernels module (with HAS_TRITON) whose kernels look like its `kernel_name`."""
+    has_triton = kernels_module.HAS_TRITON
+    kernel = getattr(kernels_module, kernel_name, None)  # defined only when triton imports
     interpreted = has_triton and type(kernel).__name__ == "InterpretedFunction"
     dev = "cuda" if CUDA and not interpreted else "cpu"
     mark = pytest.mark.skipif(not has_triton, reason="triton is not installed")

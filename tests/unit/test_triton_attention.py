@@ -27,8 +27,7 @@ from actors.forward_batch import ForwardBatch
 from actors.kv_cache import ReqToTokenPool, SlotAllocator, TokenToKVPool
 from kernels import triton_attention as ta
 
-INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(ta.HAS_TRITON,
-                                                                 ta._paged_attn_kernel)
+INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(ta, "_paged_attn_kernel")
 
 MODES = ("decode", "extend", "verify", "draft_decode", "causal_wide", "full")
 ORACLE_MODES = MODES[:-1]  # ForwardBatch has no "full" flag (it is an all-True custom mask)

@@ -19,8 +19,7 @@ from kernels import triton_kv_indices as tkv
 from kernels import triton_spec_tree as tst
 from kernels import triton_verify as tv
 
-INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(tst.HAS_TRITON,
-                                                                 tst._build_tree_kernel)
+INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(tst, "_build_tree_kernel")
 
 
 # ---------------------------------------------------------------------------- cases
