@@ -105,7 +105,7 @@ def main(argv=None):
         modes = [("eager", "attention.cuda_graphs=false")]
         if backend != "torch_native":
             modes.append(("graphs", "attention.cuda_graphs=true"))
-        variants = [(f"plain {m}", [g]) for m, g in modes]
+        variants = [(f"plain {m}", [g, "draft.enabled=false"]) for m, g in modes]
         variants += [(f"spec {sh} {m}", [g, "draft.enabled=true", *draft, *(TREE if sh == "tree" else CHAIN)])
                      for sh in args.spec_shapes for m, g in modes]
         for name, ov in variants:

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
 
     path = default_model_path()
     base = [f"model.dtype={args.dtype}", "kv_cache.num_slots=16384"] + args.set
-    cfg = load_config(overrides=base)
+    cfg = load_config(overrides=base + ["draft.enabled=false"])  # the plain column
     tok = load_tokenizer(path)
     prompts = [apply_chat_template(tok, [{"role": "user", "content": q}])
                for q in load_questions(Path(args.data), args.num_prompts)]
