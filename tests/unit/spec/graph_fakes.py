@@ -1,5 +1,8 @@
-"""A recording attention backend for the CUDA-graph padding contracts (C04-C08)."""
+"""Stand-ins for the CUDA-graph and stream contract tests: a recording attention backend
+(C04-C08) and logging streams and events (C15, C17, the spec graph wiring)."""
 from __future__ import annotations
+
+import re
 
 
 def _list(t):
@@ -28,3 +31,41 @@ class RecordingBackend:
             out_cache_loc=spec.out_cache_loc.tolist(), input_ids=spec.input_ids.tolist(),
             accept_lens=_list(spec.accept_lens),
             mask=None if spec.custom_mask is None else spec.custom_mask.clone()))
+
+
+class FakeStream:
+    """Stands in for a CUDA stream: logs becoming current and every wait as "name:what"."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __enter__(self):
+        self.log.append(f"{self.name}:enter")
+        return self
+
+    def __exit__(self, *exc):
+        self.log.append(f"{self.name}:exit")
+        return False
+
+    def wait_event(self, ev):
+        self.log.append(f"{self.name}:wait_event:{ev.name}")
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name}:wait_stream:{other.name}")
+
+
+class FakeEvent:
+    """Stands in for a CUDA event, named ev1, ev2, ... in order of creation."""
+    count = 0
+
+    def __init__(self, log: list):
+        FakeEvent.count += 1
+        self.name, self.log = f"ev{FakeEvent.count}", log
+
+    def record(self, stream):
+        self.log.append(f"{stream.name}:record:{self.name}")
+
+
+def without_event_names(log: list[str]) -> list[str]:
+    """The log with event names dropped, for checks that do not follow one event."""
+    return [re.sub(r":ev\d+$", "", e) for e in log]

@@ -12,39 +12,9 @@ from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, VerifyP
 from actors.dp.sync import draft_extend_ids, stream_ctx
 from actors.plan_stream import (PlanStream, VerifyInputs, prepare_draft_extend_inputs,
                                 prepare_verify_inputs)
+from graph_fakes import FakeEvent, FakeStream
 
 B, N = 2, 3
-
-
-class FakeStream:
-    """Logs becoming current and every wait; anything else it is asked is an error."""
-
-    def __init__(self, name, log):
-        self.name, self.log = name, log
-
-    def __enter__(self):
-        self.log.append(f"{self.name}:enter")
-
-    def __exit__(self, *exc):
-        self.log.append(f"{self.name}:exit")
-        return False
-
-    def wait_event(self, ev):
-        self.log.append(f"{self.name}:wait_event:{ev.name}")
-
-    def wait_stream(self, other):
-        self.log.append(f"{self.name}:wait_stream:{other.name}")
-
-
-class FakeEvent:
-    count = 0
-
-    def __init__(self, log):
-        FakeEvent.count += 1
-        self.name, self.log = f"ev{FakeEvent.count}", log
-
-    def record(self, stream):
-        self.log.append(f"{stream.name}:record:{self.name}")
 
 
 def _plan(enabled: bool, log: list, compute=None) -> PlanStream:
