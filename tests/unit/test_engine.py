@@ -10,8 +10,8 @@ from serve_app.request import SamplingParams
 
 from kestrel_testing import assert_same_or_near_tie
 
-BASE = ["draft.enabled=false", "model.dtype=float32", "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
-        "device=cpu"]
+BASE = ["draft.enabled=false", "model.dtype=float32", "kv_cache.num_slots=8192",
+        "scheduler.max_running_requests=16", "device=cpu"]
 
 
 def make_engine(worker, tokenizer, *overrides, **kw) -> LLMEngine:

@@ -10,8 +10,8 @@ from configs.schema import load_config
 from serve_app.llm_engine import LLMEngine
 from spec_helpers import CHAIN, TREE, greedy
 
-BASE = ["draft.enabled=false", "model.dtype=float32", "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
-        "device=cpu"]
+BASE = ["draft.enabled=false", "model.dtype=float32", "kv_cache.num_slots=8192",
+        "scheduler.max_running_requests=16", "device=cpu"]
 MAX = 24
 
 
