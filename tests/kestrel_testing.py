@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"  # MT-bench, Apache-2.0
 
@@ -16,7 +18,6 @@ def mt_bench_first_turns(n: int) -> list[str]:
 def assert_same_or_near_tie(hf_model, prompt, ours, theirs, tol=1e-4):
     """Equal token for token, or the first divergence is at a near-tie of the reference
     (top-2 logit gap below tol), where fp32 rounding may pick either."""
-    import torch
     if ours == theirs:
         return
     n = min(len(ours), len(theirs))
@@ -27,3 +28,21 @@ def assert_same_or_near_tie(hf_model, prompt, ours, theirs, tol=1e-4):
     top2 = logits.topk(2).values
     gap = float(top2[0] - top2[1])
     assert gap < tol, f"diverged at output {d} where the top-2 logit gap is {gap:.2e} (not a tie)"
+
+
+def random_tree_mask(n: int, rng) -> torch.Tensor:
+    """[n, n] bool: node i sees its ancestors and itself (parent[i] < i, node 0 the root)."""
+    m = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        m[i] |= m[rng.randrange(i)]
+    return m
+
+
+def random_draft_mask(K: int, step: int, rng) -> torch.Tensor:
+    """[K, (step+1)*K] bool, as EagleWorker._draft builds it: ancestor bits over earlier
+    levels' scratch columns (one lane per level), then the lane itself."""
+    anc = torch.zeros(K, step * K, dtype=torch.bool)
+    for lane in range(K):
+        for lvl in range(step):
+            anc[lane, lvl * K + rng.randrange(K)] = True
+    return torch.cat([anc, torch.eye(K, dtype=torch.bool)], dim=1)

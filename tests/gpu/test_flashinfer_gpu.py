@@ -8,7 +8,8 @@ Kernel cases reuse tests/gpu/test_triton_backend.py's Case (scattered pages, pag
 target verify with tree masks, draft decode with ancestor masks. Then the real GraphRunner
 captures the backend (target decode, target verify, and a two-step draft decode whose
 second mask is computed inside the graph) and replays padded and unpadded batches. Then
-SmolLM2 greedy generation with flashinfer equals triton up to bf16 near-ties.
+SmolLM2 greedy generation with flashinfer equals triton up to bf16 near-ties
+(speculative-vs-plain and graphs-vs-eager with flashinfer: tests/gpu/test_gpu_engine.py).
 
 First use JIT-compiles FlashInfer's kernels (about 20 s each for decode and FA2 prefill).
 """
@@ -18,8 +19,9 @@ import random
 
 import pytest
 import torch
-from test_gpu_engine import CHAIN, TREE, check_near_ties, run
-from test_triton_backend import CONFIGS, MAX_CTX, TOL, Case, _tree_mask
+from kestrel_testing import random_tree_mask
+from test_gpu_engine import check_near_ties, run
+from test_triton_backend import CONFIGS, MAX_CTX, TOL, Case
 
 from actors.attention.flashinfer_metadata import full_mask, set_block_bits
 from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
@@ -76,7 +78,7 @@ def test_extend_long_prefill(page):
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("B,n", [(1, 8), (16, 8), (64, 8), (4, 64)])
-def test_verify_tree_mask(B, n, page, cfg):
+def test_verifyrandom_tree_mask(B, n, page, cfg):
     _check(Case("verify", B, page, cfg, seed=B * n + page, n=n), page)
 
 
@@ -94,7 +96,7 @@ def test_mask_bits_match_segment_packbits():
     rng = random.Random(0)
     B, q, E = 6, 8, 8
     prefix = torch.tensor([0, 1, 3, 7, 100, 2000])
-    custom = torch.stack([_tree_mask(q, rng) for _ in range(B)]).to(DEV)
+    custom = torch.stack([random_tree_mask(q, rng) for _ in range(B)]).to(DEV)
     sizes = (q * (prefix + E)).tolist()
     indptr = torch.zeros(B + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(torch.tensor(sizes), 0)
@@ -184,7 +186,7 @@ class GraphHarness:
         seq = prefix + 1 if self.kind == GraphKind.TARGET_DECODE else prefix
         mask = topk_p = topk_index = hidden = None
         if self.kind == GraphKind.TARGET_VERIFY:
-            mask = torch.stack([_tree_mask(W, rng) for _ in range(raw)]).to(DEV)
+            mask = torch.stack([random_tree_mask(W, rng) for _ in range(raw)]).to(DEV)
         if self.kind == GraphKind.DRAFT_DECODE:
             topk_p = torch.rand(raw, self.K, device=DEV, generator=gen)
             topk_index = torch.randint(0, 1000, (raw, self.K), device=DEV, generator=gen)
@@ -225,13 +227,6 @@ def test_graph_replay_equals_eager(kind, W, page):
 
 
 # --------------------------------------------------------------------------- the engine
-@pytest.fixture(scope="module")
-def fp32_ref(smollm_path):
-    """The fp32 model that judges near-ties (as in test_gpu_engine)."""
-    from actors.models.loader import build_model
-    return build_model(smollm_path, torch.float32, DEV)[0]
-
-
 @pytest.mark.parametrize("page", [1, 16])
 def test_smollm_greedy_flashinfer_equals_triton(tokenizer, chat_prompts, fp32_ref, page):
     pages = f"kv_cache.page_size={page}"
@@ -239,20 +234,3 @@ def test_smollm_greedy_flashinfer_equals_triton(tokenizer, chat_prompts, fp32_re
     got = run(tokenizer, chat_prompts, "attention.backend=flashinfer", pages)
     n = check_near_ties(fp32_ref, chat_prompts, got, ref)
     print(f"flashinfer vs triton, page {page}: {n}/{len(chat_prompts)} diverged, all at near-ties")
-
-
-@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_spec_lossless_with_flashinfer(tokenizer, chat_prompts, fp32_ref, shape):
-    plain = run(tokenizer, chat_prompts, "attention.backend=flashinfer")
-    spec = run(tokenizer, chat_prompts, "attention.backend=flashinfer", "draft.enabled=true",
-               "draft.path=random", *shape)
-    n = check_near_ties(fp32_ref, chat_prompts, spec, plain)
-    print(f"flashinfer {shape[0]}: {n}/{len(chat_prompts)} prompts diverged, all at near-ties")
-
-
-def test_decode_graphs_equal_eager_with_flashinfer(tokenizer, chat_prompts, fp32_ref):
-    eager = run(tokenizer, chat_prompts[:5], "attention.backend=flashinfer", "attention.cuda_graphs=false")
-    graphs = run(tokenizer, chat_prompts[:5], "attention.backend=flashinfer", "attention.cuda_graphs=true",
-                 "attention.cuda_graph_batch_sizes=[1,2,4,8]")
-    check_near_ties(fp32_ref, chat_prompts[:5], graphs, eager)
-    assert sum(a == b for a, b in zip(graphs, eager)) >= 4

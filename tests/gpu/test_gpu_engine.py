@@ -1,5 +1,7 @@
 """The engine on a GPU (bf16): speculative equals plain up to bf16 near-ties, per backend,
 and graph replay of target decode equals eager. Skipped without CUDA."""
+import importlib.util
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ BASE = ["device=cuda", "draft.enabled=false", "model.dtype=bfloat16", "kv_cache.
 CHAIN = ["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"]
 TREE = ["draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]
 MAX = 64
+FLASHINFER = pytest.param("flashinfer", marks=pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed"))
 
 
 def run(tokenizer, prompts, *overrides):
@@ -19,13 +23,6 @@ def run(tokenizer, prompts, *overrides):
     from serve_app.request import SamplingParams
     eng = LLMEngine(load_config(overrides=BASE + list(overrides)), tokenizer=tokenizer)
     return [r.output_ids for r in eng.generate(prompts, SamplingParams(max_tokens=MAX, ignore_eos=True))]
-
-
-@pytest.fixture(scope="module")
-def fp32_ref(smollm_path):
-    from actors.models.loader import build_model
-    model, _ = build_model(smollm_path, torch.float32, "cuda")
-    return model
 
 
 def gap_at(model, ids) -> float:
@@ -55,7 +52,7 @@ def check_near_ties(model, prompts, got, ref, tol=0.5):
     return n
 
 
-@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+@pytest.mark.parametrize("backend", ["torch_native", "triton", FLASHINFER])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_spec_lossless_on_gpu(tokenizer, chat_prompts, fp32_ref, backend, shape):
     plain = run(tokenizer, chat_prompts, f"attention.backend={backend}")
@@ -65,9 +62,10 @@ def test_spec_lossless_on_gpu(tokenizer, chat_prompts, fp32_ref, backend, shape)
     print(f"{backend} {shape[0]}: {n}/{len(chat_prompts)} prompts diverged, all at near-ties")
 
 
-def test_decode_graphs_equal_eager(tokenizer, chat_prompts, fp32_ref):
-    eager = run(tokenizer, chat_prompts[:5], "attention.backend=triton", "attention.cuda_graphs=false")
-    graphs = run(tokenizer, chat_prompts[:5], "attention.backend=triton", "attention.cuda_graphs=true",
+@pytest.mark.parametrize("backend", ["triton", FLASHINFER])
+def test_decode_graphs_equal_eager(tokenizer, chat_prompts, fp32_ref, backend):
+    eager = run(tokenizer, chat_prompts[:5], f"attention.backend={backend}", "attention.cuda_graphs=false")
+    graphs = run(tokenizer, chat_prompts[:5], f"attention.backend={backend}", "attention.cuda_graphs=true",
                  "attention.cuda_graph_batch_sizes=[1,2,4,8]")
     check_near_ties(fp32_ref, chat_prompts[:5], graphs, eager)
     assert sum(a == b for a, b in zip(graphs, eager)) >= 4

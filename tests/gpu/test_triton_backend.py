@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from kestrel_testing import random_draft_mask, random_tree_mask
 
 from actors.attention.torch_native import TorchNativeBackend
 from actors.dp.sync import ForwardMode
@@ -41,23 +42,6 @@ def _backend_cls():
     return TritonBackend
 
 
-def _tree_mask(n: int, rng: random.Random) -> torch.Tensor:
-    """[n, n] bool: node i sees its ancestors and itself."""
-    m = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        m[i] |= m[rng.randrange(i)]
-    return m
-
-
-def _draft_mask(K: int, step: int, rng: random.Random) -> torch.Tensor:
-    """[K, (step+1)*K] bool: one ancestor lane per earlier level, then the lane itself."""
-    anc = torch.zeros(K, step * K, dtype=torch.bool)
-    for lane in range(K):
-        for lvl in range(step):
-            anc[lane, lvl * K + rng.randrange(K)] = True
-    return torch.cat([anc, torch.eye(K, dtype=torch.bool)], dim=1)
-
-
 class Case:
     """Paged pools (bf16 for Triton, an fp32 copy for the oracle) and one forward's inputs."""
 
@@ -75,10 +59,10 @@ class Case:
             E = list(qlens)
         elif mode == "verify":
             qlens, E = [n] * B, [n] * B
-            masks = [_tree_mask(n, rng) for _ in range(B)]
+            masks = [random_tree_mask(n, rng) for _ in range(B)]
         elif mode == "draft_decode":
             qlens, E = [K] * B, [(step + 1) * K] * B
-            masks = [_draft_mask(K, step, rng) for _ in range(B)]
+            masks = [random_draft_mask(K, step, rng) for _ in range(B)]
         else:
             raise ValueError(mode)
         if prefix is None:
@@ -180,7 +164,7 @@ def test_extend_long_prefill(page):
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("B,n", [(1, 8), (16, 8), (64, 8), (4, 64), (64, 64)])
-def test_verify_tree_mask(B, n, page, cfg):
+def test_verifyrandom_tree_mask(B, n, page, cfg):
     _check(Case("verify", B, page, cfg, seed=B * n + page, n=n))
 
 

@@ -19,8 +19,9 @@ import random
 import numpy as np
 import pytest
 import torch
+import triton_interpreter  # before actors/kernels import triton: picks its interpreter without CUDA
+from kestrel_testing import random_draft_mask, random_tree_mask
 
-import triton_interpreter  # first of the project imports: picks the interpreter without CUDA
 from actors.attention.torch_native import TorchNativeBackend
 from actors.dp.sync import ForwardMode
 from actors.forward_batch import ForwardBatch
@@ -35,24 +36,6 @@ CONFIGS = {"smollm": (9, 3, 64), "gqa2_d24": (4, 2, 24), "mha_d16": (2, 2, 16)} 
 
 
 # ---------------------------------------------------------------------------- cases
-def _tree_mask(n: int, rng: random.Random) -> torch.Tensor:
-    """[n, n] bool: node i sees its ancestors and itself (parent[i] < i, node 0 the root)."""
-    m = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        m[i] |= m[rng.randrange(i)]
-    return m
-
-
-def _draft_mask(K: int, step: int, rng: random.Random) -> torch.Tensor:
-    """[K, (step+1)*K] bool, as EagleWorker._draft builds it: ancestor bits over earlier
-    levels' scratch columns (one lane per level), then the lane itself."""
-    anc = torch.zeros(K, step * K, dtype=torch.bool)
-    for lane in range(K):
-        for lvl in range(step):
-            anc[lane, lvl * K + rng.randrange(K)] = True
-    return torch.cat([anc, torch.eye(K, dtype=torch.bool)], dim=1)
-
-
 def make_case(mode: str, page: int, cfg: str = "smollm", seed: int = 0, B: int | None = None,
               dtype: torch.dtype = torch.float32, max_prefix: int = 200) -> dict:
     """A random batch in ``mode``: lengths, paged req_to_token, K/V pool, q/k/v, masks."""
@@ -70,11 +53,11 @@ def make_case(mode: str, page: int, cfg: str = "smollm", seed: int = 0, B: int |
     elif mode == "verify":
         n = rng.randint(1, 16)
         qlens, E = [n] * B, [n] * B
-        masks = [_tree_mask(n, rng) for _ in range(B)]
+        masks = [random_tree_mask(n, rng) for _ in range(B)]
     elif mode == "draft_decode":
         K, step = rng.randint(1, 4), rng.randint(0, 3)
         qlens, E = [K] * B, [(step + 1) * K] * B
-        masks = [_draft_mask(K, step, rng) for _ in range(B)]
+        masks = [random_draft_mask(K, step, rng) for _ in range(B)]
     elif mode in ("causal_wide", "full"):
         n = rng.randint(1, 16)
         qlens, E = [n] * B, [n + rng.randint(0, 8)] * B
@@ -265,7 +248,7 @@ def test_backend_ragged_custom_mask():
     Q = max(c["qlens"])
     full = torch.zeros(c["B"], Q, Q + 2, dtype=torch.bool)  # [B, Qm, Em] bool, padded
     for b, n in enumerate(c["qlens"]):
-        full[b, :n, :n] = _tree_mask(n, rng)
+        full[b, :n, :n] = random_tree_mask(n, rng)
     fb = forward_batch(c)
     fb.custom_mask = full.to(DEV)
     native = TorchNativeBackend(c["pool"], c["rt"], c["D"] ** -0.5)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import triton_interpreter  # first of the project imports: picks the interpreter without CUDA
+import triton_interpreter  # before actors/kernels import triton: picks its interpreter without CUDA
 from actors.kv_cache import SlotAllocator
 from kernels import cache_loc, spec_ops, spec_tree, verify
 from kernels import triton_cache_loc as tcl
