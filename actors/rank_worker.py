@@ -113,8 +113,9 @@ class RankWorker:
 
     def _capture_decode_graphs(self, sizes: list[int]):
         """Plain target decode as CUDA graphs, one per captured batch size (DESIGN.md 6)."""
-        from actors.cuda_graph_runner import GraphKind, GraphRunner
-        runner = GraphRunner(GraphKind.TARGET_DECODE, sizes, self.target.backend, device=self.device)
+        from actors.cuda_graph_runner import GraphKind, GraphRunner, graph_backend
+        runner = GraphRunner(GraphKind.TARGET_DECODE, sizes, graph_backend(self.target.backend),
+                             device=self.device)
 
         def forward(view):
             # Metadata is rebuilt inside the graph from the static inputs on every replay.
