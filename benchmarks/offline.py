@@ -97,14 +97,15 @@ def main(argv: list[str] | None = None) -> None:
                                                   dtype=dt).eval().to(cfg.resolved_device())
     rows = []
     workers = spec_workers = None
+    scfg = None if args.spec_set is None else load_config(
+        overrides=base + ["draft.enabled=true"] + args.spec_set)
     for b in args.batch_sizes:
         plain_runs, spec_runs, ratios, acc = [], [], [], None
         for _ in range(args.repeats):
             ours, _, workers = run_kestrel(cfg, tok, prompts, b, args.max_tokens, workers)
             plain_runs.append(ours)
             print(f"batch {b}: kestrel {ours:.1f} tok/s", file=sys.stderr, flush=True)
-            if args.spec_set is not None:
-                scfg = load_config(overrides=base + ["draft.enabled=true"] + args.spec_set)
+            if scfg is not None:
                 spec, acc, spec_workers = run_kestrel(scfg, tok, prompts, b, args.max_tokens, spec_workers)
                 spec_runs.append(spec)
                 ratios.append(spec / ours)
