@@ -42,6 +42,10 @@ class LLMEngine:
                            for w in self.workers]
         self._ids = itertools.count()
         self.steps = 0
+        # Where step time goes (seconds, summed over ranks): host scheduling, the worker
+        # (model and sampling), committing outputs; and steps per mode. For progress lines.
+        self.seconds = {"schedule": 0.0, "execute": 0.0, "process": 0.0}
+        self.mode_steps = {"extend": 0, "decode": 0}
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
@@ -61,12 +65,20 @@ class LLMEngine:
         """One step on every rank with work (ranks are independent without dp_attention)."""
         events: list[RequestOutput] = []
         for sched, worker in zip(self.schedulers, self.workers):
+            t0 = time.perf_counter()
             plan = sched.schedule()
             if plan is None:
                 if sched.has_work:
                     raise RuntimeError("scheduler has requests but could not plan a step")
                 continue
-            events += sched.process_output(plan, worker.execute(plan))
+            t1 = time.perf_counter()
+            out = worker.execute(plan)
+            t2 = time.perf_counter()
+            events += sched.process_output(plan, out)
+            self.seconds["schedule"] += t1 - t0
+            self.seconds["execute"] += t2 - t1
+            self.seconds["process"] += time.perf_counter() - t2
+            self.mode_steps[plan.mode] = self.mode_steps.get(plan.mode, 0) + 1
         self.steps += 1
         return events
 

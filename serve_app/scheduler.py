@@ -44,6 +44,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.step_id = 0
+        self._held_steps = 0  # decode steps run while admissible requests waited
         self._inflight: dict[int, list[Request]] = {}  # step id -> its requests, in plan order
         # req_to_token updates not yet sent: they ride on the next plan that is dispatched,
         # whichever it is (an admission can happen in an extend plan that is then dropped).
@@ -169,7 +170,19 @@ class Scheduler:
             self._kv_writes.append((row, 0, m.slots))
         return True
 
+    def _prefill_due(self) -> bool:
+        """Whether new requests should be admitted now (scheduler.prefill_min_batch)."""
+        sc = self.cfg.scheduler
+        if not self.running or self.prefilling or self._held_steps >= sc.prefill_max_delay_steps:
+            return True
+        free = sc.max_running_requests - len(self.running)
+        return min(len(self.waiting), free) >= min(sc.prefill_min_batch, len(self.waiting))
+
     def _schedule_extend(self) -> StepPlan | None:
+        if not self._prefill_due():
+            self._held_steps += 1
+            return None
+        self._held_steps = 0
         plan = StepPlan(self.step_id, "extend", [])
         limit = self.cfg.scheduler.max_running_requests
         while self.waiting and len(self.running) + len(self.prefilling) < limit:
@@ -305,8 +318,13 @@ class Scheduler:
             if reason:
                 break
         text = ""
-        if req.detok is not None:
-            piece = req.detok.add(new_ids[:-1] if stop_token else new_ids)
+        # Nobody reads the text before the end, and no stop string can cut it short:
+        # detokenize once when the request finishes instead of at every step.
+        # (The finishing output then carries the whole text.)
+        deferred = req.detok is not None and req.on_output is None and not req.stopper.stops
+        if req.detok is not None and (reason or not deferred):
+            ids = req.output_ids if deferred else new_ids
+            piece = req.detok.add(ids[:-1] if stop_token else ids)
             if reason:
                 piece += req.detok.flush()
             text, stopped = req.stopper.feed(piece)

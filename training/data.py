@@ -133,9 +133,17 @@ def _run(engine, prompts: list[list[int]], params: list, desc: str, deadline: fl
             if ev.finished:  # without a stream callback the engine reports finished requests
                 toks += ev.num_output_tokens
                 bar.update(1)
-        bar.set_postfix(tok_s=f"{toks / max(time.monotonic() - t0, 1e-6):.0f}", refresh=False)
+        bar.set_postfix(tok_s=f"{toks / max(time.monotonic() - t0, 1e-6):.0f}",
+                        steps=engine_step_summary(engine), refresh=False)
     bar.close()
     return reqs
+
+
+def engine_step_summary(engine) -> str:
+    """'extend/decode steps, ms per step in schedule/execute/process' of an LLMEngine."""
+    n = max(engine.steps, 1)
+    ms = "/".join(f"{1000 * v / n:.1f}" for v in engine.seconds.values())
+    return f"{engine.mode_steps['extend']}e/{engine.mode_steps['decode']}d {ms}ms"
 
 
 @dataclass
@@ -272,7 +280,8 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
                  greedy=sum(s["greedy"] for s in samples),
                  assistant_tokens=sum(sum(s["loss_mask"]) for s in samples),
                  total_tokens=sum(len(s["input_ids"]) for s in samples),
-                 seconds=round(time.monotonic() - t_start, 1))
+                 seconds=round(time.monotonic() - t_start, 1),
+                 engine_steps=engine_step_summary(engine))
     if len(samples) < n_samples:
         log.warning("generated %d of %d samples requested", len(samples), n_samples)
     return Dataset(train, held, stats)

@@ -575,6 +575,10 @@ def main(argv: list[str] | None = None) -> dict:
         gen_cfg.draft.enabled = False
         gen_cfg.scheduler.max_running_requests = args.gen_batch or (
             256 if device == "cuda" else cfg.scheduler.max_running_requests)
+        # Throughput over first-token latency: admit finished requests' successors in
+        # batches, so an eager prefill step is paid once per eighth of the batch.
+        gen_cfg.scheduler.prefill_min_batch = max(gen_cfg.scheduler.prefill_min_batch,
+                                                  gen_cfg.scheduler.max_running_requests // 8)
         engine = LLMEngine(gen_cfg, tokenizer=get_tokenizer())
         users = read_user_prompts(args.user_prompts) if args.user_prompts else None
         ds = generate_dataset(engine, tokenizer, args.samples, args.max_prompt_tokens,

@@ -166,3 +166,19 @@ def test_worker_table_mirrors_scheduler_slots_under_pressure(fp32_worker, tokeni
             assert torch.equal(row, r.slots), f"step {steps}: row of {r.rid} differs from its slots"
             assert not free & set(r.slots.tolist()), f"step {steps}: {r.rid} holds a free slot"
     assert sched.stats["preemptions"] > 0
+
+
+def test_text_detokenized_once_equals_streamed(fp32_worker, tokenizer, chat_prompts):
+    """Without a stream or stop strings the text is decoded once at the end; it must be the
+    text a streamed request assembles from its deltas (and the plain decode)."""
+    eng = make_engine(fp32_worker, tokenizer)
+    params = SamplingParams(max_tokens=40)
+    deltas: list[str] = []
+    streamed = eng.add_request(chat_prompts[1], params, on_output=lambda o: deltas.append(o.new_text))
+    once = eng.add_request(chat_prompts[1], params)
+    while eng.has_work:
+        eng.step()
+    assert once.output_ids == streamed.output_ids
+    assert once.text == streamed.text == "".join(deltas)
+    body = once.output_ids[:-1] if once.finish_reason == "stop" else once.output_ids
+    assert once.text == tokenizer.decode(body, skip_special_tokens=True)
