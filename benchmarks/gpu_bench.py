@@ -81,7 +81,8 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--backends", nargs="+", default=["torch_native", "triton", "flashinfer"])
     ap.add_argument("--draft", default=None, help="head folder or 'random' (default: the shipped head)")
-    ap.add_argument("--spec-shapes", nargs="+", choices=["chain", "tree"], default=["chain", "tree"])
+    ap.add_argument("--spec-shapes", nargs="*", choices=["chain", "tree"], default=["chain", "tree"],
+                    help="none: plain decoding only")
     ap.add_argument("--spec-batch-sizes", type=int, nargs="+", default=None,
                     help="batch sizes for the speculative variant (default: --batch-sizes)")
     ap.add_argument("--set", action="append", default=[], help="config override for every variant")

@@ -57,6 +57,10 @@ class LLMEngine:
     def abort(self, rid: str) -> bool:
         return any(s.abort(rid) for s in self.schedulers)
 
+    def abort_all(self) -> None:
+        for s in self.schedulers:
+            s.abort_all()
+
     @property
     def has_work(self) -> bool:
         return any(s.has_work for s in self.schedulers)

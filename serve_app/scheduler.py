@@ -79,6 +79,13 @@ class Scheduler:
         self._finish(req, "abort")
         return True
 
+    def abort_all(self) -> None:
+        """Cancel every request (a deadline passed). The queue goes in one piece: aborting
+        queued requests one by one costs a scan of the queue each."""
+        waiting, self.waiting = self.waiting, deque()
+        for req in [*waiting, *self.prefilling, *self.running]:
+            self._finish(req, "abort")
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)

@@ -123,9 +123,7 @@ def _run(engine, prompts: list[list[int]], params: list, desc: str, deadline: fl
     t0 = time.monotonic()
     while engine.has_work:
         if deadline is not None and time.monotonic() > deadline:
-            for r in reqs:
-                if not r.finished:
-                    engine.abort(r.rid)
+            engine.abort_all()
             log.warning("%s: time budget spent, %d requests aborted", desc,
                         sum(r.finish_reason == "abort" for r in reqs))
             break

@@ -182,3 +182,17 @@ def test_text_detokenized_once_equals_streamed(fp32_worker, tokenizer, chat_prom
     assert once.text == streamed.text == "".join(deltas)
     body = once.output_ids[:-1] if once.finish_reason == "stop" else once.output_ids
     assert once.text == tokenizer.decode(body, skip_special_tokens=True)
+
+
+def test_abort_all_frees_queue_and_running(fp32_worker, tokenizer, chat_prompts):
+    eng = make_engine(fp32_worker, tokenizer, "scheduler.max_running_requests=2")
+    reqs = [eng.add_request(p, greedy()) for p in chat_prompts[:5]]
+    for _ in range(3):
+        eng.step()
+    sched = eng.schedulers[0]
+    assert sched.running and sched.waiting
+    eng.abort_all()
+    assert not eng.has_work
+    assert all(r.finished and r.finish_reason == "abort" for r in reqs)
+    sched.cache.evict(sched.slots.capacity)
+    assert sched.slots.free_slots == sched.slots.capacity
