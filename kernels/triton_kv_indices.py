@@ -24,12 +24,13 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "paged_kv_indices_ref", "paged_kv_indices_triton"]
+__all__ = ["HAS_TRITON", "indptr_and_last_len", "paged_kv_indices_ref", "paged_kv_indices_triton"]
 
 _BLOCK = 512  # page ids copied per loop iteration
 
 
-def _indptr_and_last_len(seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, ...]:
+def indptr_and_last_len(seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, ...]:
+    """(num_pages [B], kv_indptr [B+1], kv_last_page_len [B]) int64 on seq_lens' device."""
     lens = seq_lens.to(torch.int64)  # [B] int64
     num_pages = torch.div(lens + page_size - 1, page_size, rounding_mode="floor")  # [B] int64
     kv_indptr = torch.zeros((lens.shape[0] + 1,), dtype=torch.int64, device=lens.device)  # [B+1] int64
@@ -58,7 +59,7 @@ def paged_kv_indices_ref(
         kv_indices: [kv_indptr[B]] int64 page ids (slot // P of each page's first slot).
         kv_last_page_len: [B] int64 in [1, P], 0 for an empty request.
     """
-    num_pages, kv_indptr, last = _indptr_and_last_len(seq_lens, page_size)
+    num_pages, kv_indptr, last = indptr_and_last_len(seq_lens, page_size)
     # Column j*P of a row is the first slot of the request's page j.
     _, first_slots = kv_indices(req_to_token[:, ::page_size], req_pool_indices, num_pages)
     return kv_indptr, torch.div(first_slots, page_size, rounding_mode="floor"), last
@@ -92,7 +93,7 @@ def paged_kv_indices_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `paged_kv_indices_ref`; same arguments and results.
 
-    `out` ([>= kv_indptr[B]] int64) receives the page ids; without it the total page count
+    `out` ([>= kv_indptr[B]], int64 or int32) receives the page ids; without it the total page count
     is read back to the host (one sync), so pass it when capturing a CUDA graph. The
     returned kv_indices is `out` cut to the total when it was allocated here, `out` itself
     otherwise.
@@ -101,7 +102,7 @@ def paged_kv_indices_triton(
         raise RuntimeError("triton is not installed; use paged_kv_indices_ref")
     if req_to_token.stride(-1) != 1:
         raise ValueError("req_to_token needs a contiguous last dim")
-    _, kv_indptr, last = _indptr_and_last_len(seq_lens, page_size)
+    _, kv_indptr, last = indptr_and_last_len(seq_lens, page_size)
     if out is None:
         out = torch.empty(int(kv_indptr[-1]), dtype=torch.int64, device=req_to_token.device)  # [total] int64
     B = req_pool_indices.numel()

@@ -1,6 +1,7 @@
 """FlashInfer metadata from Kestrel's paged layout: page tables and custom-mask bits.
 
-Pure torch (runs on CPU, tested there against straightforward references).
+Runs on CPU too, tested there against straightforward references; the page-id gather is
+the kernels.spec_ops op (Triton on CUDA).
 
 Request b's keys are req_to_token[row_b, 0 : kv_b] (prefix, then the new keys: every
 caller writes the new keys' slots at positions prefix_b.. of the row, see
@@ -18,27 +19,22 @@ from __future__ import annotations
 
 import torch
 
+from kernels import spec_ops
+from kernels.triton_kv_indices import indptr_and_last_len
+
 
 def page_table(table: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, page_size: int):
     """kv_indptr [B+1] int32 host, kv_indices [sum pages] int32 on rows' device,
     kv_last_page_len [B] int32 host, for request b holding keys table[rows[b], :kv_lens[b]].
 
-    kv_lens is a host tensor (FlashInfer plans on the host); the gather runs on the device
-    with sizes known on the host, so nothing waits for the device.
+    kv_lens is a host tensor (FlashInfer plans on the host): the CSR sizes are computed
+    there, and the page-id gather (kernels.spec_ops.paged_kv_indices) writes into a buffer
+    of the known size, so nothing waits for the device.
     """
-    P, dev = page_size, rows.device
-    kv = kv_lens.to(torch.int64)  # [B] int64 host
-    pages = (kv + P - 1) // P  # [B] int64 host
-    indptr = torch.zeros(kv.numel() + 1, dtype=torch.int64)  # [B+1] int64 host
-    indptr[1:] = torch.cumsum(pages, 0)
-    last = torch.where(pages > 0, kv - (pages - 1) * P, torch.zeros_like(kv))  # [B] int64 host
-    total = int(indptr[-1])
-    pages_dev = pages.to(dev, non_blocking=True)
-    req = torch.repeat_interleave(torch.arange(kv.numel(), device=dev), pages_dev,
-                                  output_size=total)  # [total] int64 request of each page
-    start = (torch.cumsum(pages_dev, 0) - pages_dev)[req]  # [total] int64
-    page_no = torch.arange(total, device=dev) - start  # [total] int64 page j of its request
-    indices = (table[rows[req], page_no * P] // P).to(torch.int32)  # [total] int32
+    _, indptr, last = indptr_and_last_len(kv_lens, page_size)  # host int64
+    out = torch.empty(int(indptr[-1]), dtype=torch.int32, device=rows.device)  # [total] int32
+    _, indices, _ = spec_ops.paged_kv_indices(table, rows, kv_lens.to(rows.device, non_blocking=True),
+                                              page_size, out)
     return indptr.to(torch.int32), indices, last.to(torch.int32)
 
 

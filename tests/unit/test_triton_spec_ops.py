@@ -251,6 +251,9 @@ def test_paged_kv_indices(B, page, monkeypatch):
     _, got, _ = tkv.paged_kv_indices_triton(*to_dev(r2t, rows, seq_lens), page, out=out)
     assert got is out and torch.equal(out[:want[1].numel()].cpu(), want[1])
     assert (out[want[1].numel():] == -7).all()
+    out32 = torch.empty(int(want[0][-1]), dtype=torch.int32, device=DEV)  # FlashInfer's dtype
+    _, got, _ = tkv.paged_kv_indices_triton(*to_dev(r2t, rows, seq_lens), page, out=out32)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu().long(), want[1])
 
 
 @pytest.mark.parametrize("page", [1, 16])
