@@ -35,6 +35,25 @@ def _let_interpreter_index_numpy_scalars() -> None:
     interp._patch_lang_tensor = patched
 
 
+def _round_bf16_to_nearest_even() -> None:
+    """Triton 3.6's interpreter casts fp32 -> bf16 by dropping the low bits; the GPU rounds
+    to nearest even, as torch does. Round like the GPU so kernels that mirror torch's bf16
+    roundings can be compared with it exactly."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+    if getattr(interp._convert_float, "_kestrel_patched", False):
+        return
+    original = interp._convert_float
+
+    def convert(values, src_ty, dst_ty, rounding_mode):
+        if src_ty == tl.float32 and dst_ty == tl.bfloat16:
+            f32 = torch.from_numpy(np.array(values, dtype=np.float32))
+            return f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return original(values, src_ty, dst_ty, rounding_mode)
+    convert._kestrel_patched = True
+    interp._convert_float = convert
+
+
 def triton_setup(kernels_module, kernel_name: str) -> tuple[bool, str, pytest.MarkDecorator]:
     """(interpreted, the device test tensors live on, the mark for kernel tests) for a
     kernels module (with HAS_TRITON) whose kernels look like its `kernel_name`."""
@@ -48,4 +67,5 @@ def triton_setup(kernels_module, kernel_name: str) -> tuple[bool, str, pytest.Ma
             reason="triton was imported before TRITON_INTERPRET=1; run this module on its own")
     if interpreted:
         _let_interpreter_index_numpy_scalars()
+        _round_bf16_to_nearest_even()
     return interpreted, dev, mark

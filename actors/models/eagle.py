@@ -23,7 +23,8 @@ from torch import nn
 
 from actors.models.llama import MLP, AttnFn, LlamaForCausalLM, RMSNorm
 from actors.models.model_config import LlamaArch
-from actors.models.rope import RotaryEmbedding, apply_rotary
+from actors.models.rope import RotaryEmbedding
+from kernels import layer_ops
 
 
 @dataclass
@@ -59,11 +60,12 @@ class _DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_dim, s.num_kv_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, attn: AttnFn):
+    def forward(self, x, positions, inv_freq, attn: AttnFn):
         T, s = x.shape[0], self.s
-        q = apply_rotary(self.q_proj(x).view(T, s.num_heads, s.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(T, s.num_kv_heads, s.head_dim), cos, sin)
-        v = self.v_proj(x).view(T, s.num_kv_heads, s.head_dim)
+        q = self.q_proj(x).view(T, s.num_heads, s.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+        q, k = layer_ops.rope(q, k, positions, inv_freq)
         return self.o_proj(attn(q, k, v, 0).reshape(T, -1))  # the draft has one layer: id 0
 
 
@@ -79,13 +81,14 @@ class _DraftLayer(nn.Module):
             self.input_layernorm = RMSNorm(H, s.rms_norm_eps)
             self.hidden_norm = RMSNorm(H, s.rms_norm_eps)
 
-    def forward(self, emb, hidden, cos, sin, attn):
+    def forward(self, emb, hidden, positions, inv_freq, attn):
         if self.eagle3:
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)  # [T, 2H]
-            h = hidden + self.self_attn(x, cos, sin, attn)
         else:
-            h = hidden + self.self_attn(hidden, cos, sin, attn)  # EAGLE-1 drops the input norm
-        return h + self.mlp(self.post_attention_layernorm(h))
+            x = hidden  # EAGLE-1 drops the input norm
+        a = self.self_attn(x, positions, inv_freq, attn)
+        normed, h = self.post_attention_layernorm(a, hidden)  # h = hidden + a
+        return h + self.mlp(normed)
 
 
 class EagleHead(nn.Module):
@@ -115,12 +118,12 @@ class EagleHead(nn.Module):
         ([T, H] final hidden for EAGLE-1, [T, 3H] captured layers for EAGLE-3) -> [T, H]."""
         emb = self._target.embed(input_ids).to(self.fc.weight.dtype)  # [T, H]
         hidden_in = hidden_in.to(emb.dtype)
-        cos, sin = self.rotary(positions)
+        inv_freq = self.rotary.inv_freq  # [D/2] fp32
         if self.eagle3:
             h = self.fc(hidden_in) if hidden_in.shape[-1] != emb.shape[-1] else hidden_in
-            return self.layer(emb, h, cos, sin, attn)
+            return self.layer(emb, h, positions, inv_freq, attn)
         h = self.fc(torch.cat([emb, hidden_in], -1))  # [T, H]
-        return self.layer(emb, h, cos, sin, attn)
+        return self.layer(emb, h, positions, inv_freq, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, Vd] fp32."""

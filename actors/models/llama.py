@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.models.model_config import LlamaArch
-from actors.models.rope import RotaryEmbedding, apply_rotary
+from actors.models.rope import RotaryEmbedding
+from kernels import layer_ops
 
 # attn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], layer_id) -> [T, Hq, D].
 # The backend owns the KV cache, the causal/tree mask and the 1/sqrt(D) softmax scale.
@@ -22,11 +23,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Mean of squares in fp32: in bf16 it loses enough to change greedy tokens.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x -> norm(x); with a residual, x + residual -> (norm of the sum, the sum)."""
+        if residual is None:
+            return layer_ops.rmsnorm(x, self.weight, self.eps)
+        return layer_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -42,13 +43,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, arch.kv_size, bias=b)
         self.o_proj = nn.Linear(arch.q_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                attn: AttnFn) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = layer_ops.rope(q, k, positions, inv_freq)
         o = attn(q, k, v, self.layer_id)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
@@ -62,7 +63,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(layer_ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -73,9 +74,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                inv_freq: torch.Tensor, attn: AttnFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream entering the layer is x + residual (x alone when residual is
+        None) and leaving it is out + residual' for the returned (out, residual'): each add
+        rides in the following norm's kernel."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        a = self.self_attn(h, positions, inv_freq, attn)
+        h, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -136,16 +146,17 @@ class LlamaForCausalLM(nn.Module):
         for i in aux_layers:
             if not 0 <= i <= self.arch.num_layers:
                 raise ValueError(f"aux layer {i} is outside 0..{self.arch.num_layers}")
-        cos, sin = self.rotary(positions)  # [T, D] fp32 each, shared by every layer
+        inv_freq = self.rotary.inv_freq  # [D/2] fp32
         captured: dict[int, torch.Tensor] = {}
-        x = self.embed(input_ids)  # [T, H]
+        x, residual = self.embed(input_ids), None  # [T, H]; the stream is x + residual
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
-                captured[i] = x
-            x = layer(x, cos, sin, attn)
-        if self.arch.num_layers in aux_layers:
-            captured[self.arch.num_layers] = x
-        return self.model.norm(x), [captured[i] for i in aux_layers]
+                # Summed here only where captured; the layer's norm kernel sums it to the same value.
+                captured[i] = x if residual is None else x + residual
+            x, residual = layer(x, residual, positions, inv_freq, attn)
+        normed, x = self.model.norm(x, residual)
+        captured[self.arch.num_layers] = x
+        return normed, [captured[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [T, V] fp32 so sampling and verification agree

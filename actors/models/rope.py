@@ -1,4 +1,5 @@
-"""Rotary position embedding (HF rotate_half layout) with linear / llama3 / llama.cpp-factor scaling."""
+"""RoPE frequencies with linear / llama3 / llama.cpp-factor scaling; the rotation itself is
+kernels/layer_ops.rope (HF rotate_half layout)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """positions [T] -> (cos, sin) [T, head_dim] float32, computed on the fly (graph-friendly)."""
+    """Holds inv_freq [head_dim/2] fp32 on the model's device; kernels/layer_ops.rope turns
+    positions into angles on each call (graph-friendly: no cos/sin tables)."""
 
     def __init__(self, head_dim: int, theta: float, rope_scaling: dict | None = None):
         super().__init__()
@@ -61,20 +63,3 @@ class RotaryEmbedding(nn.Module):
         device = fn(self.inv_freq).device
         self.inv_freq = self._inv_freq_cpu.to(device)
         return self
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim/2] fp32
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]: rotate_half pairs i with i + d/2
-        return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, n_heads, head_dim], cos/sin [T, head_dim] -> x rotated, in x's dtype."""
-    cos = cos.to(x.dtype)[:, None, :]  # [T, 1, head_dim], broadcast over heads
-    sin = sin.to(x.dtype)[:, None, :]
-    return x * cos + rotate_half(x) * sin
