@@ -22,6 +22,7 @@ from actors.models.loader import build_model, default_model_path
 from actors.sampler import sample_tokens
 from actors.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
+from kernels import layer_ops
 
 log = logging.getLogger("kestrel.worker")
 
@@ -69,6 +70,7 @@ class RankWorker:
             cores = os.cpu_count() or 1
             torch.set_num_threads(cfg.cpu_threads or max(1, cores // cfg.parallel.dp_size))
         torch.manual_seed(cfg.seed)
+        layer_ops.set_fused(cfg.model.fused_layer_ops)
         path = cfg.model.path or default_model_path()
         t0 = time.time()
         log.info("rank %d: loading %s (%s, %s)", rank, path, self.device, self.dtype)

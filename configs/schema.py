@@ -22,6 +22,9 @@ class ModelConfig(_Strict):
     name: str = "SmolLM2-135M-Instruct"  # the id served on /v1/models
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(2048, ge=16)
+    # On CUDA, RMSNorm (+ residual add), RoPE and SiLU-mul run as fused Triton kernels
+    # (kernels/layer_ops.py); false runs their torch references (to compare the two).
+    fused_layer_ops: bool = True
 
 
 class DraftConfig(_Strict):

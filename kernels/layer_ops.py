@@ -18,9 +18,15 @@ from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_rmsnorm import HAS_TRITON, fused_add_rmsnorm_triton, rmsnorm_triton
 from kernels.triton_rope import rope_triton
 
-__all__ = ["force_torch", "use_triton", "rmsnorm", "fused_add_rmsnorm", "rope", "silu_and_mul"]
+__all__ = ["set_fused", "force_torch", "use_triton", "rmsnorm", "fused_add_rmsnorm", "rope", "silu_and_mul"]
 
 _forced_torch = False
+
+
+def set_fused(enabled: bool) -> None:
+    """Process-wide switch (model.fused_layer_ops): False runs the references on CUDA too."""
+    global _forced_torch
+    _forced_torch = not enabled
 
 
 @contextmanager

@@ -92,6 +92,11 @@ def test_dispatch_on_cuda():
         assert layer_ops.use_triton(x, w)
     with layer_ops.force_torch():
         assert not layer_ops.use_triton(x)
+    layer_ops.set_fused(False)  # model.fused_layer_ops=false
+    try:
+        assert not layer_ops.use_triton(x)
+    finally:
+        layer_ops.set_fused(True)
     layer_ops.rmsnorm(x, w, 1e-5).sum().backward()  # the reference ran: a gradient exists
     assert w.grad is not None
 
