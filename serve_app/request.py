@@ -40,7 +40,7 @@ class RequestOutput:
     accept_lengths: list[int] = field(default_factory=list)  # new ones since the last output
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: queue lookups compare identity, not fields
 class Request:
     rid: str
     prompt_ids: list[int]

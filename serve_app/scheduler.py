@@ -356,7 +356,7 @@ class Scheduler:
         for q in (self.running, self.prefilling):
             if req in q:
                 q.remove(req)
-        if req in self.waiting:
+        if req.row is None and req in self.waiting:  # only rowless requests wait: skip the scan
             self.waiting.remove(req)
         self._release_kv(req)
         self.requests.pop(req.rid, None)
