@@ -5,7 +5,29 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
+
+COIN_BLOCK = 32  # steps of coins drawn per generator call
+
+
+class CoinStream:
+    """A sampled request's uniforms: `width` per step from its seeded generator, drawn a
+    block of steps at a time. One torch.rand per block yields the same numbers as one per
+    step (the CPU generator fills tensors in order), at a 32nd of the calls."""
+
+    def __init__(self, seed: int, width: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.width = width
+        self.block = np.zeros((0, width), dtype=np.float32)  # [COIN_BLOCK, width] float32
+        self.pos = 0
+
+    def next(self) -> np.ndarray:
+        if self.pos == len(self.block):
+            self.block = torch.rand(COIN_BLOCK, self.width, generator=self.generator).numpy()
+            self.pos = 0
+        self.pos += 1
+        return self.block[self.pos - 1]
 
 
 @dataclass
@@ -67,7 +89,7 @@ class Request:
     accept_lengths: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.time)
     first_token_time: float | None = None
-    generator: torch.Generator | None = None
+    coin_stream: CoinStream | None = None  # sampled requests only
     detok: object | None = None
     stopper: object | None = None
 

@@ -14,13 +14,14 @@ import logging
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 from actors.kv_cache import RowAllocator, SlotAllocator
 from actors.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
 from serve_app.radix_cache import RadixCache
-from serve_app.request import Request, RequestOutput
+from serve_app.request import CoinStream, Request, RequestOutput
 
 log = logging.getLogger("kestrel.scheduler")
 
@@ -64,8 +65,8 @@ class Scheduler:
             raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens; this model accepts "
                              f"at most {limit} (model.max_model_len={self.max_model_len})")
         if req.params.temperature > 0:
-            req.generator = torch.Generator().manual_seed(
-                req.params.seed if req.params.seed is not None else torch.seed())
+            seed = req.params.seed if req.params.seed is not None else torch.seed()
+            req.coin_stream = CoinStream(seed, self.coins_per_request)
         if self.detokenizer_factory is not None:
             req.detok, req.stopper = self.detokenizer_factory(req)
         self.requests[req.rid] = req
@@ -274,11 +275,11 @@ class Scheduler:
         plan.top_k.append(req.params.top_k)
 
     def _coins(self, reqs: list[Request]) -> torch.Tensor:
-        coins = torch.zeros(len(reqs), self.coins_per_request)  # [B, C] float32
+        coins = np.zeros((len(reqs), self.coins_per_request), dtype=np.float32)  # [B, C]
         for i, req in enumerate(reqs):
-            if req.generator is not None:
-                coins[i] = torch.rand(self.coins_per_request, generator=req.generator)
-        return coins
+            if req.coin_stream is not None:
+                coins[i] = req.coin_stream.next()
+        return torch.from_numpy(coins)
 
     # ---- results ---------------------------------------------------------------------------
     def process_output(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
