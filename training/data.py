@@ -112,31 +112,6 @@ def is_degenerate(ids: list[int], n: int = 4, min_distinct: float = 0.35, tail: 
 
 
 # ---- engine driving -------------------------------------------------------------------------
-def _run(engine, prompts: list[list[int]], params: list, desc: str, deadline: float | None,
-         progress: bool) -> list:
-    """engine.generate with a progress bar and an optional deadline (unfinished requests are
-    aborted and come back with finish_reason "abort")."""
-    from tqdm import tqdm
-    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    bar = tqdm(total=len(reqs), desc=desc, unit="req", file=sys.stderr, disable=not progress)
-    toks = 0
-    t0 = time.monotonic()
-    while engine.has_work:
-        if deadline is not None and time.monotonic() > deadline:
-            engine.abort_all()
-            log.warning("%s: time budget spent, %d requests aborted", desc,
-                        sum(r.finish_reason == "abort" for r in reqs))
-            break
-        for ev in engine.step():
-            if ev.finished:  # without a stream callback the engine reports finished requests
-                toks += ev.num_output_tokens
-                bar.update(1)
-        bar.set_postfix(tok_s=f"{toks / max(time.monotonic() - t0, 1e-6):.0f}",
-                        steps=engine_step_summary(engine), refresh=False)
-    bar.close()
-    return reqs
-
-
 def engine_step_summary(engine) -> str:
     """'extend/decode steps, ms per step in schedule/execute/process' of an LLMEngine."""
     n = max(engine.steps, 1)
@@ -156,66 +131,92 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
                      greedy_fraction: float = 0.5, prompt_temperature: float = 1.0,
                      response_temperature: float = 0.8, eval_fraction: float = 0.05,
                      min_eval: int = 1, require_prompt_end: bool = True, min_prompt_chars: int = 8,
-                     seed: int = 0, max_rounds: int = 4, time_budget_s: float | None = None,
-                     progress: bool = True) -> Dataset:
+                     seed: int = 0, max_prompt_factor: float = 4.0,
+                     time_budget_s: float | None = None, progress: bool = True) -> Dataset:
     """n_samples conversations (train + held-out) from the target behind `engine`.
 
-    User prompts (if any) come first; Magpie prompts fill the rest, generated in rounds
-    (over-asking by a quarter, since duplicates and degenerate ones are dropped). Each
-    prompt gets one response: greedy with probability greedy_fraction, else sampled at
-    response_temperature. time_budget_s bounds the whole generation (a quarter of it for
-    prompts); what is unfinished at the deadline is dropped.
+    One pipeline keeps the engine full: the user's prompts (if any) are answered first;
+    Magpie prompt requests are kept queued while samples are still missing, and each
+    prompt that survives the filters is answered as soon as it is written (greedy with
+    probability greedy_fraction, else sampled at response_temperature). At most
+    max_prompt_factor * n_samples prompts are asked for. time_budget_s bounds the whole
+    generation; what is unfinished at the deadline is dropped.
     """
+    from tqdm import tqdm
+
     from serve_app.request import SamplingParams
 
     rng = random.Random(seed)
     t_start = time.monotonic()
     deadline = None if time_budget_s is None else t_start + time_budget_s
     prefix, eot = user_turn_prefix(tokenizer)
+    limit = engine.cfg.model.max_model_len - 1  # the scheduler refuses longer prompts
     stats: dict[str, Any] = {"user_prefix_len": len(prefix), "end_of_turn_id": eot,
                              "prompts_generated": 0, "prompts_unfinished": 0, "prompts_short": 0,
                              "prompts_degenerate": 0, "prompts_duplicate": 0, "prompts_too_long": 0,
                              "responses_degenerate": 0, "responses_empty": 0,
-                             "responses_aborted": 0, "samples_duplicate": 0, "rounds": 0}
+                             "responses_aborted": 0, "prompts_aborted": 0, "samples_duplicate": 0}
     seen_prompts: set[str] = set()
     seen_samples: set[tuple[int, ...]] = set()
     samples: list[dict] = []
     sub_seed = iter(range(seed * 1_000_003 + 1, 1 << 62))  # distinct per-request seeds
+    # rid -> ("prompt", None, req) or ("response", (source, prompt ids, greedy), req)
+    pending: dict[str, tuple] = {}
+    asked_prompts = 0
+    responses_pending = 0
 
-    def respond(items: list[tuple[str, str | list[dict]]]) -> None:
-        """items: (source, prompt) -> appends the surviving samples."""
-        limit = engine.cfg.model.max_model_len - 1  # the scheduler refuses longer prompts
-        rendered = [(it, render_prompt(tokenizer, it[1])) for it in items]
-        stats["prompts_too_long"] += sum(len(r) > limit for _, r in rendered)
-        rendered = [(it, r) for it, r in rendered if len(r) <= limit]
-        if not rendered:
+    def ask_response(source: str, prompt) -> None:
+        nonlocal responses_pending
+        ids = render_prompt(tokenizer, prompt)
+        if len(ids) > limit:
+            stats["prompts_too_long"] += 1
             return
-        items = [it for it, _ in rendered]
-        ids = [r for _, r in rendered]
-        greedy = [rng.random() < greedy_fraction for _ in items]
-        params = [SamplingParams(max_tokens=max_response_tokens, stop_token_ids=[eot],
-                                 temperature=0.0 if g else response_temperature,
-                                 seed=None if g else next(sub_seed)) for g in greedy]
-        for (src, _), p, g, req in zip(items, ids, greedy,
-                                       _run(engine, ids, params, "responses", deadline, progress)):
-            out = list(req.output_ids)
-            if req.finish_reason == "abort":
-                stats["responses_aborted"] += 1
-                continue
-            body = out[:-1] if out and out[-1] == eot else out
-            if not tokenizer.decode(body, skip_special_tokens=True).strip():
-                stats["responses_empty"] += 1
-                continue
-            if is_degenerate(out):
-                stats["responses_degenerate"] += 1
-                continue
-            key = tuple(p + out)
-            if key in seen_samples:
-                stats["samples_duplicate"] += 1
-                continue
-            seen_samples.add(key)
-            samples.append({"input_ids": p + out, "loss_mask": [0] * len(p) + [1] * len(out),
-                            "prompt_len": len(p), "source": src, "greedy": g})
+        greedy = rng.random() < greedy_fraction
+        sp = SamplingParams(max_tokens=max_response_tokens, stop_token_ids=[eot],
+                            temperature=0.0 if greedy else response_temperature,
+                            seed=None if greedy else next(sub_seed))
+        req = engine.add_request(ids, sp)
+        pending[req.rid] = ("response", (source, ids, greedy), req)
+        responses_pending += 1
+
+    def on_prompt(req) -> None:
+        stats["prompts_generated"] += 1
+        out = list(req.output_ids)
+        ended = req.finish_reason == "stop" and bool(out)  # at end-of-turn (or EOS)
+        if require_prompt_end and not ended:
+            stats["prompts_unfinished"] += 1  # ran into max_prompt_tokens: cut mid-thought
+            return
+        text = tokenizer.decode(out[:-1] if ended else out, skip_special_tokens=True).strip()
+        if len(text) < min_prompt_chars:
+            stats["prompts_short"] += 1
+            return
+        if is_degenerate(out):
+            stats["prompts_degenerate"] += 1
+            return
+        key = normalize_text(text)
+        if key in seen_prompts:
+            stats["prompts_duplicate"] += 1
+            return
+        seen_prompts.add(key)
+        ask_response("magpie", text)
+
+    def on_response(meta, req) -> None:
+        source, p, greedy = meta
+        out = list(req.output_ids)
+        body = out[:-1] if out and out[-1] == eot else out
+        if not tokenizer.decode(body, skip_special_tokens=True).strip():
+            stats["responses_empty"] += 1
+            return
+        if is_degenerate(out):
+            stats["responses_degenerate"] += 1
+            return
+        key = tuple(p + out)
+        if key in seen_samples:
+            stats["samples_duplicate"] += 1
+            return
+        seen_samples.add(key)
+        samples.append({"input_ids": p + out, "loss_mask": [0] * len(p) + [1] * len(out),
+                        "prompt_len": len(p), "source": source, "greedy": greedy})
 
     # 1. the user's prompts, deduped like generated ones
     users = []
@@ -225,47 +226,50 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
             stats["prompts_duplicate"] += 1
             continue
         seen_prompts.add(key)
-        users.append(("user", p))
+        users.append(p)
     rng.shuffle(users)
-    respond(users[:n_samples])
+    for p in users[:n_samples]:
+        ask_response("user", p)
 
-    # 2. Magpie prompts until n_samples survive, or the rounds or the time run out
-    while len(samples) < n_samples and stats["rounds"] < max_rounds:
-        if deadline is not None and time.monotonic() > deadline:
+    # 2. Magpie prompts keep the queue one batch deep until the samples are there
+    batch = engine.cfg.scheduler.max_running_requests
+    bar = tqdm(total=n_samples, desc="samples", unit="conv", file=sys.stderr, disable=not progress)
+    toks = 0
+    while True:
+        prompts_pending = len(pending) - responses_pending
+        missing = n_samples - len(samples) - responses_pending
+        want = min(math.ceil(1.25 * missing) - prompts_pending, batch - prompts_pending,
+                   int(max_prompt_factor * n_samples) - asked_prompts)
+        for _ in range(max(want, 0)):
+            sp = SamplingParams(max_tokens=max_prompt_tokens, temperature=prompt_temperature,
+                                stop_token_ids=[eot], seed=next(sub_seed))
+            req = engine.add_request(prefix, sp)
+            pending[req.rid] = ("prompt", None, req)
+            asked_prompts += 1
+        if not engine.has_work:
             break
-        stats["rounds"] += 1
-        need = n_samples - len(samples)
-        ask = math.ceil(need * 1.25) + 4
-        params = [SamplingParams(max_tokens=max_prompt_tokens, temperature=prompt_temperature,
-                                 stop_token_ids=[eot], seed=next(sub_seed)) for _ in range(ask)]
-        phase_deadline = None
-        if deadline is not None:  # prompts are short: a quarter of what is left
-            phase_deadline = time.monotonic() + 0.25 * max(deadline - time.monotonic(), 0.0)
-        fresh: list[tuple[str, str]] = []
-        for req in _run(engine, [prefix] * ask, params, f"prompts (round {stats['rounds']})",
-                        phase_deadline, progress):
-            if req.finish_reason == "abort":
+        if deadline is not None and time.monotonic() > deadline:
+            engine.abort_all()
+            for kind, _, _ in pending.values():
+                stats[f"{kind}s_aborted"] += 1
+            log.warning("time budget spent: %d prompts and %d responses unfinished",
+                        stats["prompts_aborted"], stats["responses_aborted"])
+            break
+        for ev in engine.step():
+            if not ev.finished:  # without a stream callback only finished requests report
                 continue
-            stats["prompts_generated"] += 1
-            out = list(req.output_ids)
-            ended = req.finish_reason == "stop" and bool(out)  # at end-of-turn (or EOS)
-            if require_prompt_end and not ended:
-                stats["prompts_unfinished"] += 1  # ran into max_prompt_tokens: cut mid-thought
-                continue
-            text = tokenizer.decode(out[:-1] if ended else out, skip_special_tokens=True).strip()
-            if len(text) < min_prompt_chars:
-                stats["prompts_short"] += 1
-                continue
-            if is_degenerate(out):
-                stats["prompts_degenerate"] += 1
-                continue
-            key = normalize_text(text)
-            if key in seen_prompts:
-                stats["prompts_duplicate"] += 1
-                continue
-            seen_prompts.add(key)
-            fresh.append(("magpie", text))
-        respond(fresh[:need])
+            kind, meta, req = pending.pop(ev.rid)
+            toks += ev.num_output_tokens
+            if kind == "prompt":
+                on_prompt(req)
+            else:
+                responses_pending -= 1
+                before = len(samples)
+                on_response(meta, req)
+                bar.update(len(samples) - before)
+        bar.set_postfix(tok_s=f"{toks / max(time.monotonic() - t_start, 1e-6):.0f}",
+                        steps=engine_step_summary(engine), refresh=False)
+    bar.close()
 
     # 3. hold out a split (by sample, after shuffling: prompts are all distinct)
     rng.shuffle(samples)
@@ -274,12 +278,13 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
     if len(samples) >= 2 and eval_fraction > 0:
         n_eval = min(len(samples) - 1, max(min_eval, round(len(samples) * eval_fraction)))
     held, train = samples[:n_eval], samples[n_eval:]
+    elapsed = time.monotonic() - t_start
     stats.update(samples=len(samples), train=len(train), eval=len(held),
                  greedy=sum(s["greedy"] for s in samples),
                  assistant_tokens=sum(sum(s["loss_mask"]) for s in samples),
                  total_tokens=sum(len(s["input_ids"]) for s in samples),
-                 seconds=round(time.monotonic() - t_start, 1),
-                 engine_steps=engine_step_summary(engine))
+                 generated_tokens=toks, generated_tokens_per_s=round(toks / max(elapsed, 1e-6)),
+                 seconds=round(elapsed, 1), engine_steps=engine_step_summary(engine))
     if len(samples) < n_samples:
         log.warning("generated %d of %d samples requested", len(samples), n_samples)
     return Dataset(train, held, stats)
