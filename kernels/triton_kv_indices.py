@@ -16,13 +16,7 @@ import torch
 
 from kernels.cache_loc import kv_indices
 
-try:  # Triton is optional: the torch reference is the CPU path and the test oracle.
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = tl = None
-    HAS_TRITON = False
+from kernels.triton_available import HAS_TRITON, tl, triton
 
 __all__ = ["HAS_TRITON", "indptr_and_last_len", "paged_kv_indices_ref", "paged_kv_indices_triton"]
 

@@ -11,13 +11,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton is optional: the torch reference is the CPU path and the test oracle.
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = tl = None
-    HAS_TRITON = False
+from kernels.triton_available import HAS_TRITON, tl, triton
 
 __all__ = ["HAS_TRITON", "rmsnorm_triton", "fused_add_rmsnorm_triton"]
 

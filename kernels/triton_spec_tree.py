@@ -19,13 +19,7 @@ import torch
 
 from kernels.spec_tree import TreeInfo
 
-try:  # Triton is optional: the torch reference is the CPU path and the test oracle.
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = tl = None
-    HAS_TRITON = False
+from kernels.triton_available import HAS_TRITON, tl, triton
 
 __all__ = ["HAS_TRITON", "organize_draft_triton", "build_tree_triton"]
 

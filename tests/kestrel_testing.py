@@ -46,3 +46,13 @@ def random_draft_mask(K: int, step: int, rng) -> torch.Tensor:
         for lvl in range(step):
             anc[lane, lvl * K + rng.randrange(K)] = True
     return torch.cat([anc, torch.eye(K, dtype=torch.bool)], dim=1)
+
+
+def require_compiled_triton(module, kernel_name: str) -> None:
+    """Skip a GPU test unless `module`'s Triton kernel is compiled for the GPU (triton is
+    installed and its interpreter, which CPU test runs switch on, is off)."""
+    import pytest
+    if not module.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if type(getattr(module, kernel_name)).__name__ == "InterpretedFunction":
+        pytest.skip("TRITON_INTERPRET=1: the kernels are not compiled for the GPU")

@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from gpu.test_gpu_engine import check_near_ties  # noqa: E402
 from actors.models.rope import rope_inv_freq  # noqa: E402
 from kernels import activation, layer_ops, rmsnorm, rope  # noqa: E402
+from kestrel_testing import require_compiled_triton  # noqa: E402
 from kernels import triton_activation as tact  # noqa: E402
 from kernels import triton_rmsnorm as trms  # noqa: E402
 from kernels import triton_rope as trope  # noqa: E402
@@ -32,10 +33,7 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def _compiled():
-    if not trms.HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if type(trms._rmsnorm_kernel).__name__ == "InterpretedFunction":
-        pytest.skip("TRITON_INTERPRET=1: the kernels are not compiled for the GPU")
+    require_compiled_triton(trms, "_rmsnorm_kernel")
 
 
 def randn(*shape, dtype, seed, scale=1.0):

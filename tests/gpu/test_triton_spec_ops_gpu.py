@@ -28,6 +28,7 @@ from unit.test_triton_spec_ops import (  # isort: skip
 )
 
 from kernels import cache_loc, spec_ops, spec_tree, verify  # noqa: E402
+from kestrel_testing import require_compiled_triton  # noqa: E402
 from kernels import triton_spec_tree as tst  # noqa: E402
 from kernels.triton_kv_indices import paged_kv_indices_ref  # noqa: E402
 
@@ -39,10 +40,7 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def _compiled():
-    if not tst.HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if type(tst._build_tree_kernel).__name__ == "InterpretedFunction":
-        pytest.skip("TRITON_INTERPRET=1: the kernels are not compiled for the GPU")
+    require_compiled_triton(tst, "_build_tree_kernel")
 
 
 def cuda(*ts):
