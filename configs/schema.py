@@ -35,6 +35,11 @@ class DraftConfig(_Strict):
     topk: int = Field(4, ge=1, le=16)  # K
     num_steps: int = Field(5, ge=1, le=16)  # S
     num_draft_tokens: int = Field(8, ge=2, le=128)  # N, root included
+    # EAGLE-1/2 heads: draft only among target token ids below this (a BPE vocabulary
+    # numbers its tokens roughly by frequency), so each draft step reads that many rows of
+    # the LM head instead of all. Lossless at any value (the target verifies); None: all.
+    # EAGLE-3 heads carry their own draft vocabulary and ignore it.
+    max_token_id: int | None = Field(None, ge=2)
 
     @model_validator(mode="after")
     def _tree_fits(self) -> "DraftConfig":

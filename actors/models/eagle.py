@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from actors.models.llama import MLP, AttnFn, LlamaForCausalLM, RMSNorm
@@ -108,6 +109,7 @@ class EagleHead(nn.Module):
             self.fc = nn.Linear(2 * H, H, bias=True)
         self.layer = _DraftLayer(s)
         self.rotary = RotaryEmbedding(s.head_dim, s.rope_theta, s.rope_scaling)
+        self.max_token_id: int | None = None  # EAGLE-1: draft among ids below (draft.max_token_id)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -129,6 +131,8 @@ class EagleHead(nn.Module):
         """Draft-vocabulary logits [T, Vd] fp32."""
         if self.eagle3:
             return self.lm_head(self.norm(hidden)).float()
+        if self.max_token_id is not None:  # the first rows only: a view, no copy
+            return F.linear(hidden, self._target.lm_head.weight[:self.max_token_id]).float()
         return self._target.compute_logits(hidden)
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,6 +70,7 @@ class EagleWorker:
         self.K, self.S, self.N = d.topk, d.num_steps, d.num_draft_tokens
         self.head = load_eagle_head(resolve_draft_path(d.path, cfg.model.path), worker.model,
                                     d.arch, worker.dtype, worker.device, seed=cfg.seed)
+        self.head.max_token_id = d.max_token_id
         s = self.head.spec
         self.hidden_size = s.hidden_size
         self.aux_layers = self.head.aux_layers

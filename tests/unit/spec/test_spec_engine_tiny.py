@@ -1,5 +1,6 @@
 """Speculative engine on a tiny random target: many shapes fast, EAGLE-1 and EAGLE-3 heads."""
 import pytest
+import torch
 
 from serve_app.request import SamplingParams
 from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
@@ -49,3 +50,14 @@ def test_stop_inside_accepted_tokens(tiny_llama_dir, plain):
     assert r.output_ids == plain[0][:plain[0].index(stop) + 1] and r.finish_reason == "stop"
     r = eng.generate([prompts[0]], SamplingParams(max_tokens=9, ignore_eos=True))[0]
     assert r.output_ids == plain[0][:9] and r.finish_reason == "length"
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_draft_max_token_id_is_lossless_and_drafts_below_it(tiny_llama_dir, plain, shape):
+    """draft.max_token_id: an EAGLE-1 head proposes only ids below it (a slice of the LM
+    head), and the output stays the plain output."""
+    eng = tiny_engine(tiny_llama_dir, *shape, "draft.arch=eagle", "draft.max_token_id=40")
+    head = eng.workers[0].eagle.head
+    p, idx = head.topk(torch.randn(5, head.spec.hidden_size), 3)
+    assert idx.max() < 40 and (p.sum(-1) <= 1 + 1e-6).all()
+    assert outputs(eng, random_prompts(6, seed=11), 30) == plain
