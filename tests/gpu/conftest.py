@@ -1,6 +1,17 @@
-"""Fixtures of the GPU engine tests."""
+"""Fixtures of the GPU engine tests; every test here is marked `gpu` and needs CUDA."""
+from pathlib import Path
+
 import pytest
 import torch
+
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).parent == _HERE:
+            item.add_marker(pytest.mark.gpu)
+            item.add_marker(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
 
 
 @pytest.fixture(scope="module")

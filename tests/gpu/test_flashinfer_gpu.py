@@ -28,10 +28,6 @@ from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
 from actors.dp.sync import ForwardMode
 from actors.forward_batch import ForwardBatch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
 flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
 DEV = "cuda"
 

@@ -5,9 +5,6 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
 BASE = ["device=cuda", "draft.enabled=false", "model.dtype=bfloat16", "kv_cache.num_slots=65536",
         "scheduler.max_running_requests=16"]
 CHAIN = ["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"]

@@ -13,11 +13,6 @@ import torch
 from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, VerifyPath
 from actors.plan_stream import PlanStream, VerifyInputs, prepare_verify_inputs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
-
 DEV = "cuda"
 V, H, P = 97, 32, 512  # vocab, hidden, position table
 K, N = 2, 4  # draft-decode lanes, verify / draft-extend width

@@ -25,11 +25,6 @@ from kernels import triton_activation as tact  # noqa: E402
 from kernels import triton_rmsnorm as trms  # noqa: E402
 from kernels import triton_rope as trope  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
-
 
 @pytest.fixture(autouse=True)
 def _compiled():

@@ -15,9 +15,6 @@ import logging
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
 BASE = ["device=cuda", "model.dtype=float32", "attention.backend=triton",
         "kv_cache.num_slots=65536", "scheduler.max_running_requests=16", "draft.enabled=true",
         "draft.path=random", "attention.cuda_graph_batch_sizes=[1,2,4,8]"]

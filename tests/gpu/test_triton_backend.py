@@ -19,11 +19,6 @@ from actors.dp.sync import ForwardMode
 from actors.forward_batch import ForwardBatch
 from actors.kv_cache import ReqToTokenPool, TokenToKVPool
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
-
 DEV = "cuda"
 CONFIGS = {"smollm": (9, 3, 64), "llama": (32, 8, 128)}  # H, Hkv, D
 MAX_CTX = 2048

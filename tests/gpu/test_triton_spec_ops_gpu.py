@@ -32,11 +32,6 @@ from kestrel_testing import require_compiled_triton  # noqa: E402
 from kernels import triton_spec_tree as tst  # noqa: E402
 from kernels.triton_kv_indices import paged_kv_indices_ref  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
-
 
 @pytest.fixture(autouse=True)
 def _compiled():
