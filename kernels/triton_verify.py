@@ -31,6 +31,18 @@ _MAX_BLOCK_V = 2048  # vocabulary entries per chunk of a pass over one target ro
 if HAS_TRITON:
 
     @triton.jit
+    def _store_result(AcceptIndex, AcceptLength, Predict, b, S, offs, acc_index, predict,
+                      length, bonus):
+        """Request b's outputs: the bonus token after the last accepted node, then row b of
+        accept_index / predict ([S+1] lanes) and its accept length."""
+        predict = tl.where(offs == length - 1, bonus, predict)
+        out = b * (S + 1) + offs
+        ok = offs < S + 1
+        tl.store(AcceptIndex + out, acc_index, mask=ok)
+        tl.store(Predict + out, predict, mask=ok)
+        tl.store(AcceptLength + b, length)
+
+    @triton.jit
     def _greedy_verify_kernel(
         TreeTokens, TargetPredict, FirstChild, NextSibling,
         AcceptIndex, AcceptLength, Predict,
@@ -63,12 +75,8 @@ if HAS_TRITON:
             cur = tl.where(active, found, cur)
             d += 1
         bonus = tl.load(TargetPredict + row + cur).to(tl.int64)
-        predict = tl.where(offs == length - 1, bonus, predict)
-        out = b * (S + 1) + offs
-        ok = offs < S + 1
-        tl.store(AcceptIndex + out, acc_index, mask=ok)
-        tl.store(Predict + out, predict, mask=ok)
-        tl.store(AcceptLength + b, length)
+        _store_result(AcceptIndex, AcceptLength, Predict, b, S, offs, acc_index, predict,
+                      length, bonus)
 
     @triton.jit
     def _residual_chunk(ProbRow, lo, V, rejected, n_rejected,
@@ -173,12 +181,8 @@ if HAS_TRITON:
             cdf_base += part
             lo += BLOCK_V
         bonus = tl.where(bonus >= 0, bonus, last_pos)  # rounding pushed the threshold past the end
-        predict = tl.where(offs == length - 1, bonus, predict)
-        out = b * (S + 1) + offs
-        ok = offs < S + 1
-        tl.store(AcceptIndex + out, acc_index, mask=ok)
-        tl.store(Predict + out, predict, mask=ok)
-        tl.store(AcceptLength + b, length)
+        _store_result(AcceptIndex, AcceptLength, Predict, b, S, offs, acc_index, predict,
+                      length, bonus)
 
 
 def _outputs(B: int, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
