@@ -45,6 +45,8 @@ __all__ = [
     "graph_backend",
     "GraphRunner",
     "pad_graph_batch",
+    "EagerGraph",
+    "capture_cuda_graph",
     "PreparedVerify",
     "VerifyPath",
 ]
@@ -218,7 +220,7 @@ def pad_graph_batch(batch: GraphBatch, bs: int, fill: int) -> GraphBatch:
     )
 
 
-class _EagerGraph:
+class EagerGraph:
     """CPU stand-in for a captured graph: replay = the forward on the static view."""
 
     def __init__(self, forward: Callable[[GraphBatch], Any], view: GraphBatch):
@@ -237,6 +239,23 @@ class _CudaGraph:
 
     def replay(self) -> None:
         self._graph.replay()
+
+
+def capture_cuda_graph(forward: Callable[[Any], Any], view: Any, pool: Any,
+                       stream: "torch.cuda.Stream") -> _CudaGraph:
+    """Record ``forward(view)`` as one CUDA graph in memory ``pool`` on ``stream`` (not
+    the legacy default stream), after two warm-up runs there: lazy inits, Triton compiles
+    and library handles stay out of the graph."""
+    device = stream.device
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward(view)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = forward(view)
+    return _CudaGraph(graph, out)
 
 
 class GraphRunner:
@@ -294,7 +313,7 @@ class GraphRunner:
         self._hidden_rows = W if kind == GraphKind.DRAFT_EXTEND else 1  # hidden rows per lane
         # One view object per size: fixed tensor slices, so a captured graph's addresses hold.
         self._views = {bs: self._make_view(bs) for bs in sizes}
-        self._graphs: dict[int, _EagerGraph | _CudaGraph] = {}
+        self._graphs: dict[int, EagerGraph | _CudaGraph] = {}
         self.graph_pool = None
 
     # ------------------------------------------------------------------ sizes and views
@@ -326,7 +345,7 @@ class GraphRunner:
     def capture(self, forward: Callable[[GraphBatch], Any]) -> None:
         """Record ``forward(view)`` for every captured size (CPU: remember it for replay)."""
         if not self.use_cuda_graph:
-            self._graphs = {bs: _EagerGraph(forward, self._views[bs]) for bs in self.sizes}
+            self._graphs = {bs: EagerGraph(forward, self._views[bs]) for bs in self.sizes}
             return
         init_state = getattr(self.backend, "init_cuda_graph_state", None)
         if init_state is not None:
@@ -342,15 +361,7 @@ class GraphRunner:
             if capture_meta is not None:
                 capture_meta(bs, bs * self.width, view.req_pool_indices, view.seq_lens,
                              extend_lens=self._extend_view(bs), forward_mode=self.kind.mode, spec=view)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: lazy inits and library handles stay out of the graph
-                    forward(view)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
-                out = forward(view)
-            self._graphs[bs] = _CudaGraph(graph, out)
+            self._graphs[bs] = capture_cuda_graph(forward, view, self.graph_pool, stream)
         torch.cuda.synchronize(self.device)
 
     def _load_all_padding(self, bs: int) -> None:

@@ -27,6 +27,17 @@ CHAIN = ["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"]
 TREE = ["draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]
 
 
+def spec_shape(name: str) -> list[str]:
+    """'chain', 'tree', or 'K-S-N' (top-k, draft steps, draft tokens) -> config overrides."""
+    if name in ("chain", "tree"):
+        return CHAIN if name == "chain" else TREE
+    try:
+        k, s, n = (int(x) for x in name.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"spec shape {name!r}: use chain, tree or K-S-N, e.g. 8-6-16")
+    return [f"draft.topk={k}", f"draft.num_steps={s}", f"draft.num_draft_tokens={n}"]
+
+
 def bench_engine(cfg, tok, prompts, batch, max_tokens, workers=None):
     from serve_app.llm_engine import LLMEngine
     from serve_app.request import SamplingParams
@@ -81,14 +92,20 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--backends", nargs="+", default=["torch_native", "triton", "flashinfer"])
     ap.add_argument("--draft", default=None, help="head folder or 'random' (default: the shipped head)")
-    ap.add_argument("--spec-shapes", nargs="*", choices=["chain", "tree"], default=["chain", "tree"],
-                    help="none: plain decoding only")
+    ap.add_argument("--spec-shapes", nargs="*", default=["chain", "tree"],
+                    help="chain, tree or K-S-N (top-k, steps, draft tokens); none: plain only")
     ap.add_argument("--spec-batch-sizes", type=int, nargs="+", default=None,
                     help="batch sizes for the speculative variant (default: --batch-sizes)")
+    ap.add_argument("--modes", nargs="+", choices=["eager", "graphs"], default=["eager", "graphs"])
     ap.add_argument("--set", action="append", default=[], help="config override for every variant")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
+    for sh in args.spec_shapes:
+        try:
+            spec_shape(sh)
+        except argparse.ArgumentTypeError as e:
+            ap.error(str(e))
 
     from actors.models.loader import default_model_path
     from configs.schema import load_config
@@ -106,8 +123,9 @@ def main(argv=None):
         modes = [("eager", "attention.cuda_graphs=false")]
         if backend != "torch_native":
             modes.append(("graphs", "attention.cuda_graphs=true"))
+        modes = [(m, g) for m, g in modes if m in args.modes]
         variants = [(f"plain {m}", [g, "draft.enabled=false"]) for m, g in modes]
-        variants += [(f"spec {sh} {m}", [g, "draft.enabled=true", *draft, *(TREE if sh == "tree" else CHAIN)])
+        variants += [(f"spec {sh} {m}", [g, "draft.enabled=true", *draft, *spec_shape(sh)])
                      for sh in args.spec_shapes for m, g in modes]
         for name, ov in variants:
             try:

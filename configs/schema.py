@@ -85,6 +85,10 @@ class AttentionConfig(_Strict):
     cuda_graphs: bool = False
     cuda_graph_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     plan_stream: bool = False
+    # With cuda_graphs: a greedy speculative iteration replays as one graph, draft decode to
+    # the future-map store (actors/spec/step_graph.py), where the backend plans on the
+    # device (triton); false, or flashinfer: one graph per forward, eager ops between.
+    spec_step_graph: bool = True
 
     @model_validator(mode="after")
     def _sizes(self) -> "AttentionConfig":

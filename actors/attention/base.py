@@ -10,6 +10,10 @@ from actors.kv_cache import ReqToTokenPool, TokenToKVPool
 
 
 class AttentionBackend(ABC):
+    # True when init_forward_metadata runs device ops only, so a CUDA graph can hold the
+    # metadata build with the forward (and with the ops around it: the step graph).
+    plans_on_device = False
+
     def __init__(self, kv_pool: TokenToKVPool, req_to_token: ReqToTokenPool, scale: float):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token

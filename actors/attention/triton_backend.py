@@ -32,6 +32,8 @@ class TritonMeta:
 
 
 class TritonBackend(AttentionBackend):
+    plans_on_device = True
+
     def __init__(self, kv_pool, req_to_token, scale: float, num_kv_splits: int | None = None):
         super().__init__(kv_pool, req_to_token, scale)
         self.num_kv_splits = num_kv_splits  # None: pick from the launch shape

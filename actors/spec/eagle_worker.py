@@ -23,6 +23,7 @@ are prepared through the plan stream (C15-C17): on a side stream when
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -35,6 +36,7 @@ from actors.model_runner import ModelRunner
 from actors.models.eagle import load_eagle_head, resolve_draft_path
 from actors.plan_stream import PlanStream, VerifyInputs, prepare_draft_extend_inputs
 from actors.spec.spec_graphs import SpecGraphs, capture_spec_graphs
+from actors.spec.step_graph import StepGraph
 from actors.step_plan import StepPlan
 from configs.schema import KestrelConfig
 from kernels.sampling import process_logits
@@ -43,6 +45,7 @@ from kernels.spec_ops import (assign_cache_locs, build_tree, greedy_verify, orga
 from kernels.spec_tree import expand_level
 from kernels.verify import select_last_index
 
+log = logging.getLogger("kestrel.worker")
 
 class PhaseClock:
     """Wall time per phase of a step, synchronizing the device at each mark (benchmarks only)."""
@@ -90,6 +93,7 @@ class EagleWorker:
         self.plan = PlanStream(cfg.attention.plan_stream, worker.device)
         self.verify_path = VerifyPath(worker.target.backend, self._verify_forward, plan=self.plan)
         self.graphs: SpecGraphs | None = None  # capture_graphs() sets them
+        self.step_graph: StepGraph | None = None  # and this one, where it can run
         self.last_timings: dict[str, float] = {}  # per-phase seconds of the last iteration
 
     def _features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -117,13 +121,32 @@ class EagleWorker:
                        topk_p[done], topk_index[done], last[done])
 
     # ---- graphs and the plan stream ---------------------------------------------------------
-    def capture_graphs(self, sizes: list[int], *, use_cuda_graph: bool | None = None) -> None:
+    def capture_graphs(self, sizes: list[int], *, use_cuda_graph: bool | None = None,
+                       step_graph: bool | None = None) -> None:
         """Replay verify, draft decode and draft extend for batches up to max(sizes) from now
-        on. ``use_cuda_graph`` None: CUDA graphs on a GPU; on CPU the runners' eager
-        stand-in, which runs the same padded batches (how CPU tests check the wiring)."""
+        on, and whole greedy iterations as one graph (``step_graph``, default
+        ``attention.spec_step_graph``) where the backends plan on the device.
+        ``use_cuda_graph`` None: CUDA graphs on a GPU; on CPU the runners' eager stand-in,
+        which runs the same padded batches (how CPU tests check the wiring)."""
         self.graphs = capture_spec_graphs(self, sizes, use_cuda_graph=use_cuda_graph)
         self.verify_path = VerifyPath(self.verify_path.backend, self._verify_forward,
                                       runner=self.graphs.verify, plan=self.plan)
+        self.step_graph = None
+        if not (self.cfg.attention.spec_step_graph if step_graph is None else step_graph):
+            return
+        real = self.graphs.verify.use_cuda_graph
+        backends = (self.w.target.backend, self.decode_backend, self.extend_backend)
+        if real and not all(b.plans_on_device for b in backends):
+            log.info("rank %d: no speculative step graph: attention.backend=%s plans on the "
+                     "host; one graph per forward", self.w.rank, self.cfg.attention.backend)
+            return
+        t0 = time.time()
+        self.step_graph = StepGraph(self.step_body, sizes, self.w.device, real)
+        with torch.inference_mode():
+            self.step_graph.capture()
+        log.info("rank %d: captured speculative step graphs for batch sizes %s in %.1fs%s",
+                 self.w.rank, self.step_graph.sizes, time.time() - t0,
+                 "" if real else " (eager stand-in)")
 
     @staticmethod
     def _fits(runner: GraphRunner | None, bs: int) -> bool:
@@ -134,12 +157,19 @@ class EagleWorker:
     def decode(self, plan: StepPlan) -> list[list[int]]:
         w, K, S, N = self.w, self.K, self.S, self.N
         dev = w.device
+        clock = PhaseClock(self.cfg.profile_steps, w.device)
+        g = self.step_graph
+        if g is not None and g.pad_size(len(plan.rows)) is not None and not any(
+                t > 0 for t in plan.temperature):
+            out = g.run(list(plan.rows)).tolist()  # the iteration's one host sync
+            clock.mark("step_graph")
+            self.last_timings = clock.times
+            return [r[1:1 + r[0]] for r in out]
         rows = torch.tensor(plan.rows, dtype=torch.int64, device=dev)  # [B] int64
         B = rows.numel()
         c = w.future.resolve(rows)
         seq = c.seq_lens  # [B] int64
         table = w.req_to_token.req_to_token
-        clock = PhaseClock(self.cfg.profile_steps, w.device)
         # The draft scratch: (S-1)*K slots per request from seq_len on, inside its window.
         scratch = assign_cache_locs(table, rows, seq, (S - 1) * K)  # [B*(S-1)*K] int64
         batch = GraphBatch(B, c.topk_index.reshape(-1), seq.repeat_interleave(K), scratch, rows,
@@ -157,23 +187,74 @@ class EagleWorker:
         loc = batch.out_cache_loc.view(B, N)  # [B, N] int64 verify slots
         clock.mark("verify")
         accept_index, accept_length, predict = self._accept(plan, tree, logits)
-        # -- move accepted target KV to the slots of their final positions
-        # Without a host sync: lanes that stay put copy their slot onto itself (the move
-        # gathers every source before it writes, so those copies change nothing).
-        j = torch.arange(S + 1, device=dev).expand(B, -1)  # [B, S+1] int64
-        moved = (accept_index >= 0) & (accept_index != j)  # [B, S+1] bool
-        dst = loc.gather(1, j.clamp(max=N - 1))  # [B, S+1] int64 (lanes past N never move)
-        src = torch.where(moved, loc.gather(1, accept_index.clamp(min=0)), dst)  # [B, S+1] int64
-        w.kv_pool.move(src.reshape(-1), dst.reshape(-1))
+        self._keep_accepted_kv(loc, accept_index)
         # -- draft extend over N rows per request
         topk_p, topk_index, last = self._draft_extend(batch, accept_index, accept_length,
                                                       predict, feats)
-        bonus = predict.gather(1, (accept_length - 1)[:, None])[:, 0]
-        w.future.store(rows, seq + accept_length, bonus, topk_p, topk_index, last)
+        self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
         clock.mark("accept_and_draft_extend")
         self.last_timings = clock.times
         pl, al = predict.tolist(), accept_length.tolist()
         return [pl[b][:al[b]] for b in range(B)]
+
+    def _keep_accepted_kv(self, loc: torch.Tensor, accept_index: torch.Tensor) -> None:
+        """Move accepted nodes' target KV from their verify slots ``loc`` [B, N] to the
+        slots of their final positions. Without a host sync: lanes that stay put copy their
+        slot onto itself (the move gathers every source before it writes)."""
+        B, N, S = loc.shape[0], self.N, self.S
+        j = torch.arange(S + 1, device=loc.device).expand(B, -1)  # [B, S+1] int64
+        moved = (accept_index >= 0) & (accept_index != j)  # [B, S+1] bool
+        dst = loc.gather(1, j.clamp(max=N - 1))  # [B, S+1] int64 (lanes past N never move)
+        src = torch.where(moved, loc.gather(1, accept_index.clamp(min=0)), dst)  # [B, S+1] int64
+        self.w.kv_pool.move(src.reshape(-1), dst.reshape(-1))
+
+    def _carry(self, rows, seq, accept_length, predict, topk_p, topk_index, last) -> None:
+        """What the next iteration of each request resolves: its new length, the bonus
+        (its last accepted token's successor), the draft's top-k and hidden state."""
+        bonus = predict.gather(1, (accept_length - 1)[:, None])[:, 0]  # [B] int64
+        self.w.future.store(rows, seq + accept_length, bonus, topk_p, topk_index, last)
+
+    def step_body(self, rows: torch.Tensor) -> torch.Tensor:
+        """One greedy iteration for ``rows`` [bs] int64 (-1: a padded lane), from the future
+        map back into it -> [bs, S+2] int64: the accept length, then the S+1 predicted
+        tokens, of which the first accept-length are emitted.
+
+        The eager path's steps without host reads, so StepGraph records it whole. Padded
+        lanes use row 0 and slot 0 (both reserved), length FILL and zero draft state.
+        """
+        w, K, S, N = self.w, self.K, self.S, self.N
+        B = rows.numel()
+        valid = rows >= 0  # [bs] bool
+        rows = rows.clamp(min=0)
+        c = w.future.resolve(rows)
+
+        def real(t: torch.Tensor, pad) -> torch.Tensor:
+            return torch.where(valid.view(-1, *[1] * (t.dim() - 1)), t, pad)
+
+        fill = self.verify_path.fill
+        seq = real(c.seq_lens, fill)  # [bs] int64
+        table = w.req_to_token.req_to_token
+        scratch = assign_cache_locs(table, rows, seq, (S - 1) * K)  # [bs*(S-1)*K] int64
+        topk_index = real(c.topk_index, 0)  # [bs, K] int64
+        draft = GraphBatch(B, topk_index.reshape(-1), seq.repeat_interleave(K), scratch, rows,
+                           seq, width=K, topk_p=real(c.topk_p, 0), topk_index=topk_index,
+                           hidden=real(c.hidden, 0))
+        draft_tokens, parent_node = self.draft_body(draft)
+        tree = build_tree(real(c.bonus, 0), draft_tokens, parent_node, seq)
+        loc = assign_cache_locs(table, rows, seq, N)  # [bs*N] int64 tree node slots
+        logits, feats = self.verify_body(GraphBatch(
+            B, tree.tokens.reshape(-1), tree.positions.reshape(-1), loc, rows, seq, width=N,
+            custom_mask=tree.tree_mask))
+        accept_index, accept_length, predict = greedy_verify(
+            tree.tokens, logits.view(B, N, -1).argmax(-1), tree.first_child, tree.next_sibling, S)
+        self._keep_accepted_kv(loc.view(B, N), accept_index)
+        fb = prepare_draft_extend(rows, seq, loc.view(B, N), accept_index,
+                                  draft_extend_ids(predict), feats, N)
+        topk_p, topk_index, last = self.extend_body(GraphBatch(
+            B, fb.input_ids, fb.positions, loc, rows, seq + N, width=N,
+            accept_lens=accept_length, hidden=fb.hidden_in))
+        self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
+        return torch.cat([accept_length[:, None], predict], 1)  # [bs, S+2] int64
 
     def _draft(self, batch: GraphBatch):
         """Draft decode, replayed when a captured size holds the batch."""

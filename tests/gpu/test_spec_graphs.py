@@ -3,7 +3,8 @@
 - Each runner (target verify, draft decode, draft extend): every replay inside real
   engine iterations equals the same body run eagerly on the raw batch, at raw batch
   sizes that need padding (3, 5) and one that does not (4).
-- The engine with graphs + plan stream gives the same tokens as with both off.
+- The engine with graphs + plan stream gives the same tokens as with both off, with one
+  graph per forward and with the whole greedy iteration as one graph (the step graph).
 - A short race hunt (benchmarks/race_hunt.py): random arrivals, batch sizes joining and
   leaving, same tokens as the eager run.
 fp32 keeps greedy near-ties out of the comparison (DESIGN.md 10). Skipped without CUDA.
@@ -77,7 +78,7 @@ def check_against_eager(eagle) -> dict[str, dict]:
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_each_runner_replay_equals_eager(tokenizer, chat_prompts, shape, caplog):
     with caplog.at_level(logging.INFO, logger="kestrel.worker"):
-        eng = engine(tokenizer, *shape, *GRAPHS)
+        eng = engine(tokenizer, *shape, *GRAPHS, "attention.spec_step_graph=false")
     for kind in ("target verify", "draft decode", "draft extend"):
         assert f"captured {kind} graphs" in caplog.text
     eagle = eng.workers[0].eagle
@@ -92,13 +93,24 @@ def test_each_runner_replay_equals_eager(tokenizer, chat_prompts, shape, caplog)
         assert stats["flipped"] <= 0.02 * stats["rows"], (kind, stats)
 
 
+@pytest.mark.parametrize("step_graph", [False, True], ids=["phase_graphs", "step_graph"])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_engine_graphs_and_plan_stream_equal_eager(tokenizer, chat_prompts, shape):
+def test_engine_graphs_and_plan_stream_equal_eager(tokenizer, chat_prompts, shape, step_graph):
+    graphs = [*GRAPHS, f"attention.spec_step_graph={str(step_graph).lower()}"]
     prompts = chat_prompts[:5]  # 5 -> padded to 8, then smaller batches as requests finish
     want = generate(engine(tokenizer, *shape, *EAGER), prompts)
-    got = generate(engine(tokenizer, *shape, *GRAPHS), prompts)
-    assert got == want
-    four = generate(engine(tokenizer, *shape, *GRAPHS), chat_prompts[:4])
+    eng = engine(tokenizer, *shape, *graphs)
+    eagle = eng.workers[0].eagle
+    assert (eagle.step_graph is not None) == step_graph
+    if step_graph:
+        assert eagle.step_graph.use_cuda_graph
+        ran = []
+        real_run = eagle.step_graph.run
+        eagle.step_graph.run = lambda rows: ran.append(len(rows)) or real_run(rows)
+    assert generate(eng, prompts) == want
+    if step_graph:
+        assert 5 in ran and min(ran) >= 1  # the padded batch replayed, and smaller ones
+    four = generate(engine(tokenizer, *shape, *graphs), chat_prompts[:4])
     assert four == generate(engine(tokenizer, *shape, *EAGER), chat_prompts[:4])
 
 

@@ -4,7 +4,9 @@ On CPU a GraphRunner's "graph" is the captured body run eagerly on its padded st
 buffers, so these tests drive the very padding path of a CUDA replay (C04-C08): the
 speculative output with runners equals the eager output token for token, at raw batch
 sizes that need padding (3, 5) and one that does not (4). A recording plan stream checks
-the C17 order around verify and draft extend inside the real iteration.
+the C17 order around verify and draft extend inside the real iteration. The step graph
+(one graph per greedy iteration) is checked the same way, and sampled batches in its
+presence take the per-phase runners.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def test_graph_runners_equal_eager(tiny_llama_dir, shape, raw):
     want = outputs(tiny_engine(tiny_llama_dir, *shape), prompts, MAX_TOKENS)
     eng = tiny_engine(tiny_llama_dir, *shape)
     eagle = eng.workers[0].eagle
-    eagle.capture_graphs(SIZES)
+    eagle.capture_graphs(SIZES, step_graph=False)
     assert not eagle.graphs.verify.use_cuda_graph  # CPU: the eager stand-in
     seen = spy_replays(eagle)
     assert outputs(eng, prompts, MAX_TOKENS) == want
@@ -55,7 +57,7 @@ def test_batches_above_largest_size_run_eagerly(tiny_llama_dir):
     prompts = random_prompts(5, seed=5)
     want = outputs(tiny_engine(tiny_llama_dir, *CHAIN), prompts, MAX_TOKENS)
     eng = tiny_engine(tiny_llama_dir, *CHAIN)
-    eng.workers[0].eagle.capture_graphs([1, 2])
+    eng.workers[0].eagle.capture_graphs([1, 2], step_graph=False)
     seen = spy_replays(eng.workers[0].eagle)
     assert outputs(eng, prompts, MAX_TOKENS) == want
     assert all(n <= 2 for _, n, _ in seen)
@@ -66,7 +68,7 @@ def test_one_draft_step_has_no_draft_decode_runner(tiny_llama_dir):
     prompts = random_prompts(3, seed=7)
     want = outputs(tiny_engine(tiny_llama_dir, *shape), prompts, MAX_TOKENS)
     eng = tiny_engine(tiny_llama_dir, *shape)
-    eng.workers[0].eagle.capture_graphs(SIZES)
+    eng.workers[0].eagle.capture_graphs(SIZES, step_graph=False)
     assert eng.workers[0].eagle.graphs.draft_decode is None
     assert outputs(eng, prompts, MAX_TOKENS) == want
 
@@ -85,7 +87,7 @@ def test_iteration_prepares_verify_and_draft_extend_on_plan_stream(tiny_llama_di
                       event_factory=lambda: FakeEvent(log))
     eagle.plan = eagle.verify_path.plan = plan
     if graphs:
-        eagle.capture_graphs(SIZES)
+        eagle.capture_graphs(SIZES, step_graph=False)
     steps = []
     original = eagle.decode
 
@@ -100,3 +102,73 @@ def test_iteration_prepares_verify_and_draft_extend_on_plan_stream(tiny_llama_di
     one = ["compute:record", "plan:wait_event", "plan:enter", "plan:exit",
            "compute:wait_stream:plan"]
     assert steps and all(without_event_names(s) == one + one for s in steps)  # verify, then draft extend
+
+
+# ----------------------------------------------------------------------- step graph
+def spy_step_graph(eagle) -> list[tuple[int, int]]:
+    """Wrap the step graph's run to log (raw batch, padded size)."""
+    from actors.spec.step_graph import StepGraph
+    seen = []
+    g = eagle.step_graph
+
+    def run(rows):
+        seen.append((len(rows), g.pad_size(len(rows))))
+        return StepGraph.run(g, rows)
+
+    g.run = run
+    return seen
+
+
+@pytest.mark.parametrize("raw", [3, 4, 5])
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_step_graph_equals_eager(tiny_llama_dir, shape, raw):
+    prompts = random_prompts(raw, seed=raw)
+    want = outputs(tiny_engine(tiny_llama_dir, *shape), prompts, MAX_TOKENS)
+    eng = tiny_engine(tiny_llama_dir, *shape)
+    eagle = eng.workers[0].eagle
+    eagle.capture_graphs(SIZES)  # attention.spec_step_graph is on by default
+    assert eagle.step_graph is not None and not eagle.step_graph.use_cuda_graph
+    steps, phases = spy_step_graph(eagle), spy_replays(eagle)
+    assert outputs(eng, prompts, MAX_TOKENS) == want
+    assert (raw, {3: 4, 4: 4, 5: 8}[raw]) in steps
+    assert phases == []  # greedy iterations never reach the per-phase runners
+
+
+def test_step_graph_padded_lanes_touch_only_reserved_row_and_slot(tiny_llama_dir):
+    """Padded lanes read and write row 0 and slot 0 only: after real requests ran, an
+    all-padded iteration leaves every other row's carried state and every other slot's
+    KV (target and draft) as it was."""
+    import torch
+    eng = tiny_engine(tiny_llama_dir, *TREE)
+    eagle = eng.workers[0].eagle
+    eagle.capture_graphs(SIZES)
+    outputs(eng, random_prompts(3, seed=11), MAX_TOKENS)
+    w = eagle.w
+    state = lambda: [t[1:].clone() for t in (w.future.seq_lens, w.future.bonus, w.future.topk_p,
+                                             w.future.topk_index, w.future.hidden,
+                                             *w.kv_pool.k, *w.kv_pool.v,
+                                             *eagle.kv_pool.k, *eagle.kv_pool.v)]
+    before = state()
+    assert any(int(t.abs().sum()) for t in before[:2])  # the real requests left state behind
+    out = eagle.step_graph.body(torch.full((4,), -1, dtype=torch.int64))
+    assert out.shape == (4, eagle.S + 2)
+    for old, new in zip(before, state()):
+        assert torch.equal(old, new)
+
+
+def test_sampled_batches_take_the_per_phase_runners(tiny_llama_dir):
+    from serve_app.request import SamplingParams
+    prompts = random_prompts(3, seed=13)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=5)
+
+    def sampled(eng):
+        return [r.output_ids for r in eng.generate(prompts, params)]
+
+    want = sampled(tiny_engine(tiny_llama_dir, *TREE))
+    eng = tiny_engine(tiny_llama_dir, *TREE)
+    eagle = eng.workers[0].eagle
+    eagle.capture_graphs(SIZES)
+    steps, phases = spy_step_graph(eagle), spy_replays(eagle)
+    assert sampled(eng) == want
+    assert steps == [] and {k for k, _, _ in phases} == {"target_verify", "draft_decode",
+                                                         "draft_extend"}
