@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.models.llama import MLP, AttnFn, LlamaForCausalLM, RMSNorm
+from actors.models.llama import (MLP, AttnFn, LlamaForCausalLM, RMSNorm, fuse_projections,
+                                 split_projections)
 from actors.models.model_config import LlamaArch
 from actors.models.rope import RotaryEmbedding
 from kernels import layer_ops
@@ -52,20 +53,24 @@ class EagleSpec:
                    draft_vocab_size or t.vocab_size, aux)
 
 
+def qkv_sizes(s: EagleSpec) -> list[int]:
+    return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
+
+
 class _DraftAttention(nn.Module):
     def __init__(self, s: EagleSpec, in_dim: int):
         super().__init__()
         self.s = s
-        self.q_proj = nn.Linear(in_dim, s.num_heads * s.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_dim, s.num_kv_heads * s.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_dim, s.num_kv_heads * s.head_dim, bias=False)
+        self.qkv_sizes = qkv_sizes(s)
+        self.qkv_proj = nn.Linear(in_dim, sum(self.qkv_sizes), bias=False)  # q, k, v fused
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
 
     def forward(self, x, positions, inv_freq, attn: AttnFn):
         T, s = x.shape[0], self.s
-        q = self.q_proj(x).view(T, s.num_heads, s.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, -1)  # column slices, no copies
+        q = q.view(T, s.num_heads, s.head_dim)  # [T, Hq, D]
+        k = k.view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+        v = v.view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         q, k = layer_ops.rope(q, k, positions, inv_freq)
         return self.o_proj(attn(q, k, v, 0).reshape(T, -1))  # the draft has one layer: id 0
 
@@ -147,7 +152,9 @@ class EagleHead(nn.Module):
     def state_for_export(self) -> dict[str, torch.Tensor]:
         """Weights under SGLang/EAGLE names (midlayer.* for EAGLE-3, model.* for EAGLE-1)."""
         out = {}
-        for name, t in self.state_dict().items():
+        sizes = {"self_attn.qkv_proj": qkv_sizes(self.spec),
+                 "mlp.gate_up_proj": [self.spec.intermediate_size] * 2}
+        for name, t in split_projections(self.state_dict(), sizes).items():
             if name.startswith("rotary."):
                 continue
             out[_export_name(name, self.eagle3)] = t.detach().contiguous()
@@ -162,6 +169,7 @@ class EagleHead(nn.Module):
             if local is None:
                 continue
             mapped[local] = t
+        mapped = fuse_projections(mapped)
         if self.eagle3 and "t2d" in state and "d2t" not in state:
             raise KeyError("EAGLE-3 checkpoint has t2d but no d2t")
         missing = sorted(k for k in own if k not in mapped and not k.startswith("rotary."))

@@ -38,32 +38,78 @@ class Attention(nn.Module):
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         h, b = arch.hidden_size, arch.attention_bias
-        self.q_proj = nn.Linear(h, arch.q_size, bias=b)
-        self.k_proj = nn.Linear(h, arch.kv_size, bias=b)
-        self.v_proj = nn.Linear(h, arch.kv_size, bias=b)
+        # q, k and v in one GEMM (checkpoints' q_proj/k_proj/v_proj, fused at load).
+        self.qkv_sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+        self.qkv_proj = nn.Linear(h, sum(self.qkv_sizes), bias=b)
         self.o_proj = nn.Linear(arch.q_size, h, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                 attn: AttnFn) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, -1)  # column slices, no copies
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = layer_ops.rope(q, k, positions, inv_freq)
         o = attn(q, k, v, self.layer_id)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
+# Fused projections and the checkpoint projections they hold, in row order.
+FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj",
+                                            "self_attn.v_proj"),
+                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> this model's: each layer's q/k/v (and gate/up) weights and biases
+    concatenated by rows into qkv_proj (gate_up_proj). Other entries pass through."""
+    out = dict(state)
+    for fused, parts in FUSED_PROJECTIONS.items():
+        for name in state:
+            for suffix in (".weight", ".bias"):
+                if not name.endswith(parts[0] + suffix):
+                    continue
+                prefix = name[:-len(parts[0] + suffix)]
+                keys = [prefix + p + suffix for p in parts]
+                if all(k in state for k in keys):
+                    out[prefix + fused + suffix] = torch.cat([state[k] for k in keys])
+                    for k in keys:
+                        del out[k]
+    return out
+
+
+def split_projections(state: dict[str, torch.Tensor],
+                      sizes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The inverse of fuse_projections (for exporting and comparing with checkpoints);
+    ``sizes`` gives each fused projection's part sizes, e.g. {"mlp.gate_up_proj": [I, I]}."""
+    out = {}
+    for name, t in state.items():
+        for fused, parts in FUSED_PROJECTIONS.items():
+            for suffix in (".weight", ".bias"):
+                if name.endswith(fused + suffix):
+                    prefix = name[:-len(fused + suffix)]
+                    out.update({prefix + p + suffix: c for p, c in zip(parts, t.split(sizes[fused]))})
+                    break
+            else:
+                continue
+            break
+        else:
+            out[name] = t
+    return out
+
+
 class MLP(nn.Module):
     def __init__(self, arch: LlamaArch):
         super().__init__()
-        h, i = arch.hidden_size, arch.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        h, self.intermediate = arch.hidden_size, arch.intermediate_size
+        # gate and up in one GEMM (checkpoints' gate_proj/up_proj, fused at load).
+        self.gate_up_proj = nn.Linear(h, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(layer_ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, -1)  # [T, I] each, views
+        return self.down_proj(layer_ops.silu_and_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -161,9 +207,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [T, V] fp32 so sampling and verification agree
 
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Parameters under checkpoint (HF) names: the fused projections split back (views)."""
+        a = self.arch
+        sizes = {"self_attn.qkv_proj": [a.q_size, a.kv_size, a.kv_size],
+                 "mlp.gate_up_proj": [a.intermediate_size] * 2}
+        return split_projections(dict(self.named_parameters()), sizes)
+
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF-named state dict into the parameters (cast to their dtype/device). Strict."""
+        state = fuse_projections(state)
         params = dict(self.named_parameters())
         expected = set(params)
         given = set(state)

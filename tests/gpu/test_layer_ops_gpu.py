@@ -75,6 +75,12 @@ def test_silu_and_mul(T, I, dtype):
     assert_near(tact.silu_and_mul_triton(gate, up), activation.silu_and_mul(gate, up))
 
 
+@pytest.mark.parametrize("T,I", [(1, 1536), (77, 1536)])
+def test_silu_and_mul_on_a_fused_gate_up_output(T, I):
+    gate, up = randn(T, 2 * I, dtype=torch.bfloat16, seed=T, scale=4.0).split(I, -1)  # strided rows
+    assert_near(tact.silu_and_mul_triton(gate, up), activation.silu_and_mul(gate, up))
+
+
 def test_dispatch_on_cuda():
     """CUDA tensors take the kernels, except where autograd needs the references' backward."""
     x = randn(4, 64, dtype=torch.float32, seed=0)

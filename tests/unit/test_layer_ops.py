@@ -114,6 +114,17 @@ def test_silu_and_mul(T, I, dtype):
     assert_near(tact.silu_and_mul_triton(gate, up), activation.silu_and_mul(gate, up))
 
 
+@needs_triton
+@pytest.mark.parametrize("T,I", [(1, 1536), (5, 100)])
+def test_silu_and_mul_on_slices_of_a_fused_output(T, I):
+    """gate and up as column halves of one [T, 2I] GEMM output (strided rows, no copy)."""
+    gate_up = randn(T, 2 * I, dtype=torch.float32, gen=torch.Generator().manual_seed(I), scale=4.0)
+    gate, up = gate_up.split(I, -1)  # [T, I] each, row stride 2I
+    got = tact.silu_and_mul_triton(gate, up)
+    assert got.is_contiguous()
+    assert_near(got, activation.silu_and_mul(gate, up))
+
+
 def test_cpu_dispatch_is_the_reference():
     """On CPU tensors every op is its torch reference, bit for bit (the CPU model path)."""
     gen = torch.Generator().manual_seed(0)

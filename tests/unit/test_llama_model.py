@@ -128,7 +128,7 @@ def test_gguf_qk_permutation_is_undone(ours, hf_model):
     # transformers un-permutes llama.cpp's Q/K rows itself; ours must agree row for row, and a
     # loader that skipped the step would be off by exactly llama.cpp's permutation.
     ref = hf_model.state_dict()
-    mine = dict(ours.named_parameters())
+    mine = ours.checkpoint_state()
     for i in (0, 29):
         for proj, n_head in (("q_proj", 9), ("k_proj", 3)):
             name = f"model.layers.{i}.self_attn.{proj}.weight"

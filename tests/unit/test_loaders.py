@@ -246,7 +246,7 @@ def test_tiny_gguf_matches_transformers(tmp_path):
     assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (4, 2, 16)
 
     # The Q8_0 tensor dequantizes to the original within its 8-bit step; use it on both sides.
-    up = model.model.layers[1].mlp.up_proj.weight
+    up = model.checkpoint_state()["model.layers.1.mlp.up_proj.weight"]
     ref_up = ref_model.model.layers[1].mlp.up_proj.weight
     assert torch.allclose(up, ref_up, atol=ref_up.abs().max().item() / 100)
     with torch.no_grad():
