@@ -38,15 +38,34 @@ class SlotAllocator:
 
     def alloc(self, num_slots: int) -> torch.Tensor | None:
         """`num_slots` (a multiple of page_size) slots, page-contiguous; None if not enough."""
+        pages = self.take_pages(num_slots)
+        return None if pages is None else self.slots_of([pages])[0]
+
+    def take_pages(self, num_slots: int) -> list[int] | None:
+        """The pages of `alloc(num_slots)`, off the free list; None if not enough. With
+        `slots_of`, a decode step that grows hundreds of rows builds one tensor, not one
+        per row."""
         if num_slots % self.page_size:
             raise ValueError(f"alloc({num_slots}) is not a multiple of page_size={self.page_size}")
         n_pages = num_slots // self.page_size
         if n_pages > len(self._free_pages):
             return None
-        pages = [self._free_pages.pop() for _ in range(n_pages)]
-        page_t = torch.tensor(pages, dtype=torch.int64)  # [n_pages] int64
-        offs = torch.arange(self.page_size, dtype=torch.int64)
-        return (page_t[:, None] * self.page_size + offs[None, :]).reshape(-1)  # [num_slots] int64
+        if n_pages == 0:
+            return []
+        pages = self._free_pages[:-n_pages - 1:-1]  # what n_pages pop()s would give
+        del self._free_pages[-n_pages:]
+        return pages
+
+    def slots_of(self, page_lists: list[list[int]]) -> list[torch.Tensor]:
+        """The slots of each list of pages: [len(pages) * page_size] int64 each."""
+        ps = self.page_size
+        page_t = torch.tensor([p for pages in page_lists for p in pages], dtype=torch.int64)
+        if ps > 1:
+            offs = torch.arange(ps, dtype=torch.int64)
+            page_t = (page_t[:, None] * ps + offs[None, :]).reshape(-1)
+        if len(page_lists) == 1:
+            return [page_t]
+        return list(torch.split(page_t, [len(pages) * ps for pages in page_lists]))
 
     def free(self, slots: torch.Tensor) -> None:
         """Free whole pages given by their slots (every slot of each page must be passed)."""

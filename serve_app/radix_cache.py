@@ -29,7 +29,11 @@ duplicate copies of KV the tree held.
 
 Eviction granularity: whole nodes. ``evict`` repeatedly frees the least-recently-used
 unlocked leaf (its whole edge); a parent whose last child went becomes a leaf and competes
-by its own access time. It may free a bit more than asked.
+by its own access time. It may free a bit more than asked. Candidates wait in a heap that
+lives with the tree (a full KV pool evicts at nearly every allocation, and the tree of a
+long run holds thousands of leaves): a node is pushed whenever it may have become an
+unlocked leaf or its access time moved, and entries that no longer describe it are
+dropped when they surface.
 
 Recency: a logical clock; ``match_prefix`` and ``insert`` stamp every node on the path they
 walk (so a parent is never older than its children).
@@ -154,6 +158,7 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._evictable += len(node.value)
+                self._push_candidate(node)
             node = node.parent
 
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
@@ -184,6 +189,7 @@ class RadixCache:
             node.children[self._page_key(leaf.key, 0)] = leaf
             self._total += n - pos
             self._evictable += n - pos
+            self._push_candidate(leaf)
         return pos
 
     def evict(self, num_slots: int) -> int:
@@ -191,13 +197,14 @@ class RadixCache:
         nothing evictable is left. Returns the number of slots freed."""
         if num_slots <= 0 or self._evictable == 0:
             return 0
-        heap = [(n.last_access, id(n), n) for n in self._iter_nodes()
-                if not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
+        heap = self._candidates
         freed = 0
         to_free: list[torch.Tensor] = []
         while freed < num_slots and heap:
-            _, _, node = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            if not self._is_candidate(entry):
+                continue
+            node = entry[2]
             parent = node.parent
             del parent.children[self._page_key(node.key, 0)]
             to_free.append(node.value)
@@ -206,8 +213,7 @@ class RadixCache:
             self._total -= size
             self._evictable -= size
             node.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._push_candidate(parent)
         if to_free:
             self.allocator.free(torch.cat(to_free))
         return freed
@@ -249,6 +255,10 @@ class RadixCache:
                 assert vals[i] % ps == 0 and vals[i:i + ps] == list(range(vals[i], vals[i] + ps))
         assert total == self._total, (total, self._total)
         assert evictable == self._evictable, (evictable, self._evictable)
+        queued = {id(e[2]) for e in self._candidates if self._is_candidate(e)}
+        for node in self._iter_nodes():
+            if not node.children and node.lock_ref == 0:
+                assert id(node) in queued, f"{node} is evictable but not in the heap"
 
     # ------------------------------------------------------------------ internals
 
@@ -258,6 +268,26 @@ class RadixCache:
         self._total = 0
         self._evictable = 0
         self._tick = 0
+        # (last_access, id, node) of unlocked leaves, plus stale entries (see the top)
+        self._candidates: list[tuple[int, int, RadixNode]] = []
+
+    def _push_candidate(self, node: RadixNode) -> None:
+        if node is self.root or node.children or node.lock_ref:
+            return
+        heap = self._candidates
+        # Stale entries pile up (every match pushes one): keep them a bounded share.
+        if len(heap) > 64 + 4 * (self._total // self.page_size):
+            heap[:] = [e for e in heap if self._is_candidate(e)]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (node.last_access, id(node), node))
+
+    @staticmethod
+    def _is_candidate(entry: tuple[int, int, RadixNode]) -> bool:
+        """Whether a heap entry still describes its node: in the tree, an unlocked leaf,
+        last used when the entry was pushed."""
+        last_access, _, node = entry
+        return (node.parent is not None and not node.children and node.lock_ref == 0
+                and node.last_access == last_access)
 
     def _page_key(self, tokens: list[int], start: int) -> tuple[int, ...]:
         return tuple(tokens[start:start + self.page_size])
@@ -317,7 +347,9 @@ class RadixCache:
                 child = self._split(child, c)
             child.last_access = tick
             pieces.append(child.value)
-            if dup_slots is not None:
+            # Equal slots (the usual case: KV the request got from match_prefix) need no
+            # page-by-page look.
+            if dup_slots is not None and not torch.equal(dup_slots[pos:pos + c], child.value):
                 mine = dup_slots[pos:pos + c].view(-1, ps)
                 eq = (mine == child.value.view(-1, ps))
                 same_page = eq.all(dim=1)
@@ -327,4 +359,5 @@ class RadixCache:
                     dups.append(mine[~same_page].reshape(-1))
             node = child
             pos += c
+        self._push_candidate(node)  # its access time moved (the path above has children)
         return node, pos, pieces, dups

@@ -71,7 +71,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping (written only by the scheduler: see C10)
     row: int | None = None
-    slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    # The row's slots as allocated, piece by piece (see `slots`).
+    slot_pieces: list[torch.Tensor] = field(default_factory=list, repr=False)
     kv_committed_len: int = 0  # tokens whose KV is valid
     kv_allocated_len: int = 0  # slots reserved in this request's row (monotonic while it lives)
     prefilled: int = 0  # tokens of `fill_ids` whose KV the current prefill has computed
@@ -92,7 +93,27 @@ class Request:
     coin_stream: CoinStream | None = None  # sampled requests only
     detok: object | None = None
     stopper: object | None = None
+    # Set by the scheduler when it takes the request: the token ids that end it, the
+    # output length at which it ends (max_tokens, or the model's context), and whether it
+    # reports only at its end (no stream, no stop strings).
+    stop_ids: frozenset[int] = frozenset()
+    max_output: int = 0
+    quiet: bool = False
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[kv_allocated_len] int64: the KV slot of each position of the row. A running
+        request grows by a page every few steps and the row is read only when it ends:
+        the pieces are joined on reading, not copied at every growth."""
+        if len(self.slot_pieces) != 1:
+            self.slot_pieces = [torch.cat(self.slot_pieces) if self.slot_pieces
+                                else torch.zeros(0, dtype=torch.int64)]
+        return self.slot_pieces[0]
+
+    @slots.setter
+    def slots(self, value: torch.Tensor) -> None:
+        self.slot_pieces = [value]

@@ -38,7 +38,7 @@ class Scheduler:
         self.slots = SlotAllocator(worker_info["num_slots"], self.page)
         self.rows = RowAllocator(worker_info["num_rows"])
         self.cache = RadixCache(self.slots, self.page, enabled=cfg.kv_cache.prefix_caching)
-        self.eos = set(eos_token_ids)
+        self.eos = frozenset(eos_token_ids)
         self.detokenizer_factory = detokenizer_factory  # req -> (detok, stopper) or None
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prefill not finished
@@ -64,11 +64,15 @@ class Scheduler:
         if len(req.prompt_ids) > limit:
             raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens; this model accepts "
                              f"at most {limit} (model.max_model_len={self.max_model_len})")
-        if req.params.temperature > 0:
-            seed = req.params.seed if req.params.seed is not None else torch.seed()
+        p = req.params
+        req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
+        req.max_output = min(p.max_tokens, self.max_model_len - len(req.prompt_ids))
+        if p.temperature > 0:
+            seed = p.seed if p.seed is not None else torch.seed()
             req.coin_stream = CoinStream(seed, self.coins_per_request)
         if self.detokenizer_factory is not None:
             req.detok, req.stopper = self.detokenizer_factory(req)
+        req.quiet = req.on_output is None and (req.stopper is None or not req.stopper.stops)
         self.requests[req.rid] = req
         self.waiting.append(req)
 
@@ -100,22 +104,30 @@ class Scheduler:
         return self.slots.free_slots + self.cache.evictable_slots
 
     # ---- KV bookkeeping -------------------------------------------------------------------
-    def _alloc(self, n: int) -> torch.Tensor | None:
+    def _take_pages(self, n: int) -> list[int] | None:
+        """Pages for `n` slots, evicting from the prefix cache what is missing."""
         if n > self.slots.free_slots:
             self.cache.evict(n - self.slots.free_slots)
-        return self.slots.alloc(n)
+        return self.slots.take_pages(n)
 
-    def _grow_kv(self, req: Request, need: int) -> bool:
-        """Make sure the row holds `need` slots (page-rounded). Allocation is monotonic."""
-        need = min(self.slots.round_up(need), self.max_context)
+    def _kv_target(self, need: int) -> int:
+        """The allocated length that covers `need` slots: page-rounded, within the row."""
+        return min(self.slots.round_up(need), self.max_context)
+
+    def _grow_kv(self, req: Request, need: int, new: torch.Tensor | None = None) -> bool:
+        """Make sure the row holds `need` slots (page-rounded). Allocation is monotonic.
+        `new`: the slots to add, when the caller allocated them already (for a batch)."""
+        need = self._kv_target(need)
         delta = need - req.kv_allocated_len
         if delta <= 0:
             return True
-        new = self._alloc(delta)
         if new is None:
-            return False
+            pages = self._take_pages(delta)
+            if pages is None:
+                return False
+            new = self.slots.slots_of([pages])[0]
         self._kv_writes.append((req.row, req.kv_allocated_len, new))
-        req.slots = torch.cat([req.slots, new])
+        req.slot_pieces.append(new)
         req.kv_allocated_len = need
         return True
 
@@ -235,30 +247,49 @@ class Scheduler:
             plan.extend_lens.append(chunk)
             plan.last_chunk.append(last)
             plan.next_ids.append(-1 if last else req.fill_ids[start + chunk])
-            self._add_sampling(req, plan)
+        self._add_sampling(chosen, plan)
         return chosen
 
     def _schedule_decode(self) -> StepPlan | None:
-        plan = StepPlan(self.step_id, "decode", [], use_spec=self.spec)
-        ahead = 2 * self.window
+        self._grow_running(2 * self.window)
+        running = self.running
+        if not running:
+            return None
+        plan = StepPlan(self.step_id, "decode", [r.row for r in running], use_spec=self.spec)
+        self._add_sampling(running, plan)
+        plan.coins = self._coins(running)
+        self._inflight[plan.step_id] = list(running)
+        return plan
+
+    def _grow_running(self, ahead: int) -> None:
+        """Reserve KV `ahead` of every running request's committed length. When the KV
+        runs out, the newest running request is preempted until the rest fit."""
+        running = self.running
+        grown: list[tuple[Request, int, list[int]]] = []  # (request, target length, new pages)
         i = 0
-        while i < len(self.running):
-            req = self.running[i]
-            if self._grow_kv(req, req.kv_committed_len + ahead):
+        while i < len(running):
+            req = running[i]
+            need = req.kv_committed_len + ahead
+            if need <= req.kv_allocated_len:  # most rows: a page lasts several steps
                 i += 1
                 continue
-            victim = self.running[-1]
+            target = self._kv_target(need)
+            delta = target - req.kv_allocated_len
+            pages = self._take_pages(delta) if delta > 0 else []
+            if pages is not None:
+                if pages:
+                    grown.append((req, target, pages))
+                i += 1
+                continue
+            # Preempted requests come from the back: the rows grown so far stay.
+            victim = running[-1]
             self._preempt(victim)
             if victim is req:
                 continue
-        if not self.running:
-            return None
-        for req in self.running:
-            plan.rows.append(req.row)
-            self._add_sampling(req, plan)
-        plan.coins = self._coins(self.running)
-        self._inflight[plan.step_id] = list(self.running)
-        return plan
+        if grown:
+            new = self.slots.slots_of([pages for _, _, pages in grown])
+            for (req, target, _), slots in zip(grown, new):
+                self._grow_kv(req, target, slots)
 
     def _preempt(self, req: Request) -> None:
         """Out of KV: free this request's KV; it re-prefills its tokens later (lossless)."""
@@ -269,10 +300,11 @@ class Scheduler:
         self.waiting.appendleft(req)
         log.info("preempted %s (%d tokens) for lack of KV", req.rid, len(req.all_ids))
 
-    def _add_sampling(self, req: Request, plan: StepPlan) -> None:
-        plan.temperature.append(req.params.temperature)
-        plan.top_p.append(req.params.top_p)
-        plan.top_k.append(req.params.top_k)
+    def _add_sampling(self, reqs: list[Request], plan: StepPlan) -> None:
+        params = [r.params for r in reqs]
+        plan.temperature += [p.temperature for p in params]
+        plan.top_p += [p.top_p for p in params]
+        plan.top_k += [p.top_k for p in params]
 
     def _coins(self, reqs: list[Request]) -> torch.Tensor:
         coins = np.zeros((len(reqs), self.coins_per_request), dtype=np.float32)  # [B, C]
@@ -285,10 +317,11 @@ class Scheduler:
     def process_output(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
         reqs = self._inflight.pop(plan.step_id)
         events: list[RequestOutput] = []
+        extend = plan.mode == "extend"
         for i, (req, toks) in enumerate(zip(reqs, out.tokens)):
             if req.finished or req.row != plan.rows[i]:
                 continue  # aborted or preempted since the plan was made
-            if plan.mode == "extend":
+            if extend:
                 req.prefilled += plan.extend_lens[i]
                 req.kv_committed_len = req.prefilled
                 computed = plan.extend_lens[i]
@@ -303,6 +336,12 @@ class Scheduler:
                 req.kv_committed_len += len(toks)
                 accepted = [len(toks)] if self.spec else []
                 req.accept_lengths += accepted
+                # The common decode case, without building an output nobody gets: no
+                # stream, text deferred to the end (see _emit), and the request goes on.
+                if (req.quiet and req.first_token_time is not None and req.stop_ids.isdisjoint(toks)
+                        and len(req.output_ids) + len(toks) < req.max_output):
+                    req.output_ids += toks
+                    continue
             ev = self._emit(req, toks, accepted)
             if ev is not None:
                 events.append(ev)
@@ -317,11 +356,9 @@ class Scheduler:
         for t in toks:
             req.output_ids.append(t)
             new_ids.append(t)
-            if (not req.params.ignore_eos and t in self.eos) or t in req.params.stop_token_ids:
+            if t in req.stop_ids:
                 reason, stop_token = "stop", True
-            elif len(req.output_ids) >= req.params.max_tokens:
-                reason = "length"
-            elif len(req.all_ids) >= self.max_model_len:
+            elif len(req.output_ids) >= req.max_output:  # max_tokens, or the model's context
                 reason = "length"
             if reason:
                 break
@@ -329,7 +366,7 @@ class Scheduler:
         # Nobody reads the text before the end, and no stop string can cut it short:
         # detokenize once when the request finishes instead of at every step.
         # (The finishing output then carries the whole text.)
-        deferred = req.detok is not None and req.on_output is None and not req.stopper.stops
+        deferred = req.detok is not None and req.quiet
         if req.detok is not None and (reason or not deferred):
             ids = req.output_ids if deferred else new_ids
             piece = req.detok.add(ids[:-1] if stop_token else ids)

@@ -1,0 +1,30 @@
+"""The scheduler micro-benchmark runs, and the scheduler still plans what it planned.
+
+The digest covers every plan (rows, sampling settings, KV writes with their slot ids,
+coins) and every finished request (reason, length, text). The pinned values were
+recorded before the batch-512 rework of the scheduler's hot paths (batched KV growth,
+the decode fast path, the radix cache's lasting eviction heap), which kept them.
+"""
+import pytest
+
+from benchmarks import scheduler_bench
+
+# mode: (arguments, digest, preemptions expected). Speculative (1-3 tokens a step) with
+# a KV pool so small that decode preempts; plain decode with one the prefix cache fills.
+PINNED = {
+    "spec": (["--kv-slots", "2000"], "f2862e7a995b8518-860845208cef24d6", True),
+    "plain": (["--plain", "--kv-slots", "6000"], "5d2616136417ab0f-993ab963cc9a1d77", False),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(PINNED))
+def test_scheduler_bench_tiny(mode, capsys):
+    args, digest, preempts = PINNED[mode]
+    result = scheduler_bench.main(["--running", "16", "--waiting", "200", "--steps", "120",
+                                   "--max-tokens", "96", "--max-model-len", "256",
+                                   "--eos-rate", "0.02", *args])
+    out = capsys.readouterr().out
+    assert "schedule ms" in out and result["decode"]["steps"] > 0
+    assert result["extend"]["steps"] > 0  # finished requests were replaced from the queue
+    assert (result["preemptions"] > 0) == preempts
+    assert result["digest"] == digest
