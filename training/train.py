@@ -230,6 +230,37 @@ def collate(samples: list[dict], idx: list[int], max_len: int, device) -> tuple[
 
 
 # ---- the trainer ------------------------------------------------------------------------------
+class StepBudget:
+    """How many steps fit a wall-clock budget, re-measured every ``every`` steps.
+
+    The first ``warmup`` steps pay for kernel compilation and caching and are left out of
+    the rate; batches differ in length, so the rate is the mean over all steps since, not
+    one early sample (a 10-step sample once stopped a run at 47% of its budget).
+    """
+
+    def __init__(self, seconds: float, warmup: int = 10, every: int = 10, clock=time.monotonic):
+        self.seconds, self.warmup, self.every, self.clock = seconds, warmup, every, clock
+        self.t0 = clock()
+        self.t_warm: float | None = None
+        self.logged = False
+
+    def fit(self, done: int, step: int, planned: int) -> int | None:
+        """After ``done`` steps of this run (global ``step``): the total step count that
+        fits (at most ``planned``, at least ``step``), or None when not re-measured now."""
+        if done == self.warmup:
+            self.t_warm = self.clock()
+        if self.t_warm is None or done < 2 * self.warmup or done % self.every:
+            return None
+        now = self.clock()
+        per_step = max(1e-9, (now - self.t_warm) / (done - self.warmup))
+        fits = max(step, min(planned, step + int((self.seconds - (now - self.t0)) / per_step)))
+        if fits < planned and not self.logged:
+            log.warning("time budget: about %d of %d steps fit (%.3fs/step; re-measured as "
+                        "training goes)", fits, planned, per_step)
+            self.logged = True
+        return fits
+
+
 class Trainer:
     def __init__(self, target: LlamaForCausalLM, head: EagleHead, cfg: TrainConfig,
                  vocab: DraftVocab | None = None):
@@ -401,7 +432,7 @@ class Trainer:
                    unit="step", file=sys.stderr, disable=not progress)
         t0 = time.monotonic()
         first_step = self.step
-        calibrated = c.time_budget_s is None
+        budget = StepBudget(c.time_budget_s) if c.time_budget_s is not None else None
         window: list[tuple[float, list]] = []
         batches = make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed + epoch))
         while self.step < self.total_steps and (stop_at is None or self.step < stop_at):
@@ -412,19 +443,9 @@ class Trainer:
             next_batch += 1
             loss, stats = self.train_step(*collate(samples, idx, c.max_len, self.device))
             window.append((loss, stats))
-            done = self.step - first_step
-            if not calibrated and done == 10:
-                t_warm = time.monotonic()  # the first steps pay for kernel compilation and caching
-            if not calibrated and done == 20:
-                # Steps cost about the same from here on: fit the schedule to the budget.
-                per_step = (time.monotonic() - t_warm) / 10
-                fits = self.step + int((c.time_budget_s - (time.monotonic() - t0)) / per_step)
-                if fits < self.total_steps:
-                    log.warning("time budget: %d of %d steps fit (%.2fs/step)", fits,
-                                self.total_steps, per_step)
-                    self.total_steps = max(self.step, fits)
-                    bar.total = self.total_steps
-                calibrated = True
+            fits = budget.fit(self.step - first_step, self.step, planned) if budget else None
+            if fits is not None and fits != self.total_steps:
+                self.total_steps = bar.total = fits
             bar.update(1)
             if self.step % c.log_every == 0 or self.step == self.total_steps:
                 rec = _summarise(window, self.step, self.lr_at(self.step - 1))

@@ -291,3 +291,23 @@ def test_resume_continues_bit_exactly(tiny_target, synthetic, tmp_path):
     assert res.steps == 8
     for (k, a), b in zip(straight.state_dict().items(), second.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_step_budget_is_re_measured_as_training_goes():
+    """Slow first steps (compilation) and one slow sample must not cut the run short: the
+    fit follows the mean rate since warm-up, up to the planned steps."""
+    from training.train import StepBudget
+    now = [0.0]
+    budget = StepBudget(100.0, clock=lambda: now[0])
+    fits = {}
+    for done in range(1, 201):
+        now[0] += 2.0 if done <= 10 else (0.5 if done <= 20 else 0.1)  # slow warm-up, slow sample
+        fit = budget.fit(done, done, planned=10_000)
+        if fit is not None:
+            fits[done] = fit
+    assert 10 not in fits and min(fits) == 20  # nothing fitted before 10 steps past warm-up
+    assert fits[20] < 200  # the first estimate believes 0.5 s/step
+    # 200 steps took 20 + 5 + 18 = 43 s; the rate since warm-up is (5 + 18) / 190 s.
+    assert fits[200] == 200 + int((100 - 43.0) / (23.0 / 190))
+    frozen = StepBudget(1e9, clock=lambda: 0.0)
+    assert frozen.fit(10, 10, planned=50) is None and frozen.fit(20, 20, planned=50) == 50
