@@ -55,7 +55,11 @@ def make_backend(name: str, kv_pool, req_to_token, scale: float, page_size: int 
     if name == "flashinfer":
         # Raises, naming the setting and the alternatives, without CUDA or flashinfer.
         from actors.attention.flashinfer_backend import FlashInferBackend
-        return FlashInferBackend(kv_pool, req_to_token, scale, page_size=page_size)
+        backend = FlashInferBackend(kv_pool, req_to_token, scale, page_size=page_size)
+        if kv_pool.k[0].dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"attention.backend=flashinfer runs bfloat16 or float16, not "
+                             f"{kv_pool.k[0].dtype}: set model.dtype, or attention.backend=triton")
+        return backend
     raise NotImplementedError(f"attention.backend={name!r} is not available in this build "
                               "(allowed here: torch_native, triton, flashinfer)")
 

@@ -230,3 +230,11 @@ def test_smollm_greedy_flashinfer_equals_triton(tokenizer, chat_prompts, fp32_re
     got = run(tokenizer, chat_prompts, "attention.backend=flashinfer", pages)
     n = check_near_ties(fp32_ref, chat_prompts, got, ref)
     print(f"flashinfer vs triton, page {page}: {n}/{len(chat_prompts)} diverged, all at near-ties")
+
+
+def test_float32_is_refused_with_the_setting_named():
+    from actors.kv_cache import ReqToTokenPool, TokenToKVPool
+    from actors.rank_worker import make_backend
+    kv = TokenToKVPool(64, 1, 2, 64, torch.float32, "cuda")
+    with pytest.raises(ValueError, match="model.dtype"):
+        make_backend("flashinfer", kv, ReqToTokenPool(4, 32, "cuda"), 1.0, page_size=16)
