@@ -111,13 +111,20 @@ class ReqToTokenPool:
 
 
 class TokenToKVPool:
-    """Per-layer K and V buffers: k[layer] is [num_slots, num_kv_heads, head_dim]."""
+    """Per-layer K and V buffers: k[layer] is [num_slots, num_kv_heads, head_dim].
+
+    Each is a view of one [num_layers, num_slots, ...] tensor, so moving accepted tokens
+    touches every layer in one gather and one scatter rather than two per layer (a
+    30-layer target: 4 kernels instead of 120 per speculative iteration).
+    """
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device):
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
+        self.k = list(self.k_all.unbind(0))  # views: k[layer] is [slots, Hkv, D]
+        self.v = list(self.v_all.unbind(0))
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V ([T, Hkv, D]) at slots `loc` ([T] int64)."""
@@ -125,7 +132,7 @@ class TokenToKVPool:
         self.v[layer][loc] = v.to(self.v[layer].dtype)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's K/V from slots `src` to slots `dst` (accepted tree nodes)."""
-        for k, v in zip(self.k, self.v):
-            k[dst] = k[src]
-            v[dst] = v[src]
+        """Copy every layer's K/V from slots `src` to slots `dst` (accepted tree nodes);
+        every source is read before any destination is written."""
+        self.k_all[:, dst] = self.k_all[:, src]
+        self.v_all[:, dst] = self.v_all[:, src]

@@ -200,12 +200,15 @@ class EagleWorker:
     def _keep_accepted_kv(self, loc: torch.Tensor, accept_index: torch.Tensor) -> None:
         """Move accepted nodes' target KV from their verify slots ``loc`` [B, N] to the
         slots of their final positions. Without a host sync: lanes that stay put copy their
-        slot onto itself (the move gathers every source before it writes)."""
-        B, N, S = loc.shape[0], self.N, self.S
-        j = torch.arange(S + 1, device=loc.device).expand(B, -1)  # [B, S+1] int64
-        moved = (accept_index >= 0) & (accept_index != j)  # [B, S+1] bool
-        dst = loc.gather(1, j.clamp(max=N - 1))  # [B, S+1] int64 (lanes past N never move)
-        src = torch.where(moved, loc.gather(1, accept_index.clamp(min=0)), dst)  # [B, S+1] int64
+        slot onto itself (the move gathers every source before it writes). At most N
+        nodes are accepted, so lanes from N on are left out: each slot is written once."""
+        B, N = loc.shape
+        A = min(self.S + 1, N)  # lanes that can hold an accepted node
+        acc = accept_index[:, :A]  # [B, A] int64
+        j = torch.arange(A, device=loc.device).expand(B, -1)  # [B, A] int64
+        moved = (acc >= 0) & (acc != j)  # [B, A] bool
+        dst = loc[:, :A]  # [B, A] int64
+        src = torch.where(moved, loc.gather(1, acc.clamp(min=0)), dst)  # [B, A] int64
         self.w.kv_pool.move(src.reshape(-1), dst.reshape(-1))
 
     def _carry(self, rows, seq, accept_length, predict, topk_p, topk_index, last) -> None:
