@@ -123,8 +123,10 @@ class TokenToKVPool:
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.k_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
         self.v_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
-        self.k = list(self.k_all.unbind(0))  # views: k[layer] is [slots, Hkv, D]
-        self.v = list(self.v_all.unbind(0))
+        # Views, one per layer (indexing, not unbind: unbind's views refuse in-place writes
+        # outside no_grad/inference mode).
+        self.k = [self.k_all[i] for i in range(num_layers)]  # k[layer]: [slots, Hkv, D]
+        self.v = [self.v_all[i] for i in range(num_layers)]
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V ([T, Hkv, D]) at slots `loc` ([T] int64)."""
