@@ -36,21 +36,40 @@ def spy_replays(eagle) -> list[tuple[str, int, int]]:
     return seen
 
 
+def spy_step_graph(eagle) -> list[tuple[int, int]]:
+    """Wrap the step graph's run to log (raw batch, padded size)."""
+    from actors.spec.step_graph import StepGraph
+    seen = []
+    g = eagle.step_graph
+
+    def run(rows):
+        seen.append((len(rows), g.pad_size(len(rows))))
+        return StepGraph.run(g, rows)
+
+    g.run = run
+    return seen
+
+
+@pytest.mark.parametrize("step_graph", [False, True], ids=["phase_graphs", "step_graph"])
 @pytest.mark.parametrize("raw", [3, 4, 5])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_graph_runners_equal_eager(tiny_llama_dir, shape, raw):
+def test_graph_runners_equal_eager(tiny_llama_dir, shape, raw, step_graph):
     prompts = random_prompts(raw, seed=raw)
     want = outputs(tiny_engine(tiny_llama_dir, *shape), prompts, MAX_TOKENS)
     eng = tiny_engine(tiny_llama_dir, *shape)
     eagle = eng.workers[0].eagle
-    eagle.capture_graphs(SIZES, step_graph=False)
+    eagle.capture_graphs(SIZES, step_graph=step_graph)
     assert not eagle.graphs.verify.use_cuda_graph  # CPU: the eager stand-in
+    assert (eagle.step_graph is not None) == step_graph
     seen = spy_replays(eagle)
+    steps = spy_step_graph(eagle) if step_graph else []
     assert outputs(eng, prompts, MAX_TOKENS) == want
-    # Every kind replayed the full raw batch, padded to the next captured size.
-    full = {(kind, bs) for kind, n, bs in seen if n == raw}
     padded = {3: 4, 4: 4, 5: 8}[raw]
-    assert full == {(k, padded) for k in ("target_verify", "draft_decode", "draft_extend")}
+    if step_graph:  # whole greedy iterations: the per-phase runners never replay
+        assert (raw, padded) in steps and seen == []
+    else:  # every kind replayed the full raw batch, padded to the next captured size
+        full = {(kind, bs) for kind, n, bs in seen if n == raw}
+        assert full == {(k, padded) for k in ("target_verify", "draft_decode", "draft_extend")}
 
 
 def test_batches_above_largest_size_run_eagerly(tiny_llama_dir):
@@ -105,35 +124,6 @@ def test_iteration_prepares_verify_and_draft_extend_on_plan_stream(tiny_llama_di
 
 
 # ----------------------------------------------------------------------- step graph
-def spy_step_graph(eagle) -> list[tuple[int, int]]:
-    """Wrap the step graph's run to log (raw batch, padded size)."""
-    from actors.spec.step_graph import StepGraph
-    seen = []
-    g = eagle.step_graph
-
-    def run(rows):
-        seen.append((len(rows), g.pad_size(len(rows))))
-        return StepGraph.run(g, rows)
-
-    g.run = run
-    return seen
-
-
-@pytest.mark.parametrize("raw", [3, 4, 5])
-@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_step_graph_equals_eager(tiny_llama_dir, shape, raw):
-    prompts = random_prompts(raw, seed=raw)
-    want = outputs(tiny_engine(tiny_llama_dir, *shape), prompts, MAX_TOKENS)
-    eng = tiny_engine(tiny_llama_dir, *shape)
-    eagle = eng.workers[0].eagle
-    eagle.capture_graphs(SIZES)  # attention.spec_step_graph is on by default
-    assert eagle.step_graph is not None and not eagle.step_graph.use_cuda_graph
-    steps, phases = spy_step_graph(eagle), spy_replays(eagle)
-    assert outputs(eng, prompts, MAX_TOKENS) == want
-    assert (raw, {3: 4, 4: 4, 5: 8}[raw]) in steps
-    assert phases == []  # greedy iterations never reach the per-phase runners
-
-
 def test_step_graph_padded_lanes_touch_only_reserved_row_and_slot(tiny_llama_dir):
     """Padded lanes read and write row 0 and slot 0 only: after real requests ran, an
     all-padded iteration leaves every other row's carried state and every other slot's
