@@ -76,8 +76,6 @@ class SchedulerConfig(_Strict):
     # An eager prefill step costs several graphed decode steps; 1 prefills at once.
     prefill_min_batch: int = Field(1, ge=1)
     prefill_max_delay_steps: int = Field(32, ge=0)
-    # Dispatch step N+1 before consuming step N (spec v2 overlap). Needs a pipelined worker.
-    overlap: bool = False
 
 
 class AttentionConfig(_Strict):
