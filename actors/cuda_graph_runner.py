@@ -47,6 +47,7 @@ __all__ = [
     "pad_graph_batch",
     "EagerGraph",
     "capture_cuda_graph",
+    "padded_size",
     "PreparedVerify",
     "VerifyPath",
 ]
@@ -241,6 +242,14 @@ class _CudaGraph:
         self._graph.replay()
 
 
+def padded_size(sizes: list[int], raw_bs: int) -> int | None:
+    """The smallest of the sorted captured ``sizes`` >= raw_bs, or None when none is."""
+    if raw_bs < 0:
+        raise ValueError(f"batch size must be >= 0, got {raw_bs}")
+    i = bisect.bisect_left(sizes, raw_bs)
+    return sizes[i] if i < len(sizes) else None
+
+
 def capture_cuda_graph(forward: Callable[[Any], Any], view: Any, pool: Any,
                        stream: "torch.cuda.Stream") -> _CudaGraph:
     """Record ``forward(view)`` as one CUDA graph in memory ``pool`` on ``stream`` (not
@@ -319,10 +328,7 @@ class GraphRunner:
     # ------------------------------------------------------------------ sizes and views
     def pad_size(self, raw_bs: int) -> int | None:
         """The smallest captured size >= raw_bs, or None (too big: run eagerly)."""
-        if raw_bs < 0:
-            raise ValueError(f"batch size must be >= 0, got {raw_bs}")
-        i = bisect.bisect_left(self.sizes, raw_bs)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return padded_size(self.sizes, raw_bs)
 
     def can_run(self, batch: GraphBatch) -> bool:
         return bool(self._graphs) and self.pad_size(batch.batch_size) is not None

@@ -47,6 +47,7 @@ from kernels.verify import select_last_index
 
 log = logging.getLogger("kestrel.worker")
 
+
 class PhaseClock:
     """Wall time per phase of a step, synchronizing the device at each mark (benchmarks only)."""
 

@@ -16,12 +16,11 @@ run on the same padded rows buffer, so CPU tests drive the same padding path.
 """
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 
 import torch
 
-from actors.cuda_graph_runner import EagerGraph, capture_cuda_graph
+from actors.cuda_graph_runner import EagerGraph, capture_cuda_graph, padded_size
 
 
 class StepGraph:
@@ -34,8 +33,7 @@ class StepGraph:
 
     def pad_size(self, raw_bs: int) -> int | None:
         """The smallest captured size >= raw_bs, or None (too big: the per-phase path)."""
-        i = bisect.bisect_left(self.sizes, raw_bs)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return padded_size(self.sizes, raw_bs)
 
     def capture(self) -> None:
         if not self.use_cuda_graph:
