@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.models.llama import (MLP, AttnFn, LlamaForCausalLM, RMSNorm, fuse_projections,
-                                 split_projections)
+                                 projection_sizes, split_projections)
 from actors.models.model_config import LlamaArch
 from actors.models.rope import RotaryEmbedding
 from kernels import layer_ops
@@ -152,8 +152,8 @@ class EagleHead(nn.Module):
     def state_for_export(self) -> dict[str, torch.Tensor]:
         """Weights under SGLang/EAGLE names (midlayer.* for EAGLE-3, model.* for EAGLE-1)."""
         out = {}
-        sizes = {"self_attn.qkv_proj": qkv_sizes(self.spec),
-                 "mlp.gate_up_proj": [self.spec.intermediate_size] * 2}
+        q, kv, _ = qkv_sizes(self.spec)
+        sizes = projection_sizes(q, kv, self.spec.intermediate_size)
         for name, t in split_projections(self.state_dict(), sizes).items():
             if name.startswith("rotary."):
                 continue

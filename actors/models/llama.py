@@ -59,6 +59,21 @@ class Attention(nn.Module):
 FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj",
                                             "self_attn.v_proj"),
                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_SUFFIXES = (".weight", ".bias")
+
+
+def _ends_with(name: str, proj: str) -> tuple[str, str] | None:
+    """(prefix, suffix) when ``name`` is prefix + proj + suffix (a weight or a bias)."""
+    for suffix in _SUFFIXES:
+        if name.endswith(proj + suffix):
+            return name[:-len(proj + suffix)], suffix
+    return None
+
+
+def projection_sizes(q_size: int, kv_size: int, intermediate: int) -> dict[str, list[int]]:
+    """Each fused projection's part sizes (rows), as split_projections takes them."""
+    return {"self_attn.qkv_proj": [q_size, kv_size, kv_size],
+            "mlp.gate_up_proj": [intermediate, intermediate]}
 
 
 def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -67,33 +82,30 @@ def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = dict(state)
     for fused, parts in FUSED_PROJECTIONS.items():
         for name in state:
-            for suffix in (".weight", ".bias"):
-                if not name.endswith(parts[0] + suffix):
-                    continue
-                prefix = name[:-len(parts[0] + suffix)]
-                keys = [prefix + p + suffix for p in parts]
-                if all(k in state for k in keys):
-                    out[prefix + fused + suffix] = torch.cat([state[k] for k in keys])
-                    for k in keys:
-                        del out[k]
+            found = _ends_with(name, parts[0])
+            if found is None:
+                continue
+            prefix, suffix = found
+            keys = [prefix + p + suffix for p in parts]
+            if all(k in state for k in keys):
+                out[prefix + fused + suffix] = torch.cat([state[k] for k in keys])
+                for k in keys:
+                    del out[k]
     return out
 
 
 def split_projections(state: dict[str, torch.Tensor],
                       sizes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
     """The inverse of fuse_projections (for exporting and comparing with checkpoints);
-    ``sizes`` gives each fused projection's part sizes, e.g. {"mlp.gate_up_proj": [I, I]}."""
+    ``sizes`` as projection_sizes gives them."""
     out = {}
     for name, t in state.items():
         for fused, parts in FUSED_PROJECTIONS.items():
-            for suffix in (".weight", ".bias"):
-                if name.endswith(fused + suffix):
-                    prefix = name[:-len(fused + suffix)]
-                    out.update({prefix + p + suffix: c for p, c in zip(parts, t.split(sizes[fused]))})
-                    break
-            else:
-                continue
-            break
+            found = _ends_with(name, fused)
+            if found is not None:
+                prefix, suffix = found
+                out.update({prefix + p + suffix: c for p, c in zip(parts, t.split(sizes[fused]))})
+                break
         else:
             out[name] = t
     return out
@@ -210,8 +222,7 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """Parameters under checkpoint (HF) names: the fused projections split back (views)."""
         a = self.arch
-        sizes = {"self_attn.qkv_proj": [a.q_size, a.kv_size, a.kv_size],
-                 "mlp.gate_up_proj": [a.intermediate_size] * 2}
+        sizes = projection_sizes(a.q_size, a.kv_size, a.intermediate_size)
         return split_projections(dict(self.named_parameters()), sizes)
 
     @torch.no_grad()
