@@ -12,11 +12,14 @@ import torch
 from kernels import cache_loc, spec_tree, verify
 from kernels.triton_cache_loc import HAS_TRITON, assign_cache_locs_triton
 from kernels.triton_kv_indices import paged_kv_indices_ref, paged_kv_indices_triton
-from kernels.triton_spec_tree import build_tree_triton, organize_draft_triton
+from kernels.triton_spec_tree import build_tree_triton, expand_level_triton, organize_draft_triton
+from kernels.triton_topk import topk_probs_triton
 from kernels.triton_verify import greedy_verify_triton, tree_sampling_verify_triton
 
 __all__ = [
     "use_triton",
+    "topk_probs",
+    "expand_level",
     "organize_draft",
     "build_tree",
     "greedy_verify",
@@ -29,6 +32,23 @@ __all__ = [
 def use_triton(t: torch.Tensor, force_torch: bool = False) -> bool:
     """Whether an op on `t` runs its Triton kernel."""
     return HAS_TRITON and t.is_cuda and not force_torch
+
+
+def topk_probs(logits: torch.Tensor, k: int, *, force_torch: bool = False):
+    """`kernels.spec_tree.topk_probs`. Without Triton, torch's softmax and topk: the same
+    values, but exactly equal probabilities may come in another order (the reference's
+    stable sort of a whole row costs 15x on a CPU, and the draft calls this every step)."""
+    if use_triton(logits, force_torch):
+        return topk_probs_triton(logits, k)
+    return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+
+
+def expand_level(parent_scores: torch.Tensor, child_probs: torch.Tensor,
+                 child_tokens: torch.Tensor, lane_flat: torch.Tensor, level_offset: int,
+                 *, force_torch: bool = False):
+    """`kernels.spec_tree.expand_level`."""
+    fn = expand_level_triton if use_triton(parent_scores, force_torch) else spec_tree.expand_level
+    return fn(parent_scores, child_probs, child_tokens, lane_flat, level_offset)
 
 
 def organize_draft(scores: torch.Tensor, tokens: torch.Tensor, parent_flat: torch.Tensor,

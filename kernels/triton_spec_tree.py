@@ -1,10 +1,13 @@
-"""Triton kernels for `kernels.spec_tree.organize_draft` and `kernels.spec_tree.build_tree`.
+"""Triton kernels for `kernels.spec_tree.expand_level`, `organize_draft` and `build_tree`.
 
 The torch references are the functions of the same name in kernels/spec_tree.py; these
 produce identical integer outputs (names and shapes as there: B requests, M candidates,
 N tree nodes). One program per request; nothing is read on the host, so both calls can
 be captured in a CUDA graph.
 
+expand_level: the K*K candidate scores of one request sit in one program; the K best are
+    taken one at a time (maximum, lowest flat index among equals: the reference's stable
+    sort), so one launch replaces the reference's nine small ones per draft step.
 organize_draft: the reference's stable descending sort keeps candidate j iff its rank
     #{i: s_i > s_j} + #{i < j: s_i == s_j} is below N-1, and a kept candidate's node id is
     1 + the number of kept candidates before it (ascending flat order). The kernel counts
@@ -21,12 +24,40 @@ from kernels.spec_tree import TreeInfo
 
 from kernels.triton_available import HAS_TRITON, tl, triton
 
-__all__ = ["HAS_TRITON", "organize_draft_triton", "build_tree_triton"]
+__all__ = ["HAS_TRITON", "expand_level_triton", "organize_draft_triton", "build_tree_triton"]
 
 _TILE = 64  # candidates per side of one rank-counting tile
 
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _expand_level_kernel(
+        ParentScores, ChildProbs, ChildTokens, LaneFlat, stride_ps, stride_lf,
+        NewScores, NewTokens, NewLaneFlat, ParentLane, CandScores, CandTokens, CandParent,
+        level_offset,
+        K: tl.constexpr, BLOCK_KK: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, BLOCK_KK)  # candidate j = lane * K + child
+        ok = j < K * K
+        lane = j // K
+        score = (tl.load(ParentScores + b * stride_ps + lane, mask=ok, other=0.0)
+                 * tl.load(ChildProbs + b * K * K + j, mask=ok, other=0.0))
+        token = tl.load(ChildTokens + b * K * K + j, mask=ok, other=0)
+        parent = tl.load(LaneFlat + b * stride_lf + lane, mask=ok, other=0)
+        tl.store(CandScores + b * K * K + j, score, mask=ok)
+        tl.store(CandTokens + b * K * K + j, token, mask=ok)
+        tl.store(CandParent + b * K * K + j, parent, mask=ok)
+        left = tl.where(ok, score, float("-inf"))
+        for t in tl.static_range(K):
+            best = tl.max(left, 0)
+            at = tl.min(tl.where(left == best, j, BLOCK_KK), 0)
+            tl.store(NewScores + b * K + t, best)
+            tl.store(NewTokens + b * K + t, tl.sum(tl.where(j == at, token, 0), 0))
+            tl.store(NewLaneFlat + b * K + t, (at + level_offset).to(tl.int64))
+            tl.store(ParentLane + b * K + t, (at // K).to(tl.int64))
+            left = tl.where(j == at, float("-inf"), left)
 
     @triton.jit
     def _organize_draft_kernel(
@@ -128,6 +159,29 @@ if HAS_TRITON:
         tl.store(RetrieveIndex + node, node, mask=ok)
         cell = b * N * N + rows[:, None] * N + rows[None, :]
         tl.store(TreeMask + cell, anc.to(tl.uint8), mask=ok[:, None] & ok[None, :])
+
+
+def expand_level_triton(parent_scores, child_probs, child_tokens, lane_flat, level_offset: int):
+    """Triton `expand_level`: same arguments and outputs (fp32 scores, int64 ids)."""
+    B, K = parent_scores.shape
+    dev = parent_scores.device
+    parent_scores = parent_scores.float()
+    if parent_scores.stride(1) != 1:
+        parent_scores = parent_scores.contiguous()
+    lane_flat = lane_flat.to(torch.int64)
+    if lane_flat.stride(1) != 1:  # an expanded arange has row stride 0, which is fine
+        lane_flat = lane_flat.contiguous()
+    child_probs = child_probs.float().contiguous()
+    child_tokens = child_tokens.to(torch.int64).contiguous()
+    new = [torch.empty(B, K, dtype=dt, device=dev)  # [B, K] each
+           for dt in (torch.float32, torch.int64, torch.int64, torch.int64)]
+    cand = [torch.empty(B, K * K, dtype=dt, device=dev)  # [B, K*K] each
+            for dt in (torch.float32, torch.int64, torch.int64)]
+    if B:
+        _expand_level_kernel[(B,)](parent_scores, child_probs, child_tokens, lane_flat,
+                                   parent_scores.stride(0), lane_flat.stride(0), *new, *cand,
+                                   level_offset, K=K, BLOCK_KK=triton.next_power_of_2(K * K))
+    return (*new, *cand)
 
 
 def organize_draft_triton(

@@ -26,7 +26,7 @@ from actors.models.llama import (MLP, AttnFn, LlamaForCausalLM, RMSNorm, fuse_pr
                                  projection_sizes, split_projections)
 from actors.models.model_config import LlamaArch
 from actors.models.rope import RotaryEmbedding
-from kernels import layer_ops
+from kernels import layer_ops, spec_ops
 
 
 @dataclass
@@ -134,16 +134,20 @@ class EagleHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, Vd] fp32."""
+        return self._logits(hidden).float()
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [T, Vd] in the model's dtype."""
         if self.eagle3:
-            return self.lm_head(self.norm(hidden)).float()
+            return self.lm_head(self.norm(hidden))
+        weight = self._target.lm_head.weight
         if self.max_token_id is not None:  # the first rows only: a view, no copy
-            return F.linear(hidden, self._target.lm_head.weight[:self.max_token_id]).float()
-        return self._target.compute_logits(hidden)
+            weight = weight[:self.max_token_id]
+        return F.linear(hidden, weight)
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of the draft's softmax, as target token ids: ([T, k] fp32, [T, k] int64)."""
-        p = torch.softmax(self.compute_logits(hidden), -1)
-        topk_p, idx = p.topk(k, dim=-1)
+        topk_p, idx = spec_ops.topk_probs(self._logits(hidden), k)  # fp32 inside
         if self.eagle3:
             idx = idx + self.d2t[idx]
         return topk_p, idx

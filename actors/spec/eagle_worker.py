@@ -40,9 +40,8 @@ from actors.spec.step_graph import StepGraph
 from actors.step_plan import StepPlan
 from configs.schema import KestrelConfig
 from kernels.sampling import process_logits
-from kernels.spec_ops import (assign_cache_locs, build_tree, greedy_verify, organize_draft,
-                              tree_sampling_verify)
-from kernels.spec_tree import expand_level
+from kernels.spec_ops import (assign_cache_locs, build_tree, expand_level, greedy_verify,
+                              organize_draft, tree_sampling_verify)
 from kernels.verify import select_last_index
 
 log = logging.getLogger("kestrel.worker")

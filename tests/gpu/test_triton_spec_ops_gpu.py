@@ -21,10 +21,12 @@ import torch
 # first (here they are skipped anyway).
 from unit.test_triton_spec_ops import (  # isort: skip
     child_tokens,
+    expand_inputs,
     grow_draft,
     paged_req_to_token,
     random_tree,
     sampling_probs,
+    topk_logits,
 )
 
 from kernels import cache_loc, spec_ops, spec_tree, verify  # noqa: E402
@@ -108,6 +110,40 @@ def test_cache_locs_and_kv_indices(B, page):
     seq_lens = torch.randint(0, 8193, (B,), generator=gen)
     want = paged_kv_indices_ref(r2t, rows, seq_lens, page)
     assert_same(spec_ops.paged_kv_indices(*cuda(r2t, rows, seq_lens), page), want)
+
+
+@pytest.mark.parametrize("B,K", [(1, 4), (64, 4), (256, 8), (33, 16)])
+def test_expand_level(B, K):
+    args = expand_inputs(B, K, torch.Generator().manual_seed(B + K))
+    assert_same(spec_ops.expand_level(*cuda(*args[:4]), args[4]), spec_tree.expand_level(*args))
+
+
+@pytest.mark.parametrize("T,V,k", [(1, 49152, 4), (4, 49152, 4), (256, 49152, 4), (32, 16384, 8),
+                                   (8, 128256, 16), (64, 49152, 1)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_probs(T, V, k, ties):
+    x = topk_logits(T, V, torch.Generator().manual_seed(T + V + k), ties)
+    p, idx = spec_ops.topk_probs(x.cuda(), k)
+    want_p, want_idx = spec_tree.topk_probs(x, k)
+    assert p.is_cuda and torch.equal(idx.cpu(), want_idx)
+    torch.testing.assert_close(p.cpu(), want_p, rtol=2e-5, atol=1e-8)
+
+
+def test_topk_probs_graph_replay():
+    x = torch.zeros(4, 49152, dtype=torch.bfloat16, device="cuda")  # [4, V] bf16 static input
+    spec_ops.topk_probs(x, 4)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p, idx = spec_ops.topk_probs(x, 4)
+    for seed in range(3):
+        new = topk_logits(4, 49152, torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        x.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_p, want_idx = spec_tree.topk_probs(new.float(), 4)
+        assert torch.equal(idx.cpu(), want_idx)
+        torch.testing.assert_close(p.cpu(), want_p, rtol=2e-5, atol=1e-8)
 
 
 def test_cuda_graph_replay_equals_reference():

@@ -17,6 +17,7 @@ from kernels import cache_loc, spec_ops, spec_tree, verify
 from kernels import triton_cache_loc as tcl
 from kernels import triton_kv_indices as tkv
 from kernels import triton_spec_tree as tst
+from kernels import triton_topk as ttk
 from kernels import triton_verify as tv
 
 INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(tst, "_build_tree_kernel")
@@ -274,6 +275,66 @@ def test_paged_kv_indices_ref_against_loop(page):
         assert_same([kv_indptr, kv_indices], cache_loc.kv_indices(r2t, rows, seq_lens))
 
 
+# ---------------------------------------------------------------------------- expand_level
+def expand_inputs(B: int, K: int, gen: torch.Generator, level: int = 3):
+    """One draft level's inputs, with coarse probabilities so candidates tie often and
+    lane_flat as the draft's first level has it (an expanded arange: row stride 0)."""
+    parent_scores = torch.round(torch.rand(B, K, generator=gen) * 3) / 3  # [B, K] float32
+    child_probs = torch.round(torch.rand(B, K, K, generator=gen) * 3) / 3  # [B, K, K] float32
+    child_tokens = torch.randint(0, 1000, (B, K, K), generator=gen)  # [B, K, K] int64
+    lane_flat = torch.randint(0, 40, (B, K), generator=gen) if level > 2 else torch.arange(K).expand(B, K)
+    return parent_scores, child_probs, child_tokens, lane_flat, spec_tree.level_offset(level, K)
+
+
+@needs_triton
+@pytest.mark.parametrize("B,K", [(1, 1), (3, 4), (8, 8), (5, 6)])
+@pytest.mark.parametrize("level", [2, 4])
+def test_expand_level(B, K, level):
+    args = expand_inputs(B, K, torch.Generator().manual_seed(B * K + level), level)
+    got = tst.expand_level_triton(*to_dev(*args[:4]), args[4])
+    assert_same(got, spec_tree.expand_level(*args))
+
+
+# ---------------------------------------------------------------------------- draft top-k
+def topk_logits(T: int, V: int, gen: torch.Generator, ties: bool = False) -> torch.Tensor:
+    """[T, V] float32 logits; with ties, each row's maximum repeated at scattered ids (and
+    a second value repeated) so the order among equals decides the result."""
+    x = torch.randn(T, V, generator=gen) * 3
+    if ties:
+        for t in range(T):
+            ids = torch.randperm(V, generator=gen)[:6]
+            x[t, ids[:3]] = x[t].max() + 1
+            x[t, ids[3:]] = x[t].max() - 0.5
+    return x
+
+
+def assert_topk_matches(got, want):
+    (gp, gi), (wp, wi) = got, want
+    assert gp.dtype == torch.float32 and gi.dtype == torch.int64 and gi.shape == wi.shape
+    assert torch.equal(gi.cpu(), wi), f"\n{gi}\n!=\n{wi}"
+    torch.testing.assert_close(gp.cpu(), wp, rtol=2e-6, atol=1e-9)
+
+
+# V below one chunk, not a multiple of it, and several chunks; k from argmax to 8.
+@needs_triton
+@pytest.mark.parametrize("T,V,k", [(1, 100, 1), (3, 2048, 4), (4, 5000, 4), (2, 4099, 8),
+                                   (5, 9000, 2)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_probs(T, V, k, ties):
+    gen = torch.Generator().manual_seed(T * V + k)
+    x = topk_logits(T, V, gen, ties)
+    assert_topk_matches(ttk.topk_probs_triton(*to_dev(x), k), spec_tree.topk_probs(x, k))
+
+
+@needs_triton
+def test_topk_probs_bf16_rows_and_strided_input():
+    # The draft hands bf16 GEMM output; a column slice is a strided row.
+    gen = torch.Generator().manual_seed(7)
+    x = topk_logits(3, 6000, gen).to(torch.bfloat16)  # [3, 6000] bf16
+    want = spec_tree.topk_probs(x[:, :5000].float(), 4)
+    assert_topk_matches(ttk.topk_probs_triton(to_dev(x)[0][:, :5000], 4), want)
+
+
 # ---------------------------------------------------------------------------- dispatch
 def test_spec_ops_dispatch():
     gen = torch.Generator().manual_seed(0)
@@ -292,3 +353,6 @@ def test_spec_ops_dispatch():
     _, got, _ = spec_ops.paged_kv_indices(r2t, rows, seq_lens, 16, out, force_torch=True)
     want = tkv.paged_kv_indices_ref(r2t, rows, seq_lens, 16)[1]
     assert got is out and torch.equal(out[:3], want) and (out[3:] == -1).all()
+    x = topk_logits(2, 300, gen)
+    p, idx = spec_ops.topk_probs(x, 3)  # torch's softmax + topk on CPU
+    assert_topk_matches((p, idx), spec_tree.topk_probs(x, 3))
