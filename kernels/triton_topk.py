@@ -67,6 +67,8 @@ if HAS_TRITON:
 def topk_probs_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.spec_tree.topk_probs` in two launches; logits [T, V] of any float dtype."""
     T, V = logits.shape
+    if not 1 <= k <= V:
+        raise ValueError(f"top-k needs 1 <= k <= V, got k={k}, V={V}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     C = triton.cdiv(V, CHUNK)

@@ -333,6 +333,8 @@ def test_topk_probs_bf16_rows_and_strided_input():
     x = topk_logits(3, 6000, gen).to(torch.bfloat16)  # [3, 6000] bf16
     want = spec_tree.topk_probs(x[:, :5000].float(), 4)
     assert_topk_matches(ttk.topk_probs_triton(to_dev(x)[0][:, :5000], 4), want)
+    with pytest.raises(ValueError, match="k=7, V=5"):
+        ttk.topk_probs_triton(to_dev(x)[0][:, :5], 7)
 
 
 # ---------------------------------------------------------------------------- dispatch
