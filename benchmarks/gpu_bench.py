@@ -23,6 +23,9 @@ import torch
 
 from benchmarks.offline import DATA, load_questions
 
+# The engine every GPU benchmark measures (kernel_census.py too): bf16, a KV pool far larger
+# than any batch here needs, contexts up to 2048.
+ENGINE = ["device=cuda", "model.dtype=bfloat16", "kv_cache.num_slots=200000", "model.max_model_len=2048"]
 CHAIN = ["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"]
 TREE = ["draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]
 
@@ -134,8 +137,7 @@ def main(argv=None):
     n = max(*args.batch_sizes, args.b1_prompts)
     qs = load_questions(Path(DATA), 80)
     prompts = [apply_chat_template(tok, [{"role": "user", "content": qs[i % len(qs)]}]) for i in range(n)]
-    base = ["device=cuda", "model.dtype=bfloat16", "kv_cache.num_slots=200000", "profile_steps=true",
-            f"scheduler.max_running_requests={max(64, n)}", "model.max_model_len=2048", *args.set]
+    base = [*ENGINE, "profile_steps=true", f"scheduler.max_running_requests={max(64, n)}", *args.set]
     draft = [f"draft.path={args.draft}"] if args.draft else []
     results = []
     for backend in args.backends:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_bench import bench_engine, spec_shape
+from benchmarks.gpu_bench import ENGINE, bench_engine, spec_shape
 from benchmarks.offline import DATA, load_questions
 
 MAX_TOKENS = 128
@@ -54,9 +54,7 @@ def main(argv=None):
     tok = load_tokenizer(default_model_path())
     question = load_questions(Path(DATA), 2)[1]
     prompt = [apply_chat_template(tok, [{"role": "user", "content": question}])]
-    base = ["device=cuda", "model.dtype=bfloat16", "kv_cache.num_slots=200000",
-            "attention.backend=triton", "scheduler.max_running_requests=64",
-            "model.max_model_len=2048"]
+    base = [*ENGINE, "attention.backend=triton", "scheduler.max_running_requests=64"]
     spec = ["draft.enabled=true", *spec_shape(args.shape)]
     if args.draft:
         spec.append(f"draft.path={args.draft}")
