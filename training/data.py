@@ -301,6 +301,23 @@ def save_jsonl(rows: list[dict], path: str | Path) -> None:
     tmp.replace(path)  # a crash mid-write never leaves a half file under the real name
 
 
+def join_samples(parts: Iterable[list[dict]], held_out: Iterable[dict] = ()) -> list[dict]:
+    """Samples of several files (generations with different seeds, say) as one training
+    set: an exact repeat is kept once, and a sample whose prompt is also a held-out prompt
+    is dropped, so the held-out measure stays unseen."""
+    held = {tuple(r["input_ids"][:r["prompt_len"]]) for r in held_out}
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for rows in parts:
+        for r in rows:
+            key = tuple(r["input_ids"])
+            if key in seen or key[:r["prompt_len"]] in held:
+                continue
+            seen.add(key)
+            out.append(r)
+    return out
+
+
 def load_jsonl(path: str | Path) -> list[dict]:
     """Samples with input_ids and loss_mask (checked); other fields kept as they are."""
     rows = []

@@ -493,8 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", choices=["cuda", "cpu"], default=None, help="default: the config's device")
     a("--seed", type=int, default=0)
     g = p.add_argument_group("data")
-    g.add_argument("--data", default=None, help="training JSONL (input_ids + loss_mask) instead of generating")
-    g.add_argument("--eval-data", default=None, help="held-out JSONL (default: split off --data)")
+    g.add_argument("--data", nargs="+", default=None, metavar="JSONL",
+                   help="training JSONL files (input_ids + loss_mask) instead of generating; several are joined")
+    g.add_argument("--eval-data", nargs="+", default=None, metavar="JSONL",
+                   help="held-out JSONL files (default: split off --data)")
     g.add_argument("--samples", type=int, default=2000, help="conversations to generate (train + held-out)")
     g.add_argument("--user-prompts", default=None, help="JSONL of prompts answered first (prompt/messages/turns)")
     g.add_argument("--max-prompt-tokens", type=int, default=128)
@@ -519,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-clip", type=float, default=0.5)
     t.add_argument("--ttt-steps", type=int, default=None, help="unrolled steps (default 7 eagle3, 3 eagle)")
     t.add_argument("--step-decay", type=float, default=0.8)
+    t.add_argument("--feature-weight", type=float, default=1.0, help="EAGLE-1/2: weight of the feature regression")
+    t.add_argument("--token-weight", type=float, default=0.1, help="EAGLE-1/2: weight of the token loss")
     t.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
     t.add_argument("--hard-targets", action="store_true", help="match the target's argmax, not its distribution")
     t.add_argument("--lm-head-init", choices=["random", "target"], default="random",
@@ -545,7 +549,7 @@ def main(argv: list[str] | None = None) -> dict:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     from actors.models.loader import build_model, default_model_path
     from configs.schema import ConfigError, load_config
-    from training.data import generate_dataset, load_jsonl, save_jsonl
+    from training.data import generate_dataset, join_samples, load_jsonl, save_jsonl
 
     try:
         cfg = load_config(args.config, list(args.set or []))
@@ -576,10 +580,12 @@ def main(argv: list[str] | None = None) -> dict:
     # 1. data ------------------------------------------------------------------------------
     t0 = time.monotonic()
     if args.data:
-        train = load_jsonl(args.data)
+        train = [load_jsonl(f) for f in args.data]
         if args.eval_data:
-            held = load_jsonl(args.eval_data)
+            held = [r for f in args.eval_data for r in load_jsonl(f)]
+            train = join_samples(train, held)
         else:
+            train = join_samples(train)
             rng = random.Random(args.seed)
             rng.shuffle(train)
             n_eval = min(len(train) - 1, max(1, round(len(train) * args.eval_fraction))) if len(train) > 1 else 0
@@ -640,6 +646,7 @@ def main(argv: list[str] | None = None) -> dict:
                      max_batch_tokens=args.max_batch_tokens, max_len=args.max_len, lr=args.lr,
                      warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
                      grad_clip=args.grad_clip, ttt_steps=args.ttt_steps, step_decay=args.step_decay,
+                     feature_weight=args.feature_weight, token_weight=args.token_weight,
                      hard_targets=args.hard_targets, seed=args.seed, save_every=args.save_every,
                      time_budget_s=args.train_time_budget)
     head = init_head(make_spec(tarch, args.arch, vocab), target, vocab, seed=args.seed,

@@ -255,14 +255,30 @@ def test_generate_dataset_with_engine(wide_vocab_target, tokenizer):
         assert tokenizer.decode(r["input_ids"][:P]).endswith("<|im_start|>assistant\n")
 
 
+def test_join_samples_drops_repeats_and_held_out_prompts():
+    from training.data import join_samples
+
+    def row(prompt, response):
+        return {"input_ids": prompt + response, "loss_mask": [0] * len(prompt) + [1] * len(response),
+                "prompt_len": len(prompt)}
+    a = [row([1, 2], [3]), row([4], [5, 6])]
+    b = [row([1, 2], [3]), row([7], [8]), row([9, 9], [1])]  # a repeat, a new one, a held-out prompt
+    held = [row([9, 9], [2])]
+    joined = join_samples([a, b], held)
+    assert [r["input_ids"] for r in joined] == [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert len(join_samples([a, b])) == 4
+
+
 # ---- the CLI end to end, and resume -------------------------------------------------------------
 def test_cli_train_export_eval(tiny_llama_dir, synthetic, tmp_path):
     from training.data import save_jsonl
     from training.train import main
-    save_jsonl(synthetic, tmp_path / "data.jsonl")
+    half = len(synthetic) // 2  # two files, as two generators write them
+    save_jsonl(synthetic[:half], tmp_path / "a.jsonl")
+    save_jsonl(synthetic[half:], tmp_path / "b.jsonl")
     out = tmp_path / "head"
     report = main(["--target", tiny_llama_dir, "--arch", "eagle3", "--out", str(out),
-                   "--data", str(tmp_path / "data.jsonl"), "--draft-vocab", "64", "--epochs", "3",
+                   "--data", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--draft-vocab", "64", "--epochs", "3",
                    "--batch-size", "8", "--lr", "1e-2", "--ttt-steps", "3", "--device", "cpu",
                    "--set", "model.dtype=float32", "--set", "kv_cache.num_slots=4096",
                    "--eval-samples", "4", "--eval-max-tokens", "12"])
@@ -276,6 +292,7 @@ def test_cli_train_export_eval(tiny_llama_dir, synthetic, tmp_path):
         if name != "no_spec":
             assert row["mean_accept_length"] >= 1.0
     assert report["train"]["steps"] > 0
+    assert report["data"]["train"] + report["data"]["eval"] == len({tuple(r["input_ids"]) for r in synthetic})
 
 
 def test_resume_continues_bit_exactly(tiny_target, synthetic, tmp_path):
