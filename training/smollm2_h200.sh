@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M-Instruct head, as trained on H200s (training/README.md): data generated
-# with the engine on every GPU at once (one seed each), then two EAGLE-1 heads on the
-# joined data: the shipped recipe (3 unrolled steps, token loss weight 0.1) and its
-# comparison (token loss weight 0.5). With two GPUs each head has one; with one GPU they
-# share it. Each is measured with the engine on the held-out split and on the MT-bench
-# first turns. EAGLE-3 lost to EAGLE-1 in sessions 3 and 4 (docs/benchmarks.md);
+# The SmolLM2-135M-Instruct head, as trained on two H200s in session 6 (training/README.md):
+# data generated with the engine on every GPU at once (one seed each), then two EAGLE-1
+# heads on the joined data, unrolled 3 steps: the shipped recipe (token loss weight 0.5,
+# the trainer's default) in OUT/eagle1, and the EAGLE paper's weight 0.1 in
+# OUT/eagle1-tw01 for comparison. With two GPUs each head has one; with one GPU they share
+# it. Each is measured with the engine on the held-out split and on the MT-bench first
+# turns. EAGLE-3 lost to EAGLE-1 in sessions 3 and 4 (docs/benchmarks.md);
 # `--arch eagle3 --draft-vocab 4096` in place of the comparison's flags repeats that.
 #   usage: bash training/smollm2_h200.sh [OUT=runs/smollm2] [GEN_S=300] [TRAIN_S=960] [--set K=V ...]
 set -euo pipefail
@@ -38,8 +39,8 @@ train=(--data "${parts[@]}" --eval-data "$out/data0/data/eval.jsonl" --arch eagl
 pids=()
 CUDA_VISIBLE_DEVICES=0 python -m training.train "${engine[@]}" "${train[@]}" --out "$out/eagle1" \
   > "$out/eagle1.log" 2>&1 & pids+=($!)
-CUDA_VISIBLE_DEVICES=$((ngpu - 1)) python -m training.train "${engine[@]}" "${train[@]}" --token-weight 0.5 \
-  --out "$out/eagle1-tw05" > "$out/eagle1-tw05.log" 2>&1 & pids+=($!)
+CUDA_VISIBLE_DEVICES=$((ngpu - 1)) python -m training.train "${engine[@]}" "${train[@]}" --token-weight 0.1 \
+  --out "$out/eagle1-tw01" > "$out/eagle1-tw01.log" 2>&1 & pids+=($!)
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 echo "done (status $status)"
