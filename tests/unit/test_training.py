@@ -272,12 +272,12 @@ def test_join_samples_drops_repeats_and_held_out_prompts():
 # ---- the CLI end to end, and resume -------------------------------------------------------------
 def test_cli_train_export_eval(tiny_llama_dir, synthetic, tmp_path):
     from training.data import save_jsonl
-    from training.train import main
+    from serve_app.cli import main  # `kestrel train-draft ...`, options straight after the subcommand
     half = len(synthetic) // 2  # two files, as two generators write them
     save_jsonl(synthetic[:half], tmp_path / "a.jsonl")
     save_jsonl(synthetic[half:], tmp_path / "b.jsonl")
     out = tmp_path / "head"
-    report = main(["--target", tiny_llama_dir, "--arch", "eagle3", "--out", str(out),
+    report = main(["train-draft", "--target", tiny_llama_dir, "--arch", "eagle3", "--out", str(out),
                    "--data", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--draft-vocab", "64", "--epochs", "3",
                    "--batch-size", "8", "--lr", "1e-2", "--ttt-steps", "3", "--device", "cpu",
                    "--set", "model.dtype=float32", "--set", "kv_cache.num_slots=4096",
