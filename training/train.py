@@ -522,8 +522,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-clip", type=float, default=0.5)
     t.add_argument("--ttt-steps", type=int, default=None, help="unrolled steps (default 7 eagle3, 3 eagle)")
     t.add_argument("--step-decay", type=float, default=0.8)
-    t.add_argument("--feature-weight", type=float, default=1.0, help="EAGLE-1/2: weight of the feature regression")
-    t.add_argument("--token-weight", type=float, default=0.5, help="EAGLE-1/2: weight of the token loss")
+    t.add_argument("--feature-weight", type=float, default=TrainConfig.feature_weight,
+                   help="EAGLE-1/2: weight of the feature regression")
+    t.add_argument("--token-weight", type=float, default=TrainConfig.token_weight,
+                   help="EAGLE-1/2: weight of the token loss")
     t.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
     t.add_argument("--hard-targets", action="store_true", help="match the target's argmax, not its distribution")
     t.add_argument("--lm-head-init", choices=["random", "target"], default="random",
@@ -581,12 +583,12 @@ def main(argv: list[str] | None = None) -> dict:
     # 1. data ------------------------------------------------------------------------------
     t0 = time.monotonic()
     if args.data:
-        train = [load_jsonl(f) for f in args.data]
+        parts = [load_jsonl(f) for f in args.data]
         if args.eval_data:
             held = [r for f in args.eval_data for r in load_jsonl(f)]
-            train = join_samples(train, held)
+            train = join_samples(parts, held)
         else:
-            train = join_samples(train)
+            train = join_samples(parts)
             rng = random.Random(args.seed)
             rng.shuffle(train)
             n_eval = min(len(train) - 1, max(1, round(len(train) * args.eval_fraction))) if len(train) > 1 else 0
