@@ -9,6 +9,7 @@ indices.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -108,6 +109,25 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start:start + slots.numel()] = slots.to(self.req_to_token.device)
+
+    def write_many(self, writes: list[tuple[int, int, np.ndarray]]) -> None:
+        """Several (row, first position, slots) writes, in order, as one host-to-device
+        copy and one scatter: at batch 64 a step grows about a dozen rows, and one small
+        copy and store each cost more than the whole batch at once."""
+        if len(writes) == 1:
+            row, start, slots = writes[0]
+            self.write(row, start, torch.from_numpy(np.ascontiguousarray(slots)))
+            return
+        rows = np.concatenate([np.full(len(s), r, dtype=np.int64) for r, _, s in writes])
+        pos = np.concatenate([np.arange(p, p + len(s), dtype=np.int64) for _, p, s in writes])
+        flat = rows * self.req_to_token.shape[1] + pos
+        if len(np.unique(flat)) != len(flat):  # a later write must win: keep the order
+            for row, start, slots in writes:
+                self.write(row, start, torch.from_numpy(np.ascontiguousarray(slots)))
+            return
+        vals = np.concatenate([s for _, _, s in writes]).astype(np.int64, copy=False)
+        packed = torch.from_numpy(np.stack([flat, vals])).to(self.req_to_token.device)  # [2, n] int64
+        self.req_to_token.view(-1)[packed[0]] = packed[1]
 
 
 class TokenToKVPool:

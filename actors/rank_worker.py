@@ -156,8 +156,8 @@ class RankWorker:
     # ---- step execution -------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        for row, start, slots in plan.kv_writes:
-            self.req_to_token.write(row, start, slots)
+        if plan.kv_writes:
+            self.req_to_token.write_many(plan.kv_writes)
         if plan.mode == "idle" or not plan.rows:
             return StepOutput(plan.step_id, [[] for _ in plan.rows])
         t0 = time.perf_counter()

@@ -1,14 +1,15 @@
 """What the scheduler sends a rank worker for one step, and what comes back.
 
-Plain data (lists and CPU tensors) so it crosses a Ray call cheaply. Lengths the
-worker needs for decode come from its own future map, not from the plan: with overlap
-the scheduler learns them one step late.
+Plain data (lists and numpy arrays) so it crosses the step channel cheaply: pickling a
+plan holding torch tensors took 0.85 ms each way on the 2-core CPU, the same plan with
+numpy arrays 0.05 ms. Lengths the worker needs for decode come from its own future map,
+not from the plan: with overlap the scheduler learns them one step late.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 
 @dataclass
@@ -16,12 +17,12 @@ class StepPlan:
     step_id: int
     mode: str  # "extend" | "decode" | "idle"
     rows: list[int]  # req_to_token rows, one per request
-    # New KV slots to record: (row, first position, slots [n] int64).
-    kv_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    # New KV slots to record: (row, first position, slots [n] int64), in order.
+    kv_writes: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
     temperature: list[float] = field(default_factory=list)
     top_p: list[float] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
-    coins: torch.Tensor | None = None  # [B, C] float32 uniforms from each request's seeded generator
+    coins: np.ndarray | None = None  # [B, C] float32 uniforms from each request's seeded generator
     # extend only
     input_ids: list[int] = field(default_factory=list)  # chunk tokens, requests concatenated
     prefix_lens: list[int] = field(default_factory=list)  # tokens already in KV before the chunk

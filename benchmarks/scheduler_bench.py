@@ -63,7 +63,7 @@ class SyntheticWorker:
                        plan.next_ids, len(plan.input_ids))).encode())
         for row, start, slots in plan.kv_writes:
             d.update(repr((row, start, slots.tolist())).encode())
-        d.update(plan.coins.numpy().tobytes())
+        d.update(plan.coins.tobytes())
         if plan.mode == "extend":
             tokens = [[self._token()] if last else [] for last in plan.last_chunk]
         else:

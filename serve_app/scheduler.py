@@ -168,7 +168,8 @@ class Scheduler:
         if plan is None and self.waiting:
             plan = self._schedule_extend()  # decode preempted everyone: prefill them again
         if plan is not None:
-            plan.kv_writes, self._kv_writes = self._kv_writes, []
+            plan.kv_writes = [(row, start, slots.numpy()) for row, start, slots in self._kv_writes]
+            self._kv_writes = []
         return plan
 
     def _admit(self, req: Request) -> bool:
@@ -306,12 +307,12 @@ class Scheduler:
         plan.top_p += [p.top_p for p in params]
         plan.top_k += [p.top_k for p in params]
 
-    def _coins(self, reqs: list[Request]) -> torch.Tensor:
+    def _coins(self, reqs: list[Request]) -> np.ndarray:
         coins = np.zeros((len(reqs), self.coins_per_request), dtype=np.float32)  # [B, C]
         for i, req in enumerate(reqs):
             if req.coin_stream is not None:
                 coins[i] = req.coin_stream.next()
-        return torch.from_numpy(coins)
+        return coins
 
     # ---- results ---------------------------------------------------------------------------
     def process_output(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:

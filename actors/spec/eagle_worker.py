@@ -376,7 +376,7 @@ class EagleWorker:
             probs = process_logits(logits[idx].reshape(len(hot) * N, -1),
                                    rep(plan.temperature, torch.float32), rep(plan.top_p, torch.float32),
                                    rep(plan.top_k, torch.int64)).view(len(hot), N, -1)
-            coins = plan.coins.to(dev)[idx]  # [b, N+1]: N node coins, then the final coin
+            coins = torch.from_numpy(plan.coins).to(dev)[idx]  # [b, N+1]: N node coins, then the final coin
             ai, al, pr = tree_sampling_verify(tree.tokens[idx], probs, tree.first_child[idx],
                                               tree.next_sibling[idx], S, coins[:, :N], coins[:, N])
             accept_index[idx], accept_length[idx], predict[idx] = ai, al, pr

@@ -47,3 +47,22 @@ def test_accepted_kv_moves_when_the_tree_has_fewer_nodes_than_depths():
         assert torch.equal(pool.k[layer][5], before[layer][6])  # depth 1 <- node 2
         assert torch.equal(pool.k[layer][6], before[layer][5])  # depth 2 <- node 1
         assert torch.equal(pool.k[layer][4], before[layer][4])
+
+
+def test_req_to_token_write_many_equals_writes_in_order():
+    """One batched scatter for a step's row growths; overlapping writes keep their order."""
+    import numpy as np
+
+    from actors.kv_cache import ReqToTokenPool
+    rng = np.random.default_rng(0)
+    for overlapping in (False, True):
+        writes = [(1, 0, rng.integers(1, 100, 5)), (3, 16, rng.integers(1, 100, 16)),
+                  (2, 7, rng.integers(1, 100, 1))]
+        if overlapping:
+            writes.append((3, 20, rng.integers(100, 200, 4)))  # rewrites part of row 3
+        one, many = ReqToTokenPool(4, 40, "cpu"), ReqToTokenPool(4, 40, "cpu")
+        for row, start, slots in writes:
+            one.write(row, start, torch.from_numpy(slots))
+        many.write_many(writes)
+        assert torch.equal(one.req_to_token, many.req_to_token), overlapping
+        assert int(many.req_to_token[3, 20]) == int(writes[-1][2][0])
