@@ -1,9 +1,10 @@
 """RankActor: a RankWorker as a Ray actor (one per GPU / DP rank of an Engine replica).
 
-A thin wrapper: the Engine deployment creates one per bundle of its placement group and
-sends it step plans. The actor stays single-threaded on purpose: Ray then runs one
-caller's calls in submission order, which the Engine's step pipelining relies on (at
-most two plans are in flight, so a health-check `ping` waits behind two steps at most).
+A thin wrapper: the Engine deployment creates one per bundle of its placement group.
+Steps do not travel as Ray calls: the actor serves them on its step channel
+(actors/step_channel.py), a socket the engine connects to with the address and token
+`info()` returns. Ray calls (`info`, `ping`) run on the actor's own thread, beside the
+channel's, so a health check is answered even while a long step runs.
 """
 from __future__ import annotations
 
@@ -11,28 +12,35 @@ import logging
 from typing import Any
 
 import ray
+import torch
 
 from actors.rank_worker import RankWorker
-from actors.step_plan import StepOutput, StepPlan
+from actors.step_channel import StepServer
 from configs.schema import KestrelConfig
 
 
 @ray.remote
 class RankActor:
-    def __init__(self, cfg: dict[str, Any] | KestrelConfig, rank: int):
+    def __init__(self, cfg: dict[str, Any] | KestrelConfig, rank: int, engine_ip: str | None = None):
+        """`engine_ip`: the node of the engine that will connect; on that node the
+        channel listens on loopback only."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         if not isinstance(cfg, KestrelConfig):
             cfg = KestrelConfig.model_validate(cfg)
         self.worker = RankWorker(cfg, rank)
+        ip = ray.util.get_node_ip_address()
+        host = "127.0.0.1" if engine_ip in (None, ip) else ip
+        device = self.worker.device
+        bind = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self.channel = StepServer(self.worker.execute, host, on_start=bind)
 
     def info(self) -> dict:
-        return self.worker.info()
+        host, port = self.channel.address
+        return {**self.worker.info(), "channel": {"host": host, "port": port,
+                                                  "token": self.channel.token}}
 
     def eos_token_ids(self) -> list[int]:
         return list(self.worker.arch.eos_token_ids)
-
-    def execute(self, plan: StepPlan) -> StepOutput:
-        return self.worker.execute(plan)
 
     def ping(self) -> int:
         return self.worker.rank

@@ -118,12 +118,18 @@ class AutoscalingConfig(_Strict):
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    # What carries HTTP from the port to the engine replicas (each replica serves the API
+    # itself). "haproxy": Ray Serve's HAProxy forwards connections to each replica's own
+    # HTTP server (direct ingress), no Python process in between; "serve": Serve's Python
+    # proxy relays every SSE chunk over Ray. It is a setting of the Ray cluster, read from
+    # the environment of its processes: `kestrel serve` sets it when it starts Ray, a
+    # cluster must be started with serve_app.app.ray_env(cfg) (ray_cluster.yaml does).
+    http_proxy: Literal["haproxy", "serve"] = "haproxy"
     api_keys: list[str] = Field(default_factory=list)
     queue_full_status: Literal[503, 429] = 503
     retry_after_s: int = Field(1, ge=0)
     stream_interval_ms: float = Field(0.0, ge=0)  # 0 = send every token as it comes
     engine_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
-    ingress_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
 
 
 class KestrelConfig(_Strict):

@@ -1,11 +1,14 @@
-"""Building and running the Serve application: Ingress -> EngineDeployment (-> RankActors).
+"""Building and running the Serve application: EngineDeployment (-> RankActors).
 
 - `build_app(cfg)`: the Application, with deployment options taken from the config
-  (autoscaling, the engine's placement group, request limits).
+  (autoscaling, the engine's placement group, request limits). The Engine deployment is
+  the app's HTTP ingress: each replica serves the OpenAI API itself.
 - `app_builder(args)`: the same for Serve config files (`serve run` / `serve deploy`
   with `import_path: serve_app.app:app_builder`), args = {config: preset, set: overrides}.
+- `ray_env(cfg)`: the environment the Ray cluster's processes need for
+  `serve.http_proxy` (Serve reads these when its processes start).
 - `run_server(cfg, host, port)`: what `kestrel serve` runs: start or join Ray, start
-  Serve's HTTP proxy, deploy, print the URL, block until Ctrl-C.
+  Serve's HTTP front (HAProxy or Serve's proxy), deploy, print the URL, block until Ctrl-C.
 """
 from __future__ import annotations
 
@@ -18,6 +21,25 @@ from typing import Any
 from configs.schema import AutoscalingConfig, KestrelConfig, load_config
 
 APP_NAME = "kestrel"
+
+
+def ray_env(cfg: KestrelConfig) -> dict[str, str]:
+    """Environment variables for every process of the Ray cluster (set before Ray starts).
+
+    - RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0: the replica runs our step loops and
+      handlers on its main event loop, where Serve's own request handling runs, instead
+      of handing every request and every response chunk across two event loops.
+    - with serve.http_proxy=haproxy, RAY_SERVE_ENABLE_HA_PROXY=1: HAProxy listens on
+      serve.port and forwards to each replica's own HTTP server, and a stopping replica
+      stays reachable for RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S before it
+      refuses new connections (HAProxy then retries another replica). HAProxy runs in
+      the cluster and is reconfigured within a second, so 2 s instead of 30 s (a default
+      meant for external load balancers), which would hold every scale-in that long.
+    """
+    env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    if cfg.serve.http_proxy == "haproxy":
+        env.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2")
+    return env
 
 
 def autoscaling_options(a: AutoscalingConfig) -> dict[str, Any]:
@@ -60,35 +82,30 @@ def _merge_options(base: dict[str, Any], extra: dict[str, Any] | None) -> dict[s
     return out
 
 
-def build_app(cfg: KestrelConfig, engine_options: dict[str, Any] | None = None,
-              ingress_options: dict[str, Any] | None = None):
-    """The Serve application for `cfg`. `engine_options` / `ingress_options` are extra Serve
-    deployment options (e.g. autoscaling_config={"look_back_period_s": 5}) laid over the
-    ones derived from the config."""
+def build_app(cfg: KestrelConfig, engine_options: dict[str, Any] | None = None):
+    """The Serve application for `cfg`. `engine_options` are extra Serve deployment
+    options (e.g. autoscaling_config={"look_back_period_s": 5}) laid over the ones derived
+    from the config."""
     from serve_app.engine_deployment import EngineDeployment
-    from serve_app.ingress import Ingress
 
     cfg = cfg.model_copy(deep=True)
     cfg.device = resolve_device(cfg)
     cfg_dict = cfg.model_dump(mode="json")
     sc = cfg.scheduler
     per_rank = sc.max_running_requests + sc.max_queued_requests
-    engine = EngineDeployment.options(**_merge_options(dict(
+    return EngineDeployment.options(**_merge_options(dict(
         placement_group_bundles=engine_bundles(cfg),
         placement_group_strategy="STRICT_PACK",
         autoscaling_config=autoscaling_options(cfg.serve.engine_autoscaling),
         # A replica takes everything it can run or queue (and answers QueueFull beyond);
-        # the small margin lets that answer come from the engine rather than Serve's router.
+        # the small margin lets that answer, with its OpenAI error body, come from the
+        # engine rather than from Serve.
         max_ongoing_requests=per_rank * cfg.parallel.dp_size + 8,
-        # Requests waiting in a caller's router for a replica (a burst being assigned, a
-        # replica starting); beyond this Serve raises BackPressureError -> 503/429. The
-        # router counts a burst's requests as queued while it assigns them, so this bound
-        # is loose: the engine's own queue limit is the one that normally answers.
+        # Requests waiting for a replica slot (in a router, or in a replica behind
+        # HAProxy); beyond this Serve answers 503 itself. The engine's own queue limit is
+        # the one that normally answers.
         max_queued_requests=2 * per_rank * cfg.parallel.dp_size * cfg.serve.engine_autoscaling.max_replicas,
     ), engine_options)).bind(cfg_dict)
-    return Ingress.options(**_merge_options(dict(
-        autoscaling_config=autoscaling_options(cfg.serve.ingress_autoscaling),
-    ), ingress_options)).bind(engine, cfg_dict)
 
 
 def app_builder(args: dict[str, Any]):
@@ -108,9 +125,9 @@ def app_builder(args: dict[str, Any]):
 
 def _local_num_cpus(cfg: KestrelConfig) -> int:
     """CPUs to declare for a local cluster: Ray counts logical CPUs, and a small machine
-    must still fit the ingress and a full engine placement group at max replicas."""
+    must still fit a full engine placement group at max replicas."""
     cpu_bundles = sum(b.get("CPU", 0) for b in engine_bundles(cfg))
-    need = cfg.serve.ingress_autoscaling.max_replicas + cpu_bundles * cfg.serve.engine_autoscaling.max_replicas
+    need = cpu_bundles * cfg.serve.engine_autoscaling.max_replicas
     return int(max(os.cpu_count() or 1, need + 1))
 
 
@@ -119,14 +136,18 @@ def _interrupt(signum, frame):
 
 
 def run_server(cfg: KestrelConfig, host: str | None = None, port: int | None = None) -> None:
+    host = host or cfg.serve.host
+    port = int(port or cfg.serve.port)
+    joining = bool(os.environ.get("RAY_ADDRESS"))
+    if not joining:
+        # A local cluster inherits this process's environment (Serve reads it at import).
+        os.environ.update(ray_env(cfg))
     import ray
     from ray import serve
 
-    host = host or cfg.serve.host
-    port = int(port or cfg.serve.port)
     if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()  # join the cluster RAY_ADDRESS names
+        if joining:
+            ray.init()  # join the cluster RAY_ADDRESS names (started with ray_env: ray_cluster.yaml)
         else:
             cfg_local = cfg.model_copy(deep=True)
             cfg_local.device = resolve_device(cfg_local)

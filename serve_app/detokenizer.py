@@ -161,8 +161,35 @@ class StopChecker:
         return 0
 
 
+class TextStream:
+    """One request's generated text as it grows: incremental detokenization, then the
+    stop strings. The in-process engine's scheduler and the Serve engine's request
+    streams both turn tokens into text through it."""
+
+    __slots__ = ("detok", "stopper")
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stops: Sequence[str] | None):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stopper = StopChecker(stops)
+
+    @property
+    def has_stops(self) -> bool:
+        return bool(self.stopper.stops)
+
+    def feed(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
+        """Text of new ids (a stop token left out by the caller) -> (text to emit, whether
+        a stop string ended it). `final`: generation ended; release what is held back."""
+        piece = self.detok.add(token_ids)
+        if final:
+            piece += self.detok.flush()
+        text, stopped = self.stopper.feed(piece)
+        if final and not stopped:
+            text += self.stopper.finish()
+        return text, stopped
+
+
 def detokenizer_factory(tokenizer: Any):
-    """What the Scheduler calls per request: its (IncrementalDetokenizer, StopChecker)."""
-    def make(req) -> tuple[IncrementalDetokenizer, StopChecker]:
-        return IncrementalDetokenizer(tokenizer, req.prompt_ids), StopChecker(req.params.stop)
+    """What the Scheduler calls per request: its TextStream."""
+    def make(req) -> TextStream:
+        return TextStream(tokenizer, req.prompt_ids, req.params.stop)
     return make

@@ -436,3 +436,47 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     else:
         body = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return f"data: {body}\n\n"
+
+
+class StreamChunks:
+    """The SSE chunks of one streamed response, formatted by hand.
+
+    The delta chunk is the one sent per batch of tokens, per stream: pydantic's
+    model_dump_json of a ChatCompletionChunk cost several times this string join (both
+    measured in tests/unit/test_openai_protocol.py, which also checks that the two give
+    the same JSON). The first and the usage chunk, once per response, use the models."""
+
+    def __init__(self, kind: Literal["chat", "completion"], response_id: str, model: str):
+        self.kind = kind
+        self.response_id = response_id
+        self.model = model
+        self.created = _now()
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self._head = (f'data: {{"id":{json.dumps(response_id)},"object":"{obj}",'
+                      f'"created":{self.created},"model":{json.dumps(model, ensure_ascii=False)},'
+                      '"choices":[')
+
+    def _model(self, choices: list[Any], usage: UsageInfo | None = None) -> BaseModel:
+        cls = ChatCompletionChunk if self.kind == "chat" else CompletionChunk
+        return cls(id=self.response_id, model=self.model, created=self.created,
+                   choices=choices, usage=usage)
+
+    def first(self, index: int) -> str | None:
+        """Chat opens each choice with the assistant role; completions send nothing."""
+        if self.kind != "chat":
+            return None
+        return sse_event(self._model([ChatCompletionStreamChoice(
+            index=index, delta=DeltaMessage(role="assistant", content=""))]))
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> str:
+        reason = "null" if finish_reason is None else f'"{finish_reason}"'
+        if self.kind == "chat":
+            delta = f'{{"content":{json.dumps(text, ensure_ascii=False)}}}' if text else "{}"
+            choice = f'{{"index":{index},"delta":{delta},"finish_reason":{reason},"logprobs":null}}'
+        else:
+            choice = (f'{{"index":{index},"text":{json.dumps(text, ensure_ascii=False)},'
+                      f'"finish_reason":{reason},"logprobs":null}}')
+        return f"{self._head}{choice}]}}\n\n"
+
+    def usage(self, usage: UsageInfo) -> str:
+        return sse_event(self._model([], usage))

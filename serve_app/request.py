@@ -91,8 +91,7 @@ class Request:
     arrival: float = field(default_factory=time.time)
     first_token_time: float | None = None
     coin_stream: CoinStream | None = None  # sampled requests only
-    detok: object | None = None
-    stopper: object | None = None
+    text_stream: object | None = None  # serve_app.detokenizer.TextStream, where the scheduler makes text
     # Set by the scheduler when it takes the request: the token ids that end it, the
     # output length at which it ends (max_tokens, or the model's context), and whether it
     # reports only at its end (no stream, no stop strings).

@@ -71,17 +71,23 @@ class Scheduler:
             seed = p.seed if p.seed is not None else torch.seed()
             req.coin_stream = CoinStream(seed, self.coins_per_request)
         if self.detokenizer_factory is not None:
-            req.detok, req.stopper = self.detokenizer_factory(req)
-        req.quiet = req.on_output is None and (req.stopper is None or not req.stopper.stops)
+            req.text_stream = self.detokenizer_factory(req)
+        req.quiet = req.on_output is None and (req.text_stream is None or not req.text_stream.has_stops)
         self.requests[req.rid] = req
         self.waiting.append(req)
 
     def abort(self, rid: str) -> bool:
         """Cancel a request (client gone): its KV is freed at once."""
+        return self.finish(rid, "abort")
+
+    def finish(self, rid: str, reason: str) -> bool:
+        """End a request from outside the step loop, its KV freed at once: "abort" (the
+        client went away; its stream gets a last, empty output) or "stop" (whoever turns
+        its tokens into text saw a stop string)."""
         req = self.requests.get(rid)
         if req is None or req.finished:
             return False
-        self._finish(req, "abort")
+        self._finish(req, reason)
         return True
 
     def abort_all(self) -> None:
@@ -367,17 +373,12 @@ class Scheduler:
         # Nobody reads the text before the end, and no stop string can cut it short:
         # detokenize once when the request finishes instead of at every step.
         # (The finishing output then carries the whole text.)
-        deferred = req.detok is not None and req.quiet
-        if req.detok is not None and (reason or not deferred):
+        deferred = req.text_stream is not None and req.quiet
+        if req.text_stream is not None and (reason or not deferred):
             ids = req.output_ids if deferred else new_ids
-            piece = req.detok.add(ids[:-1] if stop_token else ids)
-            if reason:
-                piece += req.detok.flush()
-            text, stopped = req.stopper.feed(piece)
+            text, stopped = req.text_stream.feed(ids[:-1] if stop_token else ids, final=bool(reason))
             if stopped:
                 reason = "stop"
-            elif reason:
-                text += req.stopper.finish()
             req.text += text
         if reason:
             self._finish(req, reason)

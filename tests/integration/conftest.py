@@ -74,12 +74,18 @@ class Server:
 def ray_cluster():
     import ray
     from ray import serve
+
+    from configs.schema import load_config
+    from serve_app.app import ray_env
     # Autoscaling metrics every second rather than every 10 s, so the autoscaling test
-    # sees decisions in seconds. Set before ray.init: every Ray process inherits them.
+    # sees decisions in seconds. Set before ray.init: every Ray process inherits them, and
+    # so the HTTP front the served config asks for (HAProxy by default), as `kestrel
+    # serve` sets it up.
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
-    # Logical CPUs: this app (ingress 1 + engine bundles 2) and the autoscaling test's
-    # second app (up to 2 more engines) fit, on a 2-core machine too.
+    os.environ.update(ray_env(load_config(overrides=SERVER_OVERRIDES)))
+    # Logical CPUs: this app (engine bundles 2) and the other tests' apps (up to 2 more
+    # engines at once) fit, on a 2-core machine too.
     ray.init(num_cpus=10, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     yield

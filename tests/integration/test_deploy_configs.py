@@ -23,6 +23,16 @@ def test_ray_cluster_yaml_is_valid_for_ray_up():
         assert t["min_workers"] <= t["max_workers"]
     assert any("pip install" in c and "kestrel" in c for c in cfg["setup_commands"])
     assert any("serve deploy configs/serve.yaml" in c for c in cfg["head_start_ray_commands"])
+    # Every node's Ray starts with the environment serve.yaml's preset needs (HAProxy).
+    from configs.schema import load_config
+    from serve_app.app import ray_env
+    serve_cfg = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())
+    args = serve_cfg["applications"][0]["args"]
+    env = ray_env(load_config(args["config"], args.get("set")))
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        start = next(c for c in cfg[key] if "ray start" in c)
+        assert all(f"{k}={v}" in start for k, v in env.items()), (key, env)
 
 
 def test_serve_yaml_is_a_valid_serve_config_and_builds():
@@ -33,7 +43,7 @@ def test_serve_yaml_is_a_valid_serve_config_and_builds():
     schema = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text()))
     (app_cfg,) = schema.applications
     assert app_cfg.import_path == "serve_app.app:app_builder"
-    assert {d.name for d in app_cfg.deployments} == {"EngineDeployment", "Ingress"}
+    assert {d.name for d in app_cfg.deployments} == {"EngineDeployment"}
     app = app_builder(app_cfg.args)
     assert isinstance(app, Application)
 
@@ -45,16 +55,15 @@ def test_build_app_deployment_options():
     cfg = load_config("default.yaml", ["device=cpu", "parallel.dp_size=2",
                                        "serve.engine_autoscaling.max_replicas=3",
                                        "serve.engine_autoscaling.target_ongoing_requests=5"])
-    ingress = build_app(cfg)._bound_deployment
-    engine = ingress.init_args[0]._bound_deployment
-    assert engine.name == "EngineDeployment" and ingress.name == "Ingress"
+    engine = build_app(cfg)._bound_deployment  # the engine is the app's HTTP ingress
+    assert engine.name == "EngineDeployment"
     assert engine._replica_config.placement_group_bundles == [{"CPU": 1.0}] * 3
     assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
     auto = engine._deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 5)
     # The config reaches the replicas as a plain dict, with 'auto' resolved.
-    assert ingress.init_args[1]["device"] == "cpu"
+    assert engine.init_args[0]["device"] == "cpu"
 
     gpu = app_builder({"config": "h200.yaml", "set": {"parallel.dp_size": 2}})
-    engine = gpu._bound_deployment.init_args[0]._bound_deployment
+    engine = gpu._bound_deployment
     assert engine._replica_config.placement_group_bundles == [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]

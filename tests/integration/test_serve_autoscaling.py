@@ -72,8 +72,7 @@ def test_engine_scales_out_under_burst_and_back_without_cutting_requests(server)
         "scheduler.max_queued_requests=16"])
     app = build_app(cfg, engine_options={"autoscaling_config": {"look_back_period_s": 2.0,
                                                                 "metrics_interval_s": 1.0},
-                                         "graceful_shutdown_timeout_s": 300},
-                    ingress_options={"ray_actor_options": {"num_cpus": 0}})
+                                         "graceful_shutdown_timeout_s": 300})
     t0 = time.monotonic()
     serve.run(app, name=APP, route_prefix="/as")
     url = server.base_url + "/as/v1/completions"

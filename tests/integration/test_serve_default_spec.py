@@ -25,7 +25,7 @@ def test_default_config_speculates_losslessly_through_serve(server, tokenizer, f
     # The default preset as shipped; only fp32 (token-for-token comparison) and a small cache.
     cfg = load_config(overrides=["device=cpu", "model.dtype=float32", "kv_cache.num_slots=4096"])
     assert cfg.draft.enabled and cfg.draft.path is None
-    serve.run(build_app(cfg, ingress_options={"ray_actor_options": {"num_cpus": 0}}),
+    serve.run(build_app(cfg),
               name=APP, route_prefix="/spec")
     try:
         questions = ["Name three primary colors.", "What is the capital of France?"]

@@ -23,7 +23,7 @@ def test_two_dp_ranks_share_the_load_and_match_the_in_process_engine(server, tok
 
     # Also exercises batching of streamed tokens on an interval.
     cfg = load_config(overrides=server.overrides + ["parallel.dp_size=2", "serve.stream_interval_ms=100"])
-    serve.run(build_app(cfg, ingress_options={"ray_actor_options": {"num_cpus": 0}}),
+    serve.run(build_app(cfg),
               name=APP, route_prefix="/dp")
     try:
         engine = serve.get_deployment_handle("EngineDeployment", app_name=APP)

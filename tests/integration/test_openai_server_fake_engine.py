@@ -1,4 +1,4 @@
-"""The ingress's HTTP behaviour with a scripted engine in place of the Serve handle: API
+"""The HTTP front end's behaviour with a scripted engine in place of the AsyncEngine: API
 keys, queue-full statuses, error mapping, mid-stream failures. In-process (ASGI), fast."""
 from __future__ import annotations
 
@@ -9,27 +9,20 @@ import httpx
 import pytest
 
 from configs.schema import load_config
-from serve_app.engine_deployment import EngineUnavailable, QueueFull, RequestRejected
-from serve_app.ingress import OpenAIServer, build_api
+from serve_app.async_engine import EngineUnavailable, QueueFull, RequestRejected
+from serve_app.openai_server import OpenAIServer, build_api
 from serve_app.request import RequestOutput
+from serve_app.request_stream import StreamFailed
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-class _Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return self.fn(*args)
-
-
 class FakeStream:
-    """Stands in for a DeploymentResponseGenerator."""
+    """Stands in for a RequestStream: yields the scripted outputs, raises scripted errors."""
 
     def __init__(self, items):
         self.items = list(items)
-        self.cancelled = False
+        self.cancelled = False  # cancelled before its outputs ran out
 
     def __aiter__(self):
         return self
@@ -40,38 +33,36 @@ class FakeStream:
             raise StopAsyncIteration
         item = self.items.pop(0)
         if isinstance(item, BaseException):
+            self.items = []
             raise item
         return item
 
     def cancel(self):
-        self.cancelled = True
+        if self.items:
+            self.cancelled = True
 
 
 class FakeEngine:
+    """Stands in for AsyncEngine. script(prompt_ids, params, rid) -> outputs and errors; an
+    error first is raised by add_request itself (the request is not admitted)."""
+
     def __init__(self, script):
-        self.script = script  # (prompt_ids, params, rid) -> list of outputs / exceptions
+        self.script = script
         self.streams: list[FakeStream] = []
-        self.generate = _Remote(self._generate)
-        self.check_health = _Remote(self._ok)
-        self.stats = _Remote(self._stats)
 
-    def options(self, **_):
-        return self
-
-    def _generate(self, ids, params, rid):
-        s = FakeStream(self.script(ids, params, rid))
+    def add_request(self, ids, params, rid):
+        items = self.script(ids, params, rid)
+        if items and isinstance(items[0], BaseException):
+            raise items[0]
+        s = FakeStream(items)
         self.streams.append(s)
         return s
 
-    async def _ok(self):
+    async def check_health(self):
         return None
 
-    async def _stats(self):
+    def stats(self):
         return {"replica": "fake", "running": 0, "waiting": 0, "kv": [{"rank": 0, "free": 10, "capacity": 10}]}
-
-
-def ack(rid, n_prompt=3):
-    return RequestOutput(rid, [], "", False, None, n_prompt, 0)
 
 
 def tokens(rid, text, n, finished=False, reason=None):
@@ -79,7 +70,7 @@ def tokens(rid, text, n, finished=False, reason=None):
 
 
 def echo_script(ids, params, rid):
-    return [ack(rid, len(ids)), tokens(rid, "Hello", 1), tokens(rid, " world", 2, True, "length")]
+    return [tokens(rid, "Hello", 1), tokens(rid, " world", 2, True, "length")]
 
 
 def make_client(script=echo_script, *overrides):
@@ -119,19 +110,18 @@ def test_api_keys(tokenizer):
 
 @pytest.mark.parametrize("status", [503, 429])
 def test_queue_full_status_and_retry_after(tokenizer, status):
-    import ray.exceptions
+    admitted = []
 
-    def full(ids, params, rid):
-        # As Serve delivers it: a RayTaskError that is also a QueueFull.
-        err = ray.exceptions.RayTaskError("generate", "Traceback: ...", QueueFull("queue is full"))
-        return [err.as_instanceof_cause()]
+    def third_is_full(ids, params, rid):
+        admitted.append(rid)
+        return [QueueFull("queue is full")] if len(admitted) == 3 else echo_script(ids, params, rid)
 
-    cfg, engine = make_client(full, f"serve.queue_full_status={status}", "serve.retry_after_s=7")
+    cfg, engine = make_client(third_is_full, f"serve.queue_full_status={status}", "serve.retry_after_s=7")
     r = call(tokenizer, cfg, engine, "POST", "/v1/completions", json={"prompt": "x", "n": 3})
     assert r.status_code == status
     assert r.headers["retry-after"] == "7"
     assert r.json()["error"]["type"] in ("overloaded_error", "rate_limit_error")
-    assert all(s.cancelled for s in engine.streams)  # the other choices were withdrawn
+    assert len(engine.streams) == 2 and all(s.cancelled for s in engine.streams)  # withdrawn
 
 
 def test_engine_rejection_is_400_and_unavailable_is_503(tokenizer):
@@ -148,7 +138,7 @@ def test_engine_rejection_is_400_and_unavailable_is_503(tokenizer):
 
 def test_mid_stream_failure_is_reported_in_band(tokenizer):
     def dies(ids, params, rid):
-        return [ack(rid), tokens(rid, "Hel", 1), EngineUnavailable("engine rank 0 failed")]
+        return [tokens(rid, "Hel", 1), StreamFailed("engine rank 0 failed")]
 
     cfg, engine = make_client(dies)
     r = call(tokenizer, cfg, engine, "POST", "/v1/chat/completions", json={**CHAT, "stream": True})

@@ -1,10 +1,11 @@
-"""The OpenAI-compatible HTTP front end: FastAPI under @serve.ingress.
+"""The OpenAI-compatible HTTP front end, served by every Engine replica itself.
 
 `OpenAIServer` holds the logic (validate, tokenize, chat template, fan out `n`, stream
-SSE, map errors to OpenAI bodies) and talks to the Engine through a DeploymentHandle;
-`build_api` puts it behind FastAPI routes; `Ingress` is the Serve deployment around
-both. Every error a client can cause becomes a 4xx with an OpenAI error body, and no
-request, however malformed, can take the server down.
+SSE, map errors to OpenAI bodies) and calls the replica's AsyncEngine in the same
+process and event loop: a request's tokens reach its HTTP response without another Ray
+hop. `build_api` puts it behind FastAPI routes. Every error a client can cause becomes a
+4xx with an OpenAI error body, and no request, however malformed, can take the server
+down.
 """
 from __future__ import annotations
 
@@ -18,26 +19,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from configs.schema import KestrelConfig
-from serve_app.engine_deployment import EngineError, EngineUnavailable, QueueFull, RequestRejected
+from serve_app.async_engine import EngineError, EngineUnavailable, QueueFull, RequestRejected
 from serve_app.errors import KestrelAPIError, error_body, validation_error_body
 from serve_app.metrics import RequestTracker, ServerMetrics
-from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionChunk,
-                                       ChatCompletionMessage, ChatCompletionRequest,
-                                       ChatCompletionResponse, ChatCompletionStreamChoice,
-                                       CompletionChoice, CompletionChunk, CompletionRequest,
-                                       CompletionResponse, CompletionStreamChoice, DeltaMessage,
-                                       ModelCard, ModelList, UsageInfo, make_id, sse_event)
+from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionMessage,
+                                       ChatCompletionRequest, ChatCompletionResponse,
+                                       CompletionChoice, CompletionRequest, CompletionResponse,
+                                       ModelCard, ModelList, StreamChunks, UsageInfo, make_id,
+                                       sse_event)
 from serve_app.request import RequestOutput
+from serve_app.request_stream import StreamFailed
 
-log = logging.getLogger("kestrel.ingress")
+log = logging.getLogger("kestrel.http")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # larger bodies get 413 before being parsed
 HEALTH_TIMEOUT_S = 10.0
-STATS_TIMEOUT_S = 2.0
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _END = object()
@@ -72,7 +71,7 @@ class _Choice:
 class OpenAIServer:
     def __init__(self, cfg: KestrelConfig, engine: Any, tokenizer: Any):
         self.cfg = cfg
-        self.engine = engine  # DeploymentHandle of EngineDeployment (or a test double)
+        self.engine = engine  # the replica's AsyncEngine (or a test double)
         self.tokenizer = tokenizer
         self.model_name = cfg.model.name
         self.max_model_len = cfg.model.max_model_len
@@ -146,81 +145,74 @@ class OpenAIServer:
 
     def api_error(self, exc: BaseException) -> KestrelAPIError:
         """Any failure on the way to the engine as the error a client should see."""
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
         if isinstance(exc, KestrelAPIError):
             return exc
-        cause = getattr(exc, "cause", None) or exc  # Serve wraps replica errors in RayTaskError
-        if isinstance(cause, QueueFull) or isinstance(exc, BackPressureError):
+        if isinstance(exc, QueueFull):
             return KestrelAPIError.overloaded(self.cfg.serve.queue_full_status,
                                               self.cfg.serve.retry_after_s)
-        if isinstance(cause, RequestRejected):
-            return KestrelAPIError.bad_request(cause.message)
-        if isinstance(cause, EngineUnavailable) or isinstance(exc, DeploymentUnavailableError):
-            return KestrelAPIError(503, getattr(cause, "message", None) or "The engine is unavailable",
+        if isinstance(exc, RequestRejected):
+            return KestrelAPIError.bad_request(exc.message)
+        if isinstance(exc, (EngineUnavailable, StreamFailed)):
+            return KestrelAPIError(503, str(getattr(exc, "message", exc)) or "The engine is unavailable",
                                    headers={"Retry-After": str(self.cfg.serve.retry_after_s)})
-        if isinstance(cause, EngineError):
-            return KestrelAPIError.internal(cause.message)
+        if isinstance(exc, EngineError):
+            return KestrelAPIError.internal(exc.message)
         log.error("request failed: %r", exc, exc_info=exc)
         return KestrelAPIError.internal()
 
     # ---- talking to the engine ---------------------------------------------------------
-    async def start(self, choices: list[_Choice]) -> list[Any]:
-        """Submit every choice and wait for the engine's acknowledgements, so admission
-        errors (queue full, bad params) are answered with a status, not mid-stream."""
-        gens: list[Any] = []
+    def start(self, choices: list[_Choice]) -> list[Any]:
+        """Admit every choice, so admission errors (queue full, bad params) are answered
+        with a status, not mid-stream; on an error the ones admitted are cancelled."""
+        streams: list[Any] = []
         try:
-            handle = self.engine.options(stream=True)
             for c in choices:
-                gens.append(handle.generate.remote(c.prompt_ids, c.params, c.rid))
-            acks = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
-        except BaseException as e:
-            for g in gens:
-                g.cancel()
-            if isinstance(e, Exception):  # e.g. BackPressureError raised by the router
-                raise self.api_error(e) from None
-            raise
-        err = next((a for a in acks if isinstance(a, BaseException)), None)
-        if err is not None:
-            for g in gens:
-                g.cancel()
-            raise self.api_error(err)
-        return gens
+                streams.append(self.engine.add_request(c.prompt_ids, c.params, c.rid))
+        except Exception as e:
+            for st in streams:
+                st.cancel()
+            raise self.api_error(e) from None
+        return streams
 
-    async def outputs(self, gens: list[Any]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(position in gens, output) from all streams as they arrive. Leaving early (client
-        gone, error) cancels the unfinished streams, which aborts them in the engine."""
-        finished = [False] * len(gens)
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, gen: Any) -> None:
-            try:
-                async for out in gen:
-                    await queue.put((i, out))
-                await queue.put((i, _END))
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                await queue.put((i, e))
-                if isinstance(e, asyncio.CancelledError):
-                    raise
-
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    async def outputs(self, streams: list[Any]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(position in streams, output) from all streams as they arrive. Leaving early
+        (client gone, error) cancels the unfinished streams, which aborts them."""
         try:
-            remaining = len(gens)
-            while remaining:
-                i, item = await queue.get()
-                if item is _END:
-                    finished[i] = True
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    finished[i] = True
-                    raise self.api_error(item)
-                else:
-                    yield i, item
+            if len(streams) == 1:  # the common case, without a task per stream
+                async for out in streams[0]:
+                    yield 0, out
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, stream: Any) -> None:
+                try:
+                    async for out in stream:
+                        queue.put_nowait((i, out))
+                    queue.put_nowait((i, _END))
+                except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                    queue.put_nowait((i, e))
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+
+            tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+            try:
+                remaining = len(streams)
+                while remaining:
+                    i, item = await queue.get()
+                    if item is _END:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield i, item
+            finally:
+                for t in tasks:
+                    t.cancel()
+        except (EngineError, StreamFailed) as e:
+            raise self.api_error(e) from None
         finally:
-            for t in tasks:
-                t.cancel()
-            for g, done in zip(gens, finished):
-                if not done:
-                    g.cancel()
+            for st in streams:
+                st.cancel()  # a no-op for the finished ones
 
     # ---- endpoints --------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -236,11 +228,13 @@ class OpenAIServer:
         self.check_prompt(ids, "messages")
         request_id = make_id("chatcmpl")
         choices = self.make_choices(body, [ids], request_id)
-        gens = await self.start(choices)
+        streams = self.start(choices)
         usage_prompt = len(ids)
         if body.stream:
-            return self.sse(self.chat_stream(body, request_id, choices, gens, usage_prompt))
-        await self.collect(choices, gens)
+            chunks = StreamChunks("chat", request_id, self.model_name)
+            return self.sse(self.stream(chunks, choices, streams, usage_prompt,
+                                        body.include_usage_in_stream))
+        await self.collect(choices, streams)
         return JSONResponse(ChatCompletionResponse(
             id=request_id, model=self.model_name,
             choices=[ChatCompletionChoice(index=c.index, message=ChatCompletionMessage(content="".join(c.text)),
@@ -257,71 +251,49 @@ class OpenAIServer:
             prompts.append(ids)
         request_id = make_id("cmpl")
         choices = self.make_choices(body, prompts, request_id)
-        gens = await self.start(choices)
+        streams = self.start(choices)
         usage_prompt = sum(len(p) for p in prompts)
         if body.stream:
-            return self.sse(self.completion_stream(body, request_id, choices, gens, usage_prompt))
-        await self.collect(choices, gens)
+            chunks = StreamChunks("completion", request_id, self.model_name)
+            return self.sse(self.stream(chunks, choices, streams, usage_prompt,
+                                        body.include_usage_in_stream))
+        await self.collect(choices, streams)
         return JSONResponse(CompletionResponse(
             id=request_id, model=self.model_name,
             choices=[CompletionChoice(index=c.index, text="".join(c.text), finish_reason=c.finish_reason)
                      for c in choices],
             usage=UsageInfo.of(usage_prompt, sum(c.tokens for c in choices))).model_dump())
 
-    async def collect(self, choices: list[_Choice], gens: list[Any]) -> None:
-        async for i, out in self.outputs(gens):
+    async def collect(self, choices: list[_Choice], streams: list[Any]) -> None:
+        async for i, out in self.outputs(streams):
             choices[i].add(out)
 
     @staticmethod
     def sse(events: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    async def _stream(self, choices: list[_Choice], gens: list[Any], usage_prompt: int,
-                      include_usage: bool, first, delta, usage_chunk) -> AsyncIterator[str]:
-        """Shared SSE loop; `first(c)`, `delta(c, out)`, `usage_chunk(usage)` make chunks."""
+    async def stream(self, chunks: StreamChunks, choices: list[_Choice], streams: list[Any],
+                     usage_prompt: int, include_usage: bool) -> AsyncIterator[str]:
+        """The SSE body: a chunk per batch of text each choice's stream hands over."""
         try:
             for c in choices:
-                chunk = first(c)
-                if chunk is not None:
-                    yield chunk.to_sse()
-            async for i, out in self.outputs(gens):
+                first = chunks.first(c.index)
+                if first is not None:
+                    yield first
+            async for i, out in self.outputs(streams):
                 c = choices[i]
                 c.add(out)
                 if out.new_text or out.finished:
-                    yield delta(c, out).to_sse()
+                    yield chunks.delta(c.index, out.new_text, out.finish_reason if out.finished else None)
             if include_usage:
-                yield usage_chunk(UsageInfo.of(usage_prompt, sum(c.tokens for c in choices))).to_sse()
+                yield chunks.usage(UsageInfo.of(usage_prompt, sum(c.tokens for c in choices)))
             yield SSE_DONE
         except KestrelAPIError as e:  # the status line is gone: report in-band, as OpenAI does
             yield sse_event(e.body())
             yield SSE_DONE
-
-    def chat_stream(self, body, request_id, choices, gens, usage_prompt) -> AsyncIterator[str]:
-        def chunk(choice_list, usage=None):
-            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choice_list,
-                                       usage=usage)
-
-        return self._stream(
-            choices, gens, usage_prompt, body.include_usage_in_stream,
-            first=lambda c: chunk([ChatCompletionStreamChoice(
-                index=c.index, delta=DeltaMessage(role="assistant", content=""))]),
-            delta=lambda c, out: chunk([ChatCompletionStreamChoice(
-                index=c.index, delta=DeltaMessage(content=out.new_text or None),
-                finish_reason=out.finish_reason if out.finished else None)]),
-            usage_chunk=lambda usage: chunk([], usage))
-
-    def completion_stream(self, body, request_id, choices, gens, usage_prompt) -> AsyncIterator[str]:
-        def chunk(choice_list, usage=None):
-            return CompletionChunk(id=request_id, model=self.model_name, choices=choice_list,
-                                   usage=usage)
-
-        return self._stream(
-            choices, gens, usage_prompt, body.include_usage_in_stream,
-            first=lambda c: None,
-            delta=lambda c, out: chunk([CompletionStreamChoice(
-                index=c.index, text=out.new_text,
-                finish_reason=out.finish_reason if out.finished else None)]),
-            usage_chunk=lambda usage: chunk([], usage))
+        finally:
+            for st in streams:  # a client that hung up: abort now, not when this is collected
+                st.cancel()
 
     def models(self, request: Request) -> Response:
         self.check_auth(request)
@@ -330,7 +302,7 @@ class OpenAIServer:
 
     async def health(self) -> Response:
         try:
-            await asyncio.wait_for(self.engine.check_health.remote(), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(self.engine.check_health(), HEALTH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
             log.warning("health check failed: %r", e)
             return JSONResponse(error_body(503, "The engine is not healthy"), status_code=503)
@@ -338,10 +310,9 @@ class OpenAIServer:
 
     async def metrics_text(self) -> Response:
         try:
-            stats = await asyncio.wait_for(self.engine.stats.remote(), STATS_TIMEOUT_S)
-            self.metrics.update_engine(stats)
+            self.metrics.update_engine(self.engine.stats())
         except Exception as e:  # noqa: BLE001 - still serve the request metrics
-            log.warning("could not fetch engine stats: %r", e)
+            log.warning("could not read engine stats: %r", e)
         data, content_type = self.metrics.render()
         return Response(data, media_type=content_type)
 
@@ -416,21 +387,3 @@ def build_api(server: OpenAIServer) -> FastAPI:
         return await server.metrics_text()
 
     return app
-
-
-@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=1024)
-@serve.ingress()
-class Ingress:
-    """Serve deployment wrapping OpenAIServer; `engine` is the EngineDeployment handle."""
-
-    def __init__(self, engine, cfg: dict[str, Any]):
-        from actors.models.loader import default_model_path
-        from serve_app.tokenizer import load_tokenizer
-        logging.basicConfig(level=logging.INFO)
-        cfg_obj = KestrelConfig.model_validate(cfg)
-        tok = load_tokenizer(cfg_obj.model.path or default_model_path())
-        self.server = OpenAIServer(cfg_obj, engine, tok)
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.server)
-

@@ -1,0 +1,58 @@
+"""The step channel, Engine side: one asyncio connection to one RankActor.
+
+`send(plan)` writes the plan at once, without waiting (the actor runs plans in the order
+they arrive, so the step loop keeps the next one queued behind the running one);
+`recv()` returns the oldest unanswered plan's StepOutput. A closed connection (the actor
+died) or a failed step raises RankFailed with what the actor said.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from actors.step_channel import ERROR, HEADER, HELLO, OK, decode, encode
+from actors.step_plan import StepOutput, StepPlan
+
+
+class RankFailed(RuntimeError):
+    """The rank's actor died, closed its channel, or raised while running a step."""
+
+
+class RankChannel:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rank: int):
+        self.reader = reader
+        self.writer = writer
+        self.rank = rank
+
+    @classmethod
+    async def connect(cls, host: str, port: int, token: str, rank: int) -> "RankChannel":
+        reader, writer = await asyncio.open_connection(host, port)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        channel = cls(reader, writer, rank)
+        writer.write(encode(HELLO, token))
+        await channel.recv()  # the actor's OK: the token matched
+        return channel
+
+    def send(self, plan: StepPlan) -> None:
+        if self.writer.is_closing():
+            raise RankFailed(f"the step channel of rank {self.rank} is closed")
+        self.writer.write(encode(OK, plan))
+
+    async def recv(self) -> StepOutput:
+        try:
+            header = await self.reader.readexactly(HEADER.size)
+            (n,) = HEADER.unpack(header)
+            kind, payload = decode(await self.reader.readexactly(n))
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise RankFailed(f"the actor of rank {self.rank} closed its step channel "
+                             f"(it died or was killed): {type(e).__name__}") from None
+        if kind == ERROR:
+            raise RankFailed(f"rank {self.rank} failed a step: {payload}")
+        if kind != OK:
+            raise RankFailed(f"rank {self.rank} sent an unknown frame {kind!r}")
+        return payload
+
+    def close(self) -> None:
+        self.writer.close()
