@@ -1,13 +1,25 @@
-"""HTTP load benchmark: `kestrel serve` against the in-process engine, same prompts.
+"""HTTP load benchmark: Kestrel over HTTP beside the same engine in-process, same prompts.
 
-    python -m benchmarks.http_bench [--concurrency 1 4 16] [--max-tokens 64]
-        [--set KEY=VALUE ...] [--url http://127.0.0.1:8000]
+    python -m benchmarks.http_bench [--config configs/h200.yaml] [--set KEY=VALUE ...]
+        [--concurrency 1 8 32 64] [--max-tokens 256] [--c1-prompts 10] [--out DIR]
+    python -m benchmarks.http_bench --url http://127.0.0.1:8011 --name vllm   # any server
+    python -m benchmarks.http_bench --tiny-model --concurrency 1 4 16 64 256  # CPU, control plane
 
-Starts `kestrel serve` on a free port (unless --url points at a running server), sends
-MT-bench first turns as streamed greedy chat requests at each concurrency level, and
-reports TTFT, inter-token latency, end-to-end latency and tokens/s. Then runs the same
-prompts through the in-process LLMEngine at batch = concurrency, so the table shows
-what the Ray/Serve/HTTP path costs per token.
+Starts `kestrel serve` with the config on a free port (unless --url names a running
+OpenAI-compatible server) and sends MT-bench first turns as streamed chat completions
+(greedy, ignore_eos, stream_options.include_usage): concurrency 1 runs the first
+--c1-prompts prompts one after another, concurrency c the first c at once. Per level it
+reports tokens/s, TTFT p50/p99, TPOT (time per output token after the first) and the gap
+between streamed chunks (p50/p99), and for Kestrel the server's side read from /metrics:
+its own TTFT (from admission), engine steps per second and the per-step phases
+(schedule and process on the engine loop, the worker's execute and recv, and `wait`: the
+worker idle before a step that was already queued, the GPU waiting on the control plane).
+Then, with the server stopped, the same prompts at batch = concurrency through the
+in-process LLMEngine with the same settings, and the ratio HTTP / in-process.
+
+--tiny-model serves a random 1-layer model with SmolLM2's tokenizer on the CPU: the
+engine's own work is then small, and what is left is the control plane's cost.
+The client is aiohttp (what Ray ships); JSON under --out, a markdown table last.
 """
 from __future__ import annotations
 
@@ -15,17 +27,23 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.offline import DATA, load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
+MODEL = "SmolLM2-135M-Instruct"
+TINY = ["device=cpu", "cpu_threads=1", "model.dtype=float32", "draft.enabled=false", "kv_cache.num_slots=65536",
+        "kv_cache.prefix_caching=false", "scheduler.max_running_requests=256",
+        "scheduler.max_queued_requests=512", "model.max_model_len=1024"]
 
 
 def _free_port() -> int:
@@ -34,127 +52,273 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(overrides: list[str]) -> tuple[subprocess.Popen, str]:
+def make_tiny_model(folder: str) -> str:
+    """A random 1-layer Llama (hidden 32) with SmolLM2's vocabulary and tokenizer."""
+    import torch
+    import transformers
+
+    from actors.models.loader import default_model_path
+    from serve_app.tokenizer import load_tokenizer
+    tok = load_tokenizer(default_model_path())
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                   head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+# ---- the client -------------------------------------------------------------------------
+async def one_request(session, url: str, model: str, question: str, max_tokens: int) -> dict:
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "messages": [{"role": "user", "content": question}],
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        async for line in r.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            choices = chunk.get("choices")
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                arrivals.append(time.perf_counter())
+    end = time.perf_counter()
+    return {"ttft": (arrivals[0] if arrivals else end) - t0, "e2e": end - t0, "tokens": tokens,
+            "tpot": (arrivals[-1] - arrivals[0]) / max(1, tokens - 1) if arrivals else 0.0,
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def summarize(rows: list[dict], seconds: float) -> dict:
+    ttft = [r["ttft"] for r in rows]
+    gaps = [g for r in rows for g in r["gaps"]]
+    return {"requests": len(rows), "tokens": sum(r["tokens"] for r in rows), "seconds": seconds,
+            "tok_s": sum(r["tokens"] for r in rows) / seconds,
+            "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99),
+            "ttft_mean_ms": 1000 * statistics.mean(ttft),
+            "tpot_ms": 1000 * statistics.mean(r["tpot"] for r in rows),
+            "gap_p50_ms": 1000 * pct(gaps, 0.5), "gap_p99_ms": 1000 * pct(gaps, 0.99),
+            "e2e_s": statistics.mean(r["e2e"] for r in rows)}
+
+
+# ---- the server's side, from /metrics ---------------------------------------------------------
+_SAMPLE = re.compile(r'^(kestrel_[a-z_]+)(?:\{([^}]*)\})? ([0-9.eE+-]+)$')
+
+
+async def scrape(session, url: str) -> dict[str, float]:
+    """Summed over labels but the one that matters: 'name' or 'name:mode/phase'."""
+    try:
+        async with session.get(url + "/metrics") as r:
+            if r.status != 200:
+                return {}
+            text = await r.text()
+    except Exception:  # noqa: BLE001 - a server without Kestrel's metrics
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        sub = re.search(r'(?:mode|phase)="([a-z]+)"', labels)
+        key = f"{name}:{sub.group(1)}" if sub else name
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def server_side(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("kestrel_engine_steps_total:extend", 0) + d.get("kestrel_engine_steps_total:decode", 0)
+    if not steps:
+        return {}
+    per_step = {p: 1000 * d.get(f"kestrel_engine_step_seconds_total:{p}", 0.0) / steps
+                for p in ("schedule", "process", "execute", "recv")}
+    pipelined = d.get("kestrel_engine_steps_total:pipelined", 0)
+    ttft_n = d.get("kestrel_time_to_first_token_seconds_count", 0)
+    return {"steps_s": steps / seconds, "step_ms": per_step,
+            "wait_ms_per_pipelined_step": 1000 * d.get("kestrel_engine_step_seconds_total:wait", 0.0)
+            / pipelined if pipelined else None,
+            "pipelined_share": pipelined / steps,
+            "server_ttft_mean_ms": 1000 * d.get("kestrel_time_to_first_token_seconds_sum", 0.0) / ttft_n
+            if ttft_n else None}
+
+
+async def run_level(url: str, model: str, questions: list[str], concurrency: int,
+                    max_tokens: int, c1_prompts: int) -> dict:
+    import aiohttp
+    conn = aiohttp.TCPConnector(limit=concurrency + 8)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        await one_request(session, url, model, questions[0], 4)  # warm-up (and connections)
+        before = await scrape(session, url)
+        t0 = time.perf_counter()
+        if concurrency == 1:
+            rows = [await one_request(session, url, model, q, max_tokens) for q in questions[:c1_prompts]]
+        else:
+            rows = await asyncio.gather(*(one_request(session, url, model, q, max_tokens)
+                                          for q in questions[:concurrency]))
+        seconds = time.perf_counter() - t0
+        after = await scrape(session, url)
+    return {"concurrency": concurrency, **summarize(rows, seconds),
+            "server": server_side(before, after, seconds)}
+
+
+# ---- the server process ---------------------------------------------------------------------
+def start_server(config: str | None, overrides: list[str]) -> tuple[subprocess.Popen, str, Path]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "serve_app.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "serve_app.cli", "serve", "--port", str(port), "--host", "127.0.0.1"]
+    if config:
+        cmd += ["--config", config]
     for o in overrides:
         cmd += ["--set", o]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkstemp(prefix="kestrel-serve-", suffix=".log")[1])
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}", log
 
 
-async def wait_ready(url: str, timeout: float = 300.0) -> None:
-    import httpx
+async def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 900.0) -> None:
+    import aiohttp
     deadline = time.time() + timeout
-    async with httpx.AsyncClient() as c:
+    async with aiohttp.ClientSession() as s:
         while time.time() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}")
             try:
-                if (await c.get(url + "/v1/models", timeout=5)).status_code == 200:
-                    return
-            except httpx.HTTPError:
+                async with s.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             await asyncio.sleep(1.0)
     raise TimeoutError(f"server at {url} not ready after {timeout:.0f}s")
 
 
-async def one_request(client, url: str, question: str, max_tokens: int) -> dict:
-    body = {"model": "SmolLM2-135M-Instruct", "stream": True, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": question}],
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    arrivals: list[float] = []
-    tokens = 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                arrivals.append(time.perf_counter())
-    end = time.perf_counter()
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return {"ttft": arrivals[0] - t0 if arrivals else end - t0, "e2e": end - t0,
-            "itl": (arrivals[-1] - arrivals[0]) / max(1, tokens - 1) if arrivals else 0.0,
-            "gaps": gaps, "tokens": tokens}
+def stop_server(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)  # drains, then exits
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
-async def run_level(url: str, questions: list[str], concurrency: int, max_tokens: int) -> dict:
-    import httpx
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(limits=limits) as client:
-        await one_request(client, url, questions[0], 4)  # warm-up
-        t0 = time.perf_counter()
-        rows = await asyncio.gather(*(one_request(client, url, q, max_tokens)
-                                      for q in questions[:concurrency]))
-        dt = time.perf_counter() - t0
-    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
-    return {"concurrency": concurrency, "tok_s": sum(r["tokens"] for r in rows) / dt,
-            "ttft_ms": 1000 * statistics.mean(r["ttft"] for r in rows),
-            "itl_ms": 1000 * statistics.mean(r["itl"] for r in rows),
-            "itl_p90_ms": 1000 * pct([g for r in rows for g in r["gaps"]], 0.9),
-            "e2e_s": statistics.mean(r["e2e"] for r in rows)}
-
-
-def in_process(overrides: list[str], questions: list[str], batch: int, max_tokens: int) -> float:
+# ---- in-process -----------------------------------------------------------------------------
+def in_process(config: str | None, overrides: list[str], questions: list[str], levels: list[int],
+               max_tokens: int, c1_prompts: int) -> dict[int, dict]:
     from configs.schema import load_config
     from serve_app.llm_engine import LLMEngine
     from serve_app.request import SamplingParams
     from serve_app.tokenizer import apply_chat_template
-    eng = LLMEngine(load_config(overrides=overrides))
-    prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}])
-               for q in questions[:batch]]
-    eng.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
-    t0 = time.perf_counter()
-    reqs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    return sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t0)
+    eng = LLMEngine(load_config(config, overrides))
+    prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    out = {}
+    for c in levels:
+        batches = [[p] for p in prompts[:c1_prompts]] if c == 1 else [prompts[:c]]
+        eng.generate(batches[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        reqs, t0 = [], time.perf_counter()
+        for b in batches:
+            reqs += eng.generate(b, params)
+        seconds = time.perf_counter() - t0
+        ttft = [r.first_token_time - r.arrival for r in reqs]
+        out[c] = {"tok_s": sum(len(r.output_ids) for r in reqs) / seconds,
+                  "ttft_p50_ms": 1000 * pct(ttft, 0.5)}
+        print(f"in-process batch {c}: {out[c]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
+def table(name: str, levels: list[dict]) -> str:
+    head = ("| server | c | tok/s | in-process tok/s | HTTP / in-process | TTFT p50 / p99 ms | "
+            "server TTFT ms | TPOT ms | chunk gap p50 / p99 ms | steps/s | per step ms: schedule, "
+            "process, execute, recv | wait ms / pipelined step |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    def num(v, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for lv in levels:
+        ip = lv.get("in_process") or {}
+        sv = lv.get("server") or {}
+        ratio = lv["tok_s"] / ip["tok_s"] if ip.get("tok_s") else None
+        st = sv.get("step_ms") or {}
+        phases = ", ".join(f"{st[p]:.2f}" for p in ("schedule", "process", "execute", "recv")) if st else "-"
+        lines.append(
+            f"| {name} | {lv['concurrency']} | {lv['tok_s']:.0f} | {num(ip.get('tok_s'), '.0f')} | "
+            f"{num(ratio, '.2f')} | {lv['ttft_p50_ms']:.0f} / {lv['ttft_p99_ms']:.0f} | "
+            f"{num(sv.get('server_ttft_mean_ms'), '.0f')} | {lv['tpot_ms']:.2f} | "
+            f"{lv['gap_p50_ms']:.1f} / {lv['gap_p99_ms']:.1f} | {num(sv.get('steps_s'), '.0f')} | "
+            f"{phases} | {num(sv.get('wait_ms_per_pipelined_step'), '.3f')} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--config", default=None, help="preset for the server and the in-process engine")
     ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--url", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--c1-prompts", type=int, default=10, help="prompts run one by one at concurrency 1")
+    ap.add_argument("--url", default=None, help="a running OpenAI-compatible server (no in-process run)")
+    ap.add_argument("--name", default=None, help="the server's name in the table and the JSON")
+    ap.add_argument("--model", default=MODEL, help="the model name sent with --url")
+    ap.add_argument("--tiny-model", action="store_true", help="CPU control-plane benchmark")
+    ap.add_argument("--no-in-process", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
-    overrides = ["device=cpu", "kv_cache.num_slots=16384", "scheduler.max_running_requests=32",
-                 "scheduler.max_queued_requests=256"] + args.set
-    questions = load_questions(Path(DATA), max(args.concurrency))
-    proc = None
+    overrides = list(args.set)
+    if args.tiny_model:
+        overrides = TINY + [f"model.path={make_tiny_model(tempfile.mkdtemp(prefix='kestrel-tiny-'))}"] + overrides
+    name = args.name or ("kestrel-tiny" if args.tiny_model else "kestrel")
+    qs = load_questions(Path(DATA), 80)
+    # More streams than MT-bench has questions go round it again.
+    questions = [qs[i % len(qs)] for i in range(max(max(args.concurrency), args.c1_prompts))]
+    proc = log = None
     url = args.url
     if url is None:
-        proc, url = start_server(overrides)
+        proc, url, log = start_server(args.config, overrides)
+        print(f"kestrel serve on {url} (log: {log}) ...", file=sys.stderr, flush=True)
+    levels = []
     try:
-        print(f"waiting for {url} ...", file=sys.stderr, flush=True)
-        asyncio.run(wait_ready(url))
-        levels = []
+        asyncio.run(wait_ready(url, proc))
         for c in args.concurrency:
-            levels.append(asyncio.run(run_level(url, questions, c, args.max_tokens)))
-            print(f"concurrency {c}: {levels[-1]}", file=sys.stderr, flush=True)
+            levels.append(asyncio.run(run_level(url, args.model, questions, c, args.max_tokens,
+                                                args.c1_prompts)))
+            lv = levels[-1]
+            print(f"{name} c={c}: {lv['tok_s']:.1f} tok/s, TTFT p50 {lv['ttft_p50_ms']:.1f} ms, "
+                  f"server {lv['server']}", file=sys.stderr, flush=True)
     finally:
         if proc is not None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    for lv in levels:
-        lv["in_process_tok_s"] = in_process(overrides, questions, lv["concurrency"], args.max_tokens)
-        print(f"in-process batch {lv['concurrency']}: {lv['in_process_tok_s']:.1f} tok/s",
-              file=sys.stderr, flush=True)
-    print(f"\n{os.cpu_count()} cpus, {args.max_tokens} new tokens, greedy, streamed chat\n")
-    print("| concurrency | HTTP tok/s | in-process tok/s (batch = concurrency) | HTTP / in-process "
-          "| TTFT ms | ITL ms | ITL p90 ms | e2e s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for lv in levels:
-        print(f"| {lv['concurrency']} | {lv['tok_s']:.1f} | {lv['in_process_tok_s']:.1f} | "
-              f"{lv['tok_s'] / lv['in_process_tok_s']:.2f} | {lv['ttft_ms']:.0f} | "
-              f"{lv['itl_ms']:.1f} | {lv['itl_p90_ms']:.1f} | {lv['e2e_s']:.2f} |")
+            stop_server(proc)
+    if args.url is None and not args.no_in_process:
+        ip = in_process(args.config, overrides, questions, args.concurrency, args.max_tokens,
+                        args.c1_prompts)
+        for lv in levels:
+            lv["in_process"] = ip[lv["concurrency"]]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"name": name, "config": args.config, "overrides": args.set, "url": args.url,
+            "max_tokens": args.max_tokens, "c1_prompts": args.c1_prompts, "cpus": os.cpu_count()}
+    (out / f"http_bench_{name}.json").write_text(json.dumps({**meta, "levels": levels}, indent=1))
+    print(f"\n{name}: {os.cpu_count()} cpus, {args.max_tokens} new tokens, greedy, streamed chat\n")
+    print(table(name, levels))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,20 @@ def ray_env(cfg: KestrelConfig) -> dict[str, str]:
     return env
 
 
+def local_ray_env(cfg: KestrelConfig) -> dict[str, str]:
+    """ray_env for a Ray instance of this machine alone: HAProxy's own metrics and stats
+    listeners (9101 and 8404 on every interface by default) move to free ports, so a
+    second server on the same host (or the tests beside a server) can start."""
+    env = ray_env(cfg)
+    if cfg.serve.http_proxy == "haproxy":
+        import socket
+        for key in ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT"):
+            with socket.socket() as s:
+                s.bind(("", 0))
+                env[key] = str(s.getsockname()[1])
+    return env
+
+
 def autoscaling_options(a: AutoscalingConfig) -> dict[str, Any]:
     return {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
             # Scale-to-zero still starts with one replica, so the first request is served fast.
@@ -141,7 +155,7 @@ def run_server(cfg: KestrelConfig, host: str | None = None, port: int | None = N
     joining = bool(os.environ.get("RAY_ADDRESS"))
     if not joining:
         # A local cluster inherits this process's environment (Serve reads it at import).
-        os.environ.update(ray_env(cfg))
+        os.environ.update(local_ray_env(cfg))
     import ray
     from ray import serve
 
@@ -152,19 +166,26 @@ def run_server(cfg: KestrelConfig, host: str | None = None, port: int | None = N
             cfg_local = cfg.model_copy(deep=True)
             cfg_local.device = resolve_device(cfg_local)
             ray.init(num_cpus=_local_num_cpus(cfg_local))
-    serve.start(http_options={"host": host, "port": port})
-    app = build_app(cfg)
-    print(f"kestrel: deploying {cfg.model.name} (this loads the model)...", file=sys.stderr)
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    print(f"kestrel: serving {cfg.model.name} at http://{shown}:{port}/v1 "
-          f"(OpenAI API; /health, /metrics). Ctrl-C to stop.", flush=True)
-    # SIGTERM (docker stop, systemd) shuts down as Ctrl-C does: replicas drain first.
+    # SIGTERM (docker stop, systemd) shuts down as Ctrl-C does, from here on: replicas
+    # drain first, and no Serve process outlives this one.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
+        serve.start(http_options={"host": host, "port": port})
+        print(f"kestrel: deploying {cfg.model.name} (this loads the model)...", file=sys.stderr)
+        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        print(f"kestrel: serving {cfg.model.name} at http://{shown}:{port}/v1 "
+              f"(OpenAI API; /health, /metrics). Ctrl-C to stop.", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("kestrel: shutting down (draining running requests)...", file=sys.stderr)
     finally:
+        # Deleting the app first waits for its replicas to drain; serve.shutdown() alone
+        # gives the whole controller 30 s, and when that ran out HAProxy outlived the
+        # cluster, holding its ports against the next start.
+        try:
+            serve.delete(APP_NAME)
+        except Exception as e:  # noqa: BLE001 - not deployed yet, or already gone
+            print(f"kestrel: {e}", file=sys.stderr)
         serve.shutdown()

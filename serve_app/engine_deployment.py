@@ -81,7 +81,10 @@ class EngineDeployment:
             if pg is not None and pg.bundle_count > 1 + rank:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=1 + rank)
-            self.actors.append(RankActor.options(**opts).remote(cfg, rank, ip))
+            # Named for operators (and the fault tests): ray.get_actor(name, namespace="kestrel").
+            name = f"kestrel-{self._replica}-rank{rank}"
+            self.actors.append(RankActor.options(name=name, namespace="kestrel", **opts)
+                               .remote(cfg, rank, ip))
         # Load the tokenizer while the actors load their models.
         from actors.models.loader import default_model_path
         from serve_app.tokenizer import load_tokenizer

@@ -1,10 +1,11 @@
-"""Prometheus metrics: request-level ones in the ingress, engine gauges in both places.
+"""Prometheus metrics of an Engine replica, which serves HTTP itself.
 
 Two routes out, because a Serve app has many processes:
-- `ServerMetrics` (prometheus_client, a private registry) lives in each Ingress replica
-  and is what GET /metrics returns: requests by status, TTFT, inter-token and end-to-end
-  latency, token counts, speculative accept lengths (all as this ingress replica saw
-  them), plus the engine gauges it last fetched from the Engine (labelled by replica).
+- `ServerMetrics` (prometheus_client, a private registry) is what GET /metrics returns:
+  requests by status, TTFT, inter-token and end-to-end latency, token counts,
+  speculative accept lengths (as this replica saw them), the engine gauges (labelled by
+  replica), and the engine's step counters: steps by mode and seconds per step phase,
+  read at scrape time (benchmarks/http_bench.py turns them into a per-step breakdown).
 - `EngineGauges` (ray.serve.metrics, tagged with deployment and replica by Serve) is set
   by each Engine replica and exported through Ray's own metrics endpoint on every node:
   the cluster-wide view when there are many replicas.
@@ -16,6 +17,7 @@ from typing import Any
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily
 
 # The `*_created` timestamp series double the output and no dashboard uses them.
 disable_created_metrics()
@@ -61,6 +63,8 @@ class ServerMetrics:
                               "Fraction of KV slots in use (prefix cache counted as free)",
                               m + ["replica", "rank"], registry=r)
         self._seen: dict[str, tuple[float, list[str]]] = {}  # replica -> (time, ranks)
+        self._engine_stats: dict[str, Any] = {}
+        r.register(_StepCollector(self))
 
     # ---- per request -----------------------------------------------------------------
     def request_done(self, endpoint: str, status: int) -> None:
@@ -73,6 +77,7 @@ class ServerMetrics:
     def update_engine(self, stats: dict[str, Any]) -> None:
         """Record one Engine replica's `stats()`; forget replicas silent for too long."""
         now = time.monotonic()
+        self._engine_stats = stats
         rep = str(stats.get("replica", "engine"))
         self.running.labels(self.model, rep).set(stats.get("running", 0))
         self.waiting.labels(self.model, rep).set(stats.get("waiting", 0))
@@ -93,6 +98,33 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _StepCollector:
+    """The engine's step counters (AsyncEngine.stats) as Prometheus counters, at scrape."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self.m._engine_stats
+        rep = str(stats.get("replica", "engine"))
+        steps = CounterMetricFamily("kestrel_engine_steps", "Engine steps by mode ('pipelined': "
+                                    "sent while another step was in flight)",
+                                    labels=["model", "replica", "mode"])
+        for mode, n in (stats.get("steps") or {}).items():
+            steps.add_metric([self.m.model, rep, mode], n)
+        secs = CounterMetricFamily("kestrel_engine_step_seconds", "Seconds per step phase: "
+                                   "schedule, process (engine loop); execute, recv (rank "
+                                   "worker); wait (the worker idle before a pipelined step)",
+                                   labels=["model", "replica", "phase"])
+        for phase, v in (stats.get("step_seconds") or {}).items():
+            secs.add_metric([self.m.model, rep, phase], v)
+        yield steps
+        yield secs
 
 
 class RequestTracker:

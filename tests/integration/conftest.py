@@ -76,14 +76,14 @@ def ray_cluster():
     from ray import serve
 
     from configs.schema import load_config
-    from serve_app.app import ray_env
+    from serve_app.app import local_ray_env
     # Autoscaling metrics every second rather than every 10 s, so the autoscaling test
     # sees decisions in seconds. Set before ray.init: every Ray process inherits them, and
     # so the HTTP front the served config asks for (HAProxy by default), as `kestrel
     # serve` sets it up.
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
-    os.environ.update(ray_env(load_config(overrides=SERVER_OVERRIDES)))
+    os.environ.update(local_ray_env(load_config(overrides=SERVER_OVERRIDES)))
     # Logical CPUs: this app (engine bundles 2) and the other tests' apps (up to 2 more
     # engines at once) fit, on a 2-core machine too.
     ray.init(num_cpus=10, include_dashboard=False, log_to_driver=False,

@@ -1,0 +1,74 @@
+"""Faults in the serving path: a RankActor killed mid-stream. Its step channel closes, so
+the streams it was serving end at once with an in-band error, new requests get a 503
+while the replica is down, and Serve replaces the replica (its health check fails), after
+which requests succeed again. A 1-layer random model with SmolLM2's tokenizer keeps the
+replacement's model load short."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+APP = "faults"
+
+
+def test_killed_rank_actor_fails_its_streams_fast_and_the_replica_comes_back(server, tmp_path):
+    import ray
+    from ray import serve
+
+    from benchmarks.http_bench import make_tiny_model
+    from configs.schema import load_config
+    from serve_app.app import build_app
+    cfg = load_config(overrides=["device=cpu", "draft.enabled=false", "model.dtype=float32",
+                                 "kv_cache.num_slots=4096", f"model.path={make_tiny_model(str(tmp_path))}"])
+    serve.run(build_app(cfg), name=APP, route_prefix="/faults")
+    url = server.base_url + "/faults/v1/completions"
+    try:
+        engine = serve.get_deployment_handle("EngineDeployment", app_name=APP)
+        replica = engine.stats.remote().result(timeout_s=30)["replica"]
+        events: list[dict] = []
+        started, ended = threading.Event(), threading.Event()
+        ended_at: list[float] = []
+
+        def long_stream():
+            body = {"prompt": "Once upon a time", "max_tokens": 1000000, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", url, json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        started.set()
+            ended_at.append(time.monotonic())
+            ended.set()
+
+        t = threading.Thread(target=long_stream, daemon=True)
+        t.start()
+        assert started.wait(60), "the stream never started"
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        ray.kill(ray.get_actor(f"kestrel-{replica}-rank0", namespace="kestrel"))
+        assert ended.wait(30), "the stream did not end within 30 s of the kill"
+        assert ended_at[0] - killed_at < 10
+        err = events[-1].get("error")
+        assert err is not None, events[-1]  # in-band: the 200 status line had gone out
+        assert "rank 0" in err["message"] and "closed its step channel" in err["message"], err
+
+        # The replica is replaced; until then new requests are refused with a clear status.
+        deadline = time.monotonic() + 180
+        statuses = []
+        while time.monotonic() < deadline:
+            r = httpx.post(url, json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                break
+            assert r.status_code in (500, 502, 503), r.text[:300]
+            time.sleep(2)
+        assert statuses[-1] == 200, statuses
+        assert engine.stats.remote().result(timeout_s=30)["replica"] != replica
+    finally:
+        serve.delete(APP)

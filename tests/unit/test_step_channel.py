@@ -1,0 +1,161 @@
+"""The step channel and the Serve engine's core without Serve: AsyncEngine drives a real
+RankWorker through a real socket (StepServer's thread, RankChannel's asyncio end), and
+must produce what the in-process engine produces; request streams detokenize and cut
+stop strings as the in-process scheduler does; a failing or vanished rank fails its
+requests with its message, fast."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from actors.step_channel import HEADER, StepServer, encode
+from configs.schema import load_config
+from serve_app.async_engine import AsyncEngine
+from serve_app.llm_engine import LLMEngine
+from serve_app.rank_channel import RankChannel, RankFailed
+from serve_app.request import SamplingParams
+from serve_app.request_stream import StreamFailed
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _cfg(*extra):
+    return load_config(overrides=["model.dtype=float32", "kv_cache.num_slots=8192", "device=cpu",
+                                  "scheduler.max_running_requests=16", "draft.enabled=false", *extra])
+
+
+async def _engine(cfg, worker, tokenizer, execute=None):
+    server = StepServer(execute or worker.execute)
+    host, port = server.address
+    channel = await RankChannel.connect(host, port, server.token, 0)
+    info = {**worker.info(), "channel": {"host": host, "port": port, "token": server.token}}
+    return AsyncEngine(cfg, [info], [channel], tokenizer), server
+
+
+async def _collect(stream):
+    outs = [out async for out in stream]
+    return [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs), outs[-1]
+
+
+def test_async_engine_over_the_channel_equals_the_in_process_engine(fp32_worker, tokenizer, chat_prompts):
+    cfg = _cfg()
+    params = [dict(max_tokens=24, ignore_eos=True), dict(max_tokens=16, stop=["you w", "xyz"]),
+              dict(max_tokens=20, temperature=0.8, seed=7), dict(max_tokens=12)]
+    prompts = chat_prompts[:4]
+
+    async def run():
+        eng, server = await _engine(cfg, fp32_worker, tokenizer)
+        streams = [eng.add_request(p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        results = await asyncio.gather(*(_collect(s) for s in streams))
+        await asyncio.sleep(0.05)  # the last plans' outputs come back and are processed
+        stats = eng.stats()
+        assert eng.num_requests() == 0 and not eng.streams
+        eng.stop()
+        return results, stats, server.steps
+
+    results, stats, served = asyncio.run(run())
+    ref = LLMEngine(cfg, tokenizer=tokenizer, workers=[fp32_worker])
+    want = ref.generate(prompts, [SamplingParams(**sp) for sp in params])
+    for (ids, text, last), req in zip(results, want):
+        assert ids == req.output_ids, req.rid
+        assert text == req.text and last.finish_reason == req.finish_reason
+        assert last.num_output_tokens == len(req.output_ids)
+    assert results[1][2].finish_reason == "stop"  # cut by a stop string in the stream
+    assert served == stats["steps"]["extend"] + stats["steps"]["decode"] > 0
+    # Most steps were sent while another was in flight (not the first, nor the first
+    # decode after the prefill).
+    assert stats["steps"]["pipelined"] >= served // 2
+
+
+def test_kv_is_free_again_after_requests_and_a_cancel(fp32_worker, tokenizer, chat_prompts):
+    cfg = _cfg("kv_cache.prefix_caching=false")
+
+    async def run():
+        eng, _ = await _engine(cfg, fp32_worker, tokenizer)
+        free0 = eng.kv_stats()[0]["free"]
+        keep = eng.add_request(chat_prompts[0], dict(max_tokens=8), "keep")
+        gone = eng.add_request(chat_prompts[1], dict(max_tokens=500, ignore_eos=True), "gone")
+        await gone.__anext__()  # a first output, then the consumer goes away
+        gone.cancel()
+        await _collect(keep)
+        for _ in range(50):
+            if eng.num_requests() == 0:
+                break
+            await asyncio.sleep(0.02)
+        free1 = eng.kv_stats()[0]["free"]
+        eng.stop()
+        return free0, free1
+
+    free0, free1 = asyncio.run(run())
+    assert free1 == free0
+
+
+def test_a_failing_step_fails_the_rank_with_its_message(fp32_worker, tokenizer, chat_prompts):
+    cfg = _cfg()
+    calls = []
+
+    def execute(plan):
+        calls.append(plan.mode)
+        if plan.mode == "decode":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return fp32_worker.execute(plan)
+
+    async def run():
+        eng, _ = await _engine(cfg, fp32_worker, tokenizer, execute)
+        stream = eng.add_request(chat_prompts[0], dict(max_tokens=8), "a")
+        with pytest.raises(StreamFailed, match="illegal memory access"):
+            await _collect(stream)
+        with pytest.raises(RuntimeError, match="rank 0 failed"):
+            await eng.check_health()
+        eng.stop()
+
+    asyncio.run(run())
+    assert "decode" in calls
+
+
+def test_a_vanished_actor_is_seen_at_once():
+    """An actor process that dies closes its sockets: the engine's next recv fails at once
+    with the rank's number, however long the running step would have taken."""
+    import threading
+
+    from actors.step_plan import StepPlan
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def actor_that_dies():
+        conn, _ = listener.accept()
+        conn.recv(1 << 16)  # the hello
+        conn.sendall(encode("ok", None))
+        conn.recv(1 << 16)  # a plan arrives; the process dies before answering
+        conn.close()
+
+    threading.Thread(target=actor_that_dies, daemon=True).start()
+
+    async def run():
+        channel = await RankChannel.connect(*listener.getsockname(), "token", 3)
+        channel.send(StepPlan(1, "decode", [1]))
+        with pytest.raises(RankFailed, match="rank 3 closed its step channel"):
+            await asyncio.wait_for(channel.recv(), 5)
+
+    asyncio.run(run())
+
+
+def test_a_connection_without_the_token_is_refused_before_any_unpickling():
+    unpickled = []
+
+    class Bomb:
+        def __reduce__(self):
+            return (unpickled.append, ("ran",))
+
+    server = StepServer(lambda plan: None)
+    with socket.create_connection(server.address) as s:
+        s.sendall(encode("hello", "not-the-token"))
+        s.sendall(encode("ok", Bomb()))
+        s.settimeout(5)
+        try:
+            answer = s.recv(HEADER.size)
+        except ConnectionResetError:  # closed with our frames unread
+            answer = b""
+        assert answer == b""  # closed without an answer
+    assert unpickled == []
