@@ -269,6 +269,10 @@ def table(name: str, levels: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="preset for the server and the in-process engine")
@@ -290,20 +294,36 @@ def main(argv=None) -> None:
     qs = load_questions(Path(DATA), 80)
     # More streams than MT-bench has questions go round it again.
     questions = [qs[i % len(qs)] for i in range(max(max(args.concurrency), args.c1_prompts))]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"name": name, "config": args.config, "overrides": args.set, "url": args.url,
+            "max_tokens": args.max_tokens, "c1_prompts": args.c1_prompts, "cpus": os.cpu_count()}
+    levels: list[dict] = []
+
+    def save() -> None:  # after every level: a run stopped at its time limit keeps its figures
+        (out / f"http_bench_{name}.json").write_text(json.dumps({**meta, "levels": levels}, indent=1))
+
+    # A `timeout` (SIGTERM) stops the server too: it runs in its own session and would
+    # otherwise outlive this process.
+    signal.signal(signal.SIGTERM, _interrupt)
     proc = log = None
     url = args.url
     if url is None:
         proc, url, log = start_server(args.config, overrides)
         print(f"kestrel serve on {url} (log: {log}) ...", file=sys.stderr, flush=True)
-    levels = []
     try:
         asyncio.run(wait_ready(url, proc))
         for c in args.concurrency:
             levels.append(asyncio.run(run_level(url, args.model, questions, c, args.max_tokens,
                                                 args.c1_prompts)))
+            save()
             lv = levels[-1]
             print(f"{name} c={c}: {lv['tok_s']:.1f} tok/s, TTFT p50 {lv['ttft_p50_ms']:.1f} ms, "
                   f"server {lv['server']}", file=sys.stderr, flush=True)
+    except BaseException:
+        if log is not None:  # what the server said, for the failure's cause
+            print("".join(log.read_text(errors="replace").splitlines(True)[-60:]), file=sys.stderr)
+        raise
     finally:
         if proc is not None:
             stop_server(proc)
@@ -312,11 +332,7 @@ def main(argv=None) -> None:
                         args.c1_prompts)
         for lv in levels:
             lv["in_process"] = ip[lv["concurrency"]]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"name": name, "config": args.config, "overrides": args.set, "url": args.url,
-            "max_tokens": args.max_tokens, "c1_prompts": args.c1_prompts, "cpus": os.cpu_count()}
-    (out / f"http_bench_{name}.json").write_text(json.dumps({**meta, "levels": levels}, indent=1))
+        save()
     print(f"\n{name}: {os.cpu_count()} cpus, {args.max_tokens} new tokens, greedy, streamed chat\n")
     print(table(name, levels))
 
