@@ -30,8 +30,9 @@ class RankActor:
         self.worker = RankWorker(cfg, rank)
         ip = ray.util.get_node_ip_address()
         host = "127.0.0.1" if engine_ip in (None, ip) else ip
-        device = self.worker.device
-        bind = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        # The channel thread runs the steps: it must use the device this thread loaded on.
+        index = torch.cuda.current_device() if self.worker.device.type == "cuda" else None
+        bind = (lambda: torch.cuda.set_device(index)) if index is not None else None
         self.channel = StepServer(self.worker.execute, host, on_start=bind)
 
     def info(self) -> dict:

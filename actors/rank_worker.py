@@ -108,6 +108,9 @@ class RankWorker:
             self.decode_graphs = self._capture_decode_graphs(sizes)
             if self.eagle is not None:  # verify, draft decode and draft extend replay too
                 self.eagle.capture_graphs(sizes)
+        if self.device.type == "cuda":  # compile prefill's kernels now, not at a first request
+            from actors.warmup import warm_up_prefill
+            warm_up_prefill(self)
 
     def _graph_batch_sizes(self) -> list[int]:
         if self.device.type != "cuda":

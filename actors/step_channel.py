@@ -74,8 +74,14 @@ class StepServer:
         self.thread.start()
 
     def _serve(self) -> None:
-        if self.on_start is not None:
-            self.on_start()
+        try:
+            if self.on_start is not None:
+                self.on_start()
+        except BaseException:
+            # Refuse the engine's connection rather than leave it waiting for a hello.
+            log.exception("step channel: could not start; closing it")
+            self.sock.close()
+            raise
         while True:
             conn, peer = self.sock.accept()
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

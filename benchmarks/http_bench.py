@@ -166,7 +166,10 @@ async def run_level(url: str, model: str, questions: list[str], concurrency: int
     conn = aiohttp.TCPConnector(limit=concurrency + 8)
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        await one_request(session, url, model, questions[0], 4)  # warm-up (and connections)
+        # Warm-up at the level's batch, as the in-process run does (kernels compiled for
+        # these shapes, connections open).
+        await asyncio.gather(*(one_request(session, url, model, q, 4)
+                               for q in questions[:max(1, concurrency)]))
         before = await scrape(session, url)
         t0 = time.perf_counter()
         if concurrency == 1:

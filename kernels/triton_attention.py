@@ -17,8 +17,11 @@ Kernel: one program per (query block, request x kv head, kv split). A query bloc
 Q_PER_BLOCK queries x GROUP query heads of one kv head into BLOCK_M rows (GQA: each K/V
 tile is loaded once per kv head, not per query head; decode fills GROUP of the rows).
 Keys are visited in BLOCK_N tiles with an fp32 online softmax (exp2 domain). With
-NUM_SPLITS > 1 (flash-decoding, for batches too small to fill the GPU) each split covers
+num_splits > 1 (flash-decoding, for batches too small to fill the GPU) each split covers
 a slice of the keys and writes a partial output + log-sum-exp; a second kernel merges them.
+The split count is a run-time argument, not a compile-time constant: it follows the
+batch's shape, and as a constant every new prefill shape compiled a new kernel (0.5-1 s
+on the H200, in front of the first token of every request in that batch).
 
 Rows that see no key at all (only possible with an all-False custom mask row and no
 prefix) come out as zeros here and in the reference; SDPA would give NaN.
@@ -33,6 +36,8 @@ __all__ = ["HAS_TRITON", "paged_attention", "paged_attention_ref", "default_num_
            "MAX_KV_SPLITS"]
 
 MAX_KV_SPLITS = 16
+_BLOCK_S = 16  # the merge kernel's split lanes: one compiled kernel for any split count
+assert _BLOCK_S >= MAX_KV_SPLITS
 _LOG2E = 1.4426950408889634
 
 
@@ -147,7 +152,7 @@ if HAS_TRITON:
             m_i = m_new
         return acc, m_i, l_i
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _paged_attn_kernel(
         Q, K, V, Out, PartO, PartLse,
         ReqToToken, ReqIdx, PrefixLens, NewLens, QoIndptr, MaskIndptr, Mask,
@@ -155,9 +160,10 @@ if HAS_TRITON:
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_rt,
         stride_pt, stride_ph, stride_ps,
+        num_splits,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_PER_BLOCK: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     ):
         qblk = tl.program_id(0)
@@ -191,8 +197,8 @@ if HAS_TRITON:
             last_q = tl.minimum(q0 + Q_PER_BLOCK, q_len) - 1
             kv_end = tl.minimum(kv_end, prefix + last_q + (n_new - q_len) + 1)
         kv_end = tl.where(q0 < q_len, kv_end, 0)  # query block past this request: no work
-        if NUM_SPLITS > 1:
-            chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        if SPLIT:
+            chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
             lo = split * chunk
             hi = tl.minimum(lo + chunk, kv_end)
         else:
@@ -222,33 +228,32 @@ if HAS_TRITON:
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no visible key -> zeros
         out_ok = row_ok[:, None] & d_ok[None, :]
-        if NUM_SPLITS > 1:
+        if SPLIT:
             po = tok[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
             tl.store(PartO + po + offs_d[None, :], o, mask=out_ok)
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-            # PartLse is contiguous [T, H, NUM_SPLITS].
-            tl.store(PartLse + (tok * (NUM_KV_HEADS * GROUP) + head) * NUM_SPLITS + split, lse,
+            # PartLse is contiguous [T, H, num_splits].
+            tl.store(PartLse + (tok * (NUM_KV_HEADS * GROUP) + head) * num_splits + split, lse,
                      mask=row_ok)
         else:
             tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      o.to(Out.dtype.element_ty), mask=out_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _merge_splits_kernel(
         PartO, PartLse, Out,
-        stride_pt, stride_ph, stride_ps, stride_ot, stride_oh,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, num_splits,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         num_heads = tl.num_programs(1)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
-        s_ok = offs_s < NUM_SPLITS
+        s_ok = offs_s < num_splits
         d_ok = offs_d < HEAD_DIM
         base = t * stride_pt + h * stride_ph
-        lse = tl.load(PartLse + (t * num_heads + h) * NUM_SPLITS + offs_s, mask=s_ok,
+        lse = tl.load(PartLse + (t * num_heads + h) * num_splits + offs_s, mask=s_ok,
                       other=float("-inf"))
         m = tl.max(lse, 0)
         w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty split -> weight 0
@@ -349,6 +354,8 @@ def paged_attention(
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(n_qblk * B * Hkv, T, H, D, q.device)
     splits = max(1, int(num_kv_splits))
+    if splits > MAX_KV_SPLITS:
+        raise ValueError(f"num_kv_splits={splits} exceeds MAX_KV_SPLITS={MAX_KV_SPLITS}")
     has_mask = custom_mask is not None
     if has_mask:
         if mask_indptr is None:
@@ -363,7 +370,7 @@ def paged_attention(
         part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
         sp = part_o.stride()
     else:
-        part_o = part_lse = out  # never written (NUM_SPLITS=1)
+        part_o = part_lse = out  # never written (SPLIT=False)
         sp = (0, 0, 0)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (n_qblk, B * Hkv, splits)
@@ -373,14 +380,13 @@ def paged_attention(
         scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0), sp[0], sp[1], sp[2],
+        req_to_token.stride(0), sp[0], sp[1], sp[2], splits,
         NUM_KV_HEADS=Hkv, GROUP=G, Q_PER_BLOCK=q_per_block, HEAD_DIM=D,
-        NUM_SPLITS=splits, HAS_MASK=has_mask, CAUSAL=bool(causal), PRECISION=precision, **cfg,
+        SPLIT=splits > 1, HAS_MASK=has_mask, CAUSAL=bool(causal), PRECISION=precision, **cfg,
     )
     if splits > 1:
         _merge_splits_kernel[(T, H)](
-            part_o, part_lse, out, sp[0], sp[1], sp[2], out.stride(0), out.stride(1),
-            HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"], NUM_SPLITS=splits,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=1,
+            part_o, part_lse, out, sp[0], sp[1], sp[2], out.stride(0), out.stride(1), splits,
+            HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=_BLOCK_S, num_warps=1,
         )
     return out

@@ -25,15 +25,22 @@ class RankChannel:
         self.rank = rank
 
     @classmethod
-    async def connect(cls, host: str, port: int, token: str, rank: int) -> "RankChannel":
-        reader, writer = await asyncio.open_connection(host, port)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        channel = cls(reader, writer, rank)
-        writer.write(encode(HELLO, token))
-        await channel.recv()  # the actor's OK: the token matched
-        return channel
+    async def connect(cls, host: str, port: int, token: str, rank: int,
+                      timeout_s: float = 60.0) -> "RankChannel":
+        async def hello() -> "RankChannel":
+            reader, writer = await asyncio.open_connection(host, port)
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            channel = cls(reader, writer, rank)
+            writer.write(encode(HELLO, token))
+            await channel.recv()  # the actor's OK: the token matched
+            return channel
+        try:
+            return await asyncio.wait_for(hello(), timeout_s)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise RankFailed(f"could not open the step channel of rank {rank} at {host}:{port} "
+                             f"({type(e).__name__}: {e}); see the RankActor's log") from None
 
     def send(self, plan: StepPlan) -> None:
         if self.writer.is_closing():

@@ -140,6 +140,30 @@ def test_decode_long_context_split_counts():
         _check(case, num_kv_splits=splits)
 
 
+def _compiled_variants(kernel) -> int:
+    """Compiled specializations of a Triton kernel on this device, whatever the cache's
+    layout in this Triton version (a dict per device, or a tuple holding one)."""
+    caches = getattr(kernel, "device_caches", None) or getattr(kernel, "cache", {})
+    n = 0
+    for entry in caches.values():
+        first = entry[0] if isinstance(entry, tuple) else entry
+        n += len(first)
+    return n
+
+
+def test_a_new_split_count_compiles_no_new_kernel():
+    """Split counts follow the batch's shape: as a compile-time constant each new one
+    compiled the kernel again (0.5-1 s in front of a batch's first tokens)."""
+    from kernels import triton_attention as ta
+    case = Case("decode", 2, 16, "smollm", seed=5, prefix=[300, 40])
+    _check(case, num_kv_splits=2)
+    before = (_compiled_variants(ta._paged_attn_kernel), _compiled_variants(ta._merge_splits_kernel))
+    for splits in (3, 5, 11, 16):
+        _check(case, num_kv_splits=splits)
+    after = (_compiled_variants(ta._paged_attn_kernel), _compiled_variants(ta._merge_splits_kernel))
+    assert after == before, (before, after)
+
+
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("page", [1, 16])
 def test_extend_with_cached_prefix(page, cfg):

@@ -11,6 +11,7 @@ import socket
 import pytest
 
 from actors.step_channel import HEADER, StepServer, encode
+from actors.step_plan import StepOutput, StepPlan
 from configs.schema import load_config
 from serve_app.async_engine import AsyncEngine
 from serve_app.llm_engine import LLMEngine
@@ -120,7 +121,6 @@ def test_a_vanished_actor_is_seen_at_once():
     with the rank's number, however long the running step would have taken."""
     import threading
 
-    from actors.step_plan import StepPlan
     listener = socket.create_server(("127.0.0.1", 0))
 
     def actor_that_dies():
@@ -148,14 +148,20 @@ def test_a_connection_without_the_token_is_refused_before_any_unpickling():
         def __reduce__(self):
             return (unpickled.append, ("ran",))
 
-    server = StepServer(lambda plan: None)
+    server = StepServer(lambda plan: StepOutput(plan.step_id, [[7] for _ in plan.rows]))
     with socket.create_connection(server.address) as s:
-        s.sendall(encode("hello", "not-the-token"))
-        s.sendall(encode("ok", Bomb()))
         s.settimeout(5)
-        try:
+        try:  # one write: the reset may come as soon as the wrong hello is read
+            s.sendall(encode("hello", "not-the-token") + encode("ok", Bomb()))
             answer = s.recv(HEADER.size)
         except ConnectionResetError:  # closed with our frames unread
             answer = b""
         assert answer == b""  # closed without an answer
     assert unpickled == []
+
+    async def honest():  # the actor still serves the engine that has the token
+        channel = await RankChannel.connect(*server.address, server.token, 0)
+        channel.send(StepPlan(1, "decode", [1, 2]))
+        return (await asyncio.wait_for(channel.recv(), 5)).tokens
+
+    assert asyncio.run(honest()) == [[7], [7]]

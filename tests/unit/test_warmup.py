@@ -1,0 +1,49 @@
+"""The prefill warm-up (run at start-up on a GPU, where it compiles prefill's kernels)
+must leave a worker exactly as usable as before: run here on the CPU worker, then greedy
+output is unchanged."""
+from __future__ import annotations
+
+from actors.warmup import CHUNK_LENS, prefill_shapes, warm_up_prefill
+from configs.schema import load_config
+from serve_app.llm_engine import LLMEngine
+from serve_app.request import SamplingParams
+
+
+def test_shapes_cover_every_chunk_length_alone_and_batched_within_the_pools():
+    shapes = prefill_shapes(num_rows=66, chunk_budget=4096, num_slots=200_000, page=16)
+    assert {n for _, n in shapes} == set(CHUNK_LENS)
+    assert (1, 64) in shapes and (64, 64) in shapes and (64, 1) in shapes
+    small = prefill_shapes(num_rows=6, chunk_budget=100, num_slots=200, page=16)
+    assert all(b <= 4 and b * n <= 100 and 16 + b * -(-n // 16) * 16 <= 200 for b, n in small), small
+
+
+def test_warm_up_leaves_the_worker_serving_the_same_tokens(fp32_worker, tokenizer, chat_prompts):
+    cfg = load_config(overrides=["model.dtype=float32", "kv_cache.num_slots=8192", "device=cpu",
+                                 "scheduler.max_running_requests=16", "draft.enabled=false"])
+    params = SamplingParams(max_tokens=12)
+
+    def run():
+        eng = LLMEngine(cfg, tokenizer=tokenizer, workers=[fp32_worker])
+        return [r.output_ids for r in eng.generate(chat_prompts[:3], params)]
+
+    before = run()
+    warm_up_prefill(fp32_worker)
+    assert run() == before
+
+
+def test_warm_up_leaves_a_speculative_worker_serving_the_same_tokens(tokenizer, chat_prompts):
+    from actors.rank_worker import RankWorker
+    cfg = load_config(overrides=["model.dtype=float32", "kv_cache.num_slots=8192", "device=cpu",
+                                 "scheduler.max_running_requests=8", "scheduler.chunked_prefill_size=128"])
+    assert cfg.draft.enabled  # the default preset's chain, with the shipped head
+    worker = RankWorker(cfg)
+    params = SamplingParams(max_tokens=12)
+
+    def run():
+        eng = LLMEngine(cfg, tokenizer=tokenizer, workers=[worker])
+        reqs = eng.generate(chat_prompts[:2], params)
+        return [r.output_ids for r in reqs], [r.accept_lengths for r in reqs]
+
+    before = run()
+    warm_up_prefill(worker)
+    assert run() == before
