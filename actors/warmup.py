@@ -22,8 +22,9 @@ from actors.step_plan import StepPlan
 
 log = logging.getLogger("kestrel.worker")
 
-# Chunk lengths for the three query-tile sizes (a handful of queries, about ten, many).
-CHUNK_LENS = (1, 8, 64)
+# Chunk lengths that meet each query-tile size (16, 32 or 64 rows of queries x the heads
+# sharing a KV head) for any grouping up to 16 heads per KV head.
+CHUNK_LENS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def prefill_shapes(num_rows: int, chunk_budget: int, num_slots: int, page: int) -> list[tuple[int, int]]:
