@@ -97,6 +97,7 @@ async def one_request(session, url: str, model: str, question: str, max_tokens: 
                 arrivals.append(time.perf_counter())
     end = time.perf_counter()
     return {"ttft": (arrivals[0] if arrivals else end) - t0, "e2e": end - t0, "tokens": tokens,
+            "chunks": len(arrivals),
             "tpot": (arrivals[-1] - arrivals[0]) / max(1, tokens - 1) if arrivals else 0.0,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
@@ -111,6 +112,7 @@ def summarize(rows: list[dict], seconds: float) -> dict:
     gaps = [g for r in rows for g in r["gaps"]]
     return {"requests": len(rows), "tokens": sum(r["tokens"] for r in rows), "seconds": seconds,
             "tok_s": sum(r["tokens"] for r in rows) / seconds,
+            "chunks_s": sum(r["chunks"] for r in rows) / seconds,
             "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99),
             "ttft_mean_ms": 1000 * statistics.mean(ttft),
             "tpot_ms": 1000 * statistics.mean(r["tpot"] for r in rows),

@@ -63,6 +63,10 @@ class ServerMetrics:
                               "Fraction of KV slots in use (prefix cache counted as free)",
                               m + ["replica", "rank"], registry=r)
         self._seen: dict[str, tuple[float, list[str]]] = {}  # replica -> (time, ranks)
+        # The per-token series, resolved once: .labels() costs a lookup under a lock.
+        self.ttft_m, self.itl_m, self.e2e_m = (h.labels(model_name) for h in (self.ttft, self.itl, self.e2e))
+        self.generation_tokens_m = self.generation_tokens.labels(model_name)
+        self.accept_length_m = self.accept_length.labels(model_name)
         self._engine_stats: dict[str, Any] = {}
         r.register(_StepCollector(self))
 
@@ -140,25 +144,24 @@ class RequestTracker:
         if n <= 0:
             return
         now = time.monotonic()
-        model = self.m.model
+        m = self.m
         if self.last is None:
-            self.m.ttft.labels(model).observe(now - self.arrival)
+            m.ttft_m.observe(now - self.arrival)
             # Tokens that came together with the first one have no gap of their own.
             n_gaps, gap = n - 1, 0.0
         else:
             n_gaps, gap = n, (now - self.last) / n
-        itl = self.m.itl.labels(model)
         for _ in range(n_gaps):
-            itl.observe(gap)
+            m.itl_m.observe(gap)
         self.last = now
         self.tokens += n
-        self.m.generation_tokens.labels(model).inc(n)
+        m.generation_tokens_m.inc(n)
         for a in accept_lengths or ():
-            self.m.accept_length.labels(model).observe(a)
+            m.accept_length_m.observe(a)
 
     def finish(self, reason: str | None, prompt_tokens: int) -> None:
         model = self.m.model
-        self.m.e2e.labels(model).observe(time.monotonic() - self.arrival)
+        self.m.e2e_m.observe(time.monotonic() - self.arrival)
         self.m.prompt_tokens.labels(model).inc(prompt_tokens)
         self.m.finish_reasons.labels(model, reason or "unknown").inc()
 

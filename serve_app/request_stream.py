@@ -34,7 +34,7 @@ class RequestStream:
         self._end = end
         self.interval_s = interval_s
         self.pending: list[RequestOutput] = []
-        self.event = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the consumer waiting for outputs
         self.error: str | None = None
         self.finished = False
         self.num_output_tokens = 0
@@ -46,11 +46,16 @@ class RequestStream:
         if self.first_token_time is None and out.new_token_ids:
             self.first_token_time = time.monotonic()
         self.pending.append(out)
-        self.event.set()
+        self._wake()
 
     def fail(self, message: str) -> None:
         self.error = message
-        self.event.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # ---- consumer side -----------------------------------------------------------------
     def __aiter__(self) -> "RequestStream":
@@ -60,8 +65,12 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         while not self.pending and self.error is None:
-            self.event.clear()
-            await self.event.wait()
+            # A bare future per wait: cheaper than an asyncio.Event's clear/wait/set.
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         if self.interval_s > 0 and self.error is None and not self.pending[-1].finished:
             delay = self._last_sent + self.interval_s - time.monotonic()
             if delay > 0:
