@@ -145,6 +145,21 @@ def _local_num_cpus(cfg: KestrelConfig) -> int:
     return int(max(os.cpu_count() or 1, need + 1))
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fail now, naming the port, if it is taken: Serve's HTTP front would otherwise
+    fail to bind after Ray started, with an error far from the cause (a server still
+    running, or an HAProxy left behind by one that was killed)."""
+    import socket
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise SystemExit(f"kestrel: cannot serve on {host}:{port}: {e.strerror}. Another "
+                             "server (or an HAProxy a killed one left behind) holds the port: "
+                             "stop it, or pass --port") from None
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -154,6 +169,7 @@ def run_server(cfg: KestrelConfig, host: str | None = None, port: int | None = N
     port = int(port or cfg.serve.port)
     joining = bool(os.environ.get("RAY_ADDRESS"))
     if not joining:
+        check_port_free(host, port)
         # A local cluster inherits this process's environment (Serve reads it at import).
         os.environ.update(local_ray_env(cfg))
     import ray

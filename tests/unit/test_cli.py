@@ -48,3 +48,18 @@ def test_generate_no_spec_and_bad_config(tmp_path):
     bad.write_text("{not json\n")
     p = run("generate", "--input", str(bad), "--output", str(out))
     assert p.returncode != 0 and "bad.jsonl:1" in p.stderr
+
+
+def test_serve_refuses_a_taken_port_with_a_clear_message():
+    import socket
+
+    import pytest
+
+    from serve_app.app import check_port_free
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot serve on 127.0.0.1:{port}.*--port"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", port)  # free again once its holder closed
