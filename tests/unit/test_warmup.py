@@ -34,7 +34,7 @@ def test_warm_up_leaves_the_worker_serving_the_same_tokens(fp32_worker, tokenize
 def test_warm_up_leaves_a_speculative_worker_serving_the_same_tokens(tokenizer, chat_prompts):
     from actors.rank_worker import RankWorker
     cfg = load_config(overrides=["model.dtype=float32", "kv_cache.num_slots=8192", "device=cpu",
-                                 "scheduler.max_running_requests=8", "scheduler.chunked_prefill_size=128"])
+                                 "scheduler.max_running_requests=4", "scheduler.chunked_prefill_size=64"])
     assert cfg.draft.enabled  # the default preset's chain, with the shipped head
     worker = RankWorker(cfg)
     params = SamplingParams(max_tokens=12)
