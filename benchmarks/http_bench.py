@@ -154,7 +154,10 @@ def server_side(before: dict[str, float], after: dict[str, float], seconds: floa
                 for p in ("schedule", "process", "execute", "recv")}
     pipelined = d.get("kestrel_engine_steps_total:pipelined", 0)
     ttft_n = d.get("kestrel_time_to_first_token_seconds_count", 0)
+    accepts = d.get("kestrel_spec_accept_length_count", 0)
     return {"steps_s": steps / seconds, "step_ms": per_step,
+            "extend_steps": d.get("kestrel_engine_steps_total:extend", 0),
+            "accept_mean": d.get("kestrel_spec_accept_length_sum", 0.0) / accepts if accepts else None,
             "wait_ms_per_pipelined_step": 1000 * d.get("kestrel_engine_step_seconds_total:wait", 0.0)
             / pipelined if pipelined else None,
             "pipelined_share": pipelined / steps,
@@ -240,13 +243,17 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
     for c in levels:
         batches = [[p] for p in prompts[:c1_prompts]] if c == 1 else [prompts[:c]]
         eng.generate(batches[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        reqs, t0 = [], time.perf_counter()
+        reqs, t0, steps0 = [], time.perf_counter(), dict(eng.mode_steps)
         for b in batches:
             reqs += eng.generate(b, params)
         seconds = time.perf_counter() - t0
         ttft = [r.first_token_time - r.arrival for r in reqs]
+        accepts = [a for r in reqs for a in r.accept_lengths]
+        steps = sum(eng.mode_steps.values()) - sum(steps0.values())
         out[c] = {"tok_s": sum(len(r.output_ids) for r in reqs) / seconds,
-                  "ttft_p50_ms": 1000 * pct(ttft, 0.5)}
+                  "ttft_p50_ms": 1000 * pct(ttft, 0.5), "steps_s": steps / seconds,
+                  "extend_steps": eng.mode_steps.get("extend", 0) - steps0.get("extend", 0),
+                  "accept_mean": sum(accepts) / len(accepts) if accepts else None}
         print(f"in-process batch {c}: {out[c]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return out
 
