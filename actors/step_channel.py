@@ -70,6 +70,7 @@ class StepServer:
         self.sock = socket.create_server((host, 0))
         self.address = (host, self.sock.getsockname()[1])
         self.steps = 0
+        self.serving = False  # an engine is connected (its queued steps may still run)
         self.thread = threading.Thread(target=self._serve, name="kestrel-step-channel", daemon=True)
         self.thread.start()
 
@@ -85,12 +86,14 @@ class StepServer:
         while True:
             conn, peer = self.sock.accept()
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.serving = True
             try:
                 self._run(conn)
             except OSError as e:
                 log.warning("step channel to %s closed: %s", peer, e)
             finally:
                 conn.close()
+                self.serving = False
 
     def _hello(self, conn: socket.socket) -> bool:
         header = _read_exact(conn, HEADER.size)

@@ -5,10 +5,11 @@
 
 A stand-in rank worker in its own process serves the step channel: every step takes
 --step-ms (a GPU of known speed) and returns random tokens (1 per request, or 1-3 with
---spec, as speculation accepts them). This process runs what an Engine replica runs for
-HTTP: the AsyncEngine (scheduler, step loop, request streams with the real tokenizer's
-detokenization) and the OpenAI FastAPI app under uvicorn; a client process streams chat
-completions at each stream count. Since the worker costs nothing but its sleep, every gap
+--spec, as speculation accepts them). The engine core (scheduler, step loop) runs in a
+second process, as its Ray actor does, and this process runs what an Engine replica runs
+for HTTP: the EngineClient (request streams with the real tokenizer's detokenization)
+and the OpenAI FastAPI app under uvicorn; a client process streams chat completions at
+each stream count. Since the worker costs nothing but its sleep, every gap
 between its steps is the control plane's: it reports steps/s against the 1000/step-ms a
 free control plane would reach, the worker's idle time before each queued step, tokens/s
 and SSE chunks/s. (Ray Serve's wrappers and HAProxy are not in this path: the
@@ -49,6 +50,23 @@ def _worker_main(conn, step_ms: float, max_accept: int) -> None:
     server.thread.join()
 
 
+def _core_main(conn, cfg_dict: dict, info: dict, address, token: str) -> None:
+    """Child process: the engine core (schedulers, step loop), as its Ray actor runs it."""
+    from configs.schema import KestrelConfig
+    from serve_app.engine_core import EngineCore
+    from serve_app.rank_channel import RankChannel
+
+    async def run():
+        cfg = KestrelConfig.model_validate(cfg_dict)
+        channel = await RankChannel.connect(*address, token, 0)
+        core = EngineCore(cfg, [info], [channel], info["eos_token_ids"])
+        host, port = await core.listen("127.0.0.1")
+        conn.send((host, port, core.token))
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
 def _client_main(conn, url: str, streams: list[int], max_tokens: int) -> None:
     from benchmarks.http_bench import DATA, load_questions, run_level
     qs = load_questions(Path(DATA), 80)
@@ -61,23 +79,26 @@ def _client_main(conn, url: str, streams: list[int], max_tokens: int) -> None:
     conn.send(("done", None))
 
 
-async def serve(cfg, address, token, port: int, stop: asyncio.Event) -> None:
-    import uvicorn
-
-    from actors.models.loader import default_model_path
-    from serve_app.async_engine import AsyncEngine
-    from serve_app.openai_server import OpenAIServer, build_api
-    from serve_app.rank_channel import RankChannel
-    from serve_app.tokenizer import load_tokenizer
-    tok = load_tokenizer(default_model_path())
+def engine_info(cfg) -> dict:
+    """What a RankWorker's info() would say for this configuration."""
     spec = cfg.draft.enabled
     page = cfg.kv_cache.page_size
     window = cfg.draft.window if spec else 1
-    info = {"num_slots": cfg.kv_cache.num_slots, "num_rows": cfg.scheduler.max_running_requests + 2,
+    return {"num_slots": cfg.kv_cache.num_slots, "num_rows": cfg.scheduler.max_running_requests + 2,
             "max_context": cfg.model.max_model_len + 2 * window + 2 * page, "window": window,
             "eos_token_ids": [2]}
-    channel = await RankChannel.connect(*address, token, 0)
-    engine = AsyncEngine(cfg, [info], [channel], tok)
+
+
+async def serve(cfg, front, port: int, stop: asyncio.Event) -> None:
+    """This process: the replica's front end (EngineClient, the OpenAI app, uvicorn)."""
+    import uvicorn
+
+    from actors.models.loader import default_model_path
+    from serve_app.engine_client import EngineClient
+    from serve_app.openai_server import OpenAIServer, build_api
+    from serve_app.tokenizer import load_tokenizer
+    tok = load_tokenizer(default_model_path())
+    engine = await EngineClient.connect(cfg, 1, *front, tok)
     server = uvicorn.Server(uvicorn.Config(build_api(OpenAIServer(cfg, engine, tok)), host="127.0.0.1",
                                            port=port, log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve())
@@ -111,6 +132,11 @@ def main(argv=None) -> None:
                          daemon=True)
     worker.start()
     address, token = parent.recv()
+    core_parent, core_child = ctx.Pipe()
+    core = ctx.Process(target=_core_main, daemon=True,
+                       args=(core_child, cfg.model_dump(mode="json"), engine_info(cfg), address, token))
+    core.start()
+    front = core_parent.recv()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cparent, cchild = ctx.Pipe()
@@ -119,7 +145,7 @@ def main(argv=None) -> None:
 
     async def run() -> None:
         stop = asyncio.Event()
-        srv = asyncio.create_task(serve(cfg, address, token, port, stop))
+        srv = asyncio.create_task(serve(cfg, front, port, stop))
         await asyncio.sleep(2.0)  # the tokenizer loads, uvicorn binds
         client.start()
         loop = asyncio.get_running_loop()
@@ -131,8 +157,8 @@ def main(argv=None) -> None:
             if kind == "start":
                 cpu0 = time.process_time()
                 continue
-            # This process's CPU time (the engine loop's, for all practical purposes) per
-            # SSE chunk: the figure to drive down, steadier than rates on a small machine.
+            # This process's CPU time (the front end's, for all practical purposes) per SSE
+            # chunk: the figure to drive down, steadier than rates on a small machine.
             chunks = level["chunks_s"] * level["seconds"]
             level["engine_cpu_us_per_chunk"] = 1e6 * (time.process_time() - cpu0) / max(1, chunks)
             levels.append(level)
@@ -142,6 +168,7 @@ def main(argv=None) -> None:
         await srv
 
     asyncio.run(run())
+    core.kill()
     worker.kill()
     ideal = 1000.0 / args.step_ms
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -152,7 +179,7 @@ def main(argv=None) -> None:
     print(f"\n{os.cpu_count()} cpus, a {args.step_ms:g} ms step, {'1-3 tokens' if args.spec else '1 token'} "
           f"per request per step, {args.max_tokens} tokens per stream\n")
     print("| streams | steps/s (free: %.0f) | worker idle ms / queued step | tok/s | chunks/s | "
-          "engine CPU us / chunk | per step ms: schedule, process | TTFT p50 ms | "
+          "front-end CPU us / chunk | per step ms: schedule, process | TTFT p50 ms | "
           "chunk gap p50 / p99 ms |" % ideal)
     print("|---|---|---|---|---|---|---|---|---|")
     for lv in levels:

@@ -1,4 +1,4 @@
-"""Building and running the Serve application: EngineDeployment (-> RankActors).
+"""Building and running the Serve application: EngineDeployment (-> engine core -> RankActors).
 
 - `build_app(cfg)`: the Application, with deployment options taken from the config
   (autoscaling, the engine's placement group, request limits). The Engine deployment is
@@ -81,9 +81,10 @@ def resolve_device(cfg: KestrelConfig) -> str:
 
 
 def engine_bundles(cfg: KestrelConfig) -> list[dict[str, float]]:
-    """Bundle 0 holds the Engine replica, bundle 1+rank the RankActor of DP rank `rank`."""
+    """Bundle 0 holds the Engine replica and its engine core (a CPU each), bundle 1+rank
+    the RankActor of DP rank `rank`."""
     rank_bundle = {"GPU": 1.0} if cfg.device == "cuda" else {"CPU": 1.0}
-    return [{"CPU": 1.0}] + [dict(rank_bundle) for _ in range(cfg.parallel.dp_size)]
+    return [{"CPU": 2.0}] + [dict(rank_bundle) for _ in range(cfg.parallel.dp_size)]
 
 
 def _merge_options(base: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:

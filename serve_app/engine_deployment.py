@@ -1,13 +1,14 @@
 """The Engine deployment: one replica = one engine = one DP group of RankActors, and the
 replica serves the OpenAI HTTP API itself.
 
-Each replica creates its RankActors (bundle 1+rank of its placement group), connects a
-step channel to each, and runs an AsyncEngine (schedulers and step loops) beside the
-FastAPI app of OpenAIServer, in one event loop. HTTP reaches the replica through Serve:
-with serve.http_proxy=haproxy, HAProxy forwards each connection straight to the
-replica's own HTTP server (Serve's direct ingress), so a token goes from the step loop to
-the client's socket without crossing another process; with `serve`, Serve's Python
-proxy relays it (one Ray hop per SSE chunk).
+Each replica starts an engine core (serve_app/engine_core.py: the schedulers and step
+loops, a Ray actor beside it in bundle 0 of its placement group) and its RankActors
+(bundle 1+rank), which the core drives over their step channels. The replica itself is
+the front end: the FastAPI app of OpenAIServer and an EngineClient on one event loop,
+which sends requests to the core and spreads each step's outputs over the requests'
+streams. HTTP reaches the replica through Serve: with serve.http_proxy=haproxy, HAProxy
+forwards each connection straight to the replica's own HTTP server (Serve's direct
+ingress); with `serve`, Serve's Python proxy relays it (one Ray hop per SSE chunk).
 """
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.rank_actor import RankActor
 from configs.schema import KestrelConfig
-from serve_app.async_engine import AsyncEngine
+from serve_app.engine_client import EngineClient
+from serve_app.engine_core import EngineCoreActor
 from serve_app.metrics import EngineGauges
 from serve_app.openai_server import OpenAIServer, build_api
-from serve_app.rank_channel import RankChannel
+from serve_app.tokenizer import stop_token_ids
 
 log = logging.getLogger("kestrel.engine")
 
@@ -74,32 +76,39 @@ class EngineDeployment:
         dp = cfg_obj.parallel.dp_size
         gpu = cfg_obj.resolved_device() == "cuda"
         pg = ray.util.get_current_placement_group()
-        ip = ray.util.get_node_ip_address()
+
+        def in_bundle(index: int) -> dict[str, Any]:
+            if pg is None or pg.bundle_count <= index:
+                return {}
+            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index)}
+
+        # Named for operators (and the fault tests): ray.get_actor(name, namespace="kestrel").
+        name = f"kestrel-{self._replica}"
+        self.core = EngineCoreActor.options(name=f"{name}-core", namespace="kestrel", num_cpus=1,
+                                            **in_bundle(0)).remote(cfg)
+        core_ip = await self.core.node_ip.remote()
         self.actors = []
         for rank in range(dp):
             opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": 1} if gpu else {"num_cpus": 1}
-            if pg is not None and pg.bundle_count > 1 + rank:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=1 + rank)
-            # Named for operators (and the fault tests): ray.get_actor(name, namespace="kestrel").
-            name = f"kestrel-{self._replica}-rank{rank}"
-            self.actors.append(RankActor.options(name=name, namespace="kestrel", **opts)
-                               .remote(cfg, rank, ip))
+            self.actors.append(RankActor.options(name=f"{name}-rank{rank}", namespace="kestrel",
+                                                 **opts, **in_bundle(1 + rank))
+                               .remote(cfg, rank, core_ip))
         # Load the tokenizer while the actors load their models.
         from actors.models.loader import default_model_path
         from serve_app.tokenizer import load_tokenizer
         tok_task = asyncio.to_thread(load_tokenizer, cfg_obj.model.path or default_model_path())
         infos, tokenizer = await asyncio.gather(
             asyncio.gather(*[a.info.remote() for a in self.actors]), tok_task)
-        channels = [await RankChannel.connect(i["channel"]["host"], i["channel"]["port"],
-                                              i["channel"]["token"], r)
-                    for r, i in enumerate(infos)]
-        self.engine = AsyncEngine(cfg_obj, infos, channels, tokenizer, ping=self._ping,
-                                  replica=self._replica)
+        eos = sorted(stop_token_ids(tokenizer, infos[0]["eos_token_ids"]))
+        front = await self.core.start.remote(infos, eos, ray.util.get_node_ip_address())
+        self.engine = await EngineClient.connect(
+            cfg_obj, dp, front["host"], front["port"], front["token"], tokenizer,
+            ping=self._ping, replica=self._replica)
         self.server = OpenAIServer(cfg_obj, self.engine, tokenizer)
         self._gauges_task = asyncio.create_task(self._publish_gauges(cfg_obj.model.name))
         # What is alive now lives as long as the replica: keep the collector off it, so
-        # its full passes do not pause the step loop walking a heap that never changes.
+        # its full passes do not pause the event loop walking a heap that never changes.
         gc.freeze()
         log.info("engine replica %s ready: dp_size=%d, HTTP %s, placement group %s, %s",
                  self._replica, dp, _http_path(), pg.id.hex() if pg is not None else None,
@@ -109,7 +118,8 @@ class EngineDeployment:
         return build_api(self.server)
 
     async def _ping(self) -> None:
-        await asyncio.wait_for(asyncio.gather(*[a.ping.remote() for a in self.actors]),
+        await asyncio.wait_for(asyncio.gather(self.core.check.remote(),
+                                              *[a.ping.remote() for a in self.actors]),
                                timeout=PING_TIMEOUT_S)
 
     async def _publish_gauges(self, model_name: str) -> None:
@@ -120,7 +130,7 @@ class EngineDeployment:
             return
         while True:
             try:
-                gauges.update(self.engine.stats())
+                gauges.update(await self.engine.stats())
             except Exception:
                 log.debug("gauge update failed", exc_info=True)
             await asyncio.sleep(GAUGE_PERIOD_S)
@@ -129,20 +139,19 @@ class EngineDeployment:
     async def check_health(self) -> None:
         await self.engine.check_health()
 
-    # `async` on purpose: Serve runs a deployment's plain `def` methods in a thread pool,
-    # and the scheduler state is only safe to read from the event loop that mutates it.
+    # `async`: the figures come from the engine core over the front channel.
     async def kv_stats(self) -> list[dict[str, int]]:
-        return self.engine.kv_stats()
+        return await self.engine.kv_stats()
 
     async def rank_stats(self) -> list[dict[str, Any]]:
-        return self.engine.rank_stats()
+        return await self.engine.rank_stats()
 
     async def num_running(self) -> int:
         """Requests this replica holds (queued, prefilling or decoding)."""
         return self.engine.num_requests()
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "http": _http_path()}
+        return {**(await self.engine.stats()), "http": _http_path()}
 
     # ---- shutdown ------------------------------------------------------------------------
     def __del__(self):
@@ -170,8 +179,9 @@ class EngineDeployment:
         task = getattr(self, "_gauges_task", None)
         if task is not None:
             task.cancel()
-        for a in getattr(self, "actors", []):
+        for a in [getattr(self, "core", None), *getattr(self, "actors", [])]:
             try:
-                ray.kill(a)
+                if a is not None:
+                    ray.kill(a)
             except Exception:
                 pass

@@ -105,7 +105,7 @@ class ServerMetrics:
 
 
 class _StepCollector:
-    """The engine's step counters (AsyncEngine.stats) as Prometheus counters, at scrape."""
+    """The engine core's step counters (EngineClient.stats) as Prometheus counters, at scrape."""
 
     def __init__(self, metrics: ServerMetrics):
         self.m = metrics

@@ -1,9 +1,8 @@
 """The OpenAI-compatible HTTP front end, served by every Engine replica itself.
 
 `OpenAIServer` holds the logic (validate, tokenize, chat template, fan out `n`, stream
-SSE, map errors to OpenAI bodies) and calls the replica's AsyncEngine in the same
-process and event loop: a request's tokens reach its HTTP response without another Ray
-hop. `build_api` puts it behind FastAPI routes. Every error a client can cause becomes a
+SSE, map errors to OpenAI bodies) and calls the replica's EngineClient in the same
+process and event loop: a request's tokens reach its HTTP response without a Ray hop. `build_api` puts it behind FastAPI routes. Every error a client can cause becomes a
 4xx with an OpenAI error body, and no request, however malformed, can take the server
 down.
 """
@@ -22,7 +21,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from configs.schema import KestrelConfig
-from serve_app.async_engine import EngineError, EngineUnavailable, QueueFull, RequestRejected
+from serve_app.engine_client import EngineError, EngineUnavailable, QueueFull, RequestRejected
 from serve_app.errors import KestrelAPIError, error_body, validation_error_body
 from serve_app.metrics import RequestTracker, ServerMetrics
 from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionMessage,
@@ -71,7 +70,7 @@ class _Choice:
 class OpenAIServer:
     def __init__(self, cfg: KestrelConfig, engine: Any, tokenizer: Any):
         self.cfg = cfg
-        self.engine = engine  # the replica's AsyncEngine (or a test double)
+        self.engine = engine  # the replica's EngineClient (or a test double)
         self.tokenizer = tokenizer
         self.model_name = cfg.model.name
         self.max_model_len = cfg.model.max_model_len
@@ -310,7 +309,7 @@ class OpenAIServer:
 
     async def metrics_text(self) -> Response:
         try:
-            self.metrics.update_engine(self.engine.stats())
+            self.metrics.update_engine(await self.engine.stats())
         except Exception as e:  # noqa: BLE001 - still serve the request metrics
             log.warning("could not read engine stats: %r", e)
         data, content_type = self.metrics.render()

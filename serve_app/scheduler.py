@@ -26,6 +26,17 @@ from serve_app.request import CoinStream, Request, RequestOutput
 log = logging.getLogger("kestrel.scheduler")
 
 
+def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
+    """ValueError if a prompt cannot run: empty, or no room left for one output token.
+    (The Serve engine's front end checks it too, before handing a request over.)"""
+    limit = max_model_len - 1
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) > limit:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model accepts "
+                         f"at most {limit} (model.max_model_len={max_model_len})")
+
+
 class Scheduler:
     def __init__(self, cfg: KestrelConfig, worker_info: dict, eos_token_ids: list[int],
                  detokenizer_factory=None):
@@ -58,12 +69,7 @@ class Scheduler:
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        limit = self.max_model_len - 1
-        if not req.prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(req.prompt_ids) > limit:
-            raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens; this model accepts "
-                             f"at most {limit} (model.max_model_len={self.max_model_len})")
+        check_prompt(req.prompt_ids, self.max_model_len)
         p = req.params
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
         req.max_output = min(p.max_tokens, self.max_model_len - len(req.prompt_ids))

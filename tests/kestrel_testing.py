@@ -1,7 +1,9 @@
 """Helpers shared by test modules (a plain module: `conftest` names clash across folders)."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -56,3 +58,38 @@ def require_compiled_triton(module, kernel_name: str) -> None:
         pytest.skip("triton is not installed")
     if type(getattr(module, kernel_name)).__name__ == "InterpretedFunction":
         pytest.skip("TRITON_INTERPRET=1: the kernels are not compiled for the GPU")
+
+
+class LocalEngine:
+    """The Serve engine without Serve, on the calling event loop: a StepServer running
+    `execute` on its thread (as a RankActor does), an EngineCore driving it over the step
+    channel, an EngineClient talking to the core over the front channel (real sockets)."""
+
+    def __init__(self, client, core, server):
+        self.client, self.core, self.server = client, core, server
+
+    @classmethod
+    async def start(cls, cfg, info: dict, execute, tokenizer, on_start=None) -> "LocalEngine":
+        from actors.step_channel import StepServer
+        from serve_app.engine_client import EngineClient
+        from serve_app.engine_core import EngineCore
+        from serve_app.rank_channel import RankChannel
+        from serve_app.tokenizer import stop_token_ids
+        server = StepServer(execute, on_start=on_start)
+        channel = await RankChannel.connect(*server.address, server.token, 0)
+        eos = sorted(stop_token_ids(tokenizer, info["eos_token_ids"]))
+        core = EngineCore(cfg, [info], [channel], eos)
+        host, port = await core.listen("127.0.0.1")
+        client = await EngineClient.connect(cfg, 1, host, port, core.token, tokenizer)
+        return cls(client, core, server)
+
+    async def stop(self) -> None:
+        self.client.stop()
+        self.core.stop()
+        # The steps already queued still run: wait until the server has read the closed
+        # channel, since a process that exits while a thread is inside a torch op aborts
+        # ("terminate called without an active exception").
+        deadline = time.monotonic() + 60
+        while self.server.serving and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not self.server.serving, "the step server still serves a closed channel"

@@ -1,6 +1,6 @@
 """The Serve engine's step path on the GPU: a RankWorker with CUDA graphs, the plan stream
 and the step graph runs its steps on the step channel's own thread (as in a RankActor),
-driven by AsyncEngine over a real socket with two steps in flight, and must give exactly
+driven by an EngineCore over a real socket with two steps in flight, and must give exactly
 what the same worker gives in-process (same batches, same graphs, greedy)."""
 import asyncio
 
@@ -17,11 +17,9 @@ def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, sp
     import torch
 
     from actors.rank_worker import RankWorker
-    from actors.step_channel import StepServer
     from configs.schema import load_config
-    from serve_app.async_engine import AsyncEngine
+    from kestrel_testing import LocalEngine
     from serve_app.llm_engine import LLMEngine
-    from serve_app.rank_channel import RankChannel
     from serve_app.request import SamplingParams
 
     cfg = load_config(overrides=H200 + (spec or ["draft.enabled=false"]))
@@ -31,19 +29,17 @@ def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, sp
     want = [r.output_ids for r in ref.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))]
 
     async def run():
-        dev = worker.device
-        server = StepServer(worker.execute, on_start=lambda: torch.cuda.set_device(dev))
-        host, port = server.address
-        channel = await RankChannel.connect(host, port, server.token, 0)
-        eng = AsyncEngine(cfg, [worker.info()], [channel], tokenizer)
-        streams = [eng.add_request(p, dict(max_tokens=48, ignore_eos=True), f"g{i}")
+        index = torch.cuda.current_device()  # the channel thread uses the worker's device
+        eng = await LocalEngine.start(cfg, worker.info(), worker.execute, tokenizer,
+                                      on_start=lambda: torch.cuda.set_device(index))
+        streams = [eng.client.add_request(p, dict(max_tokens=48, ignore_eos=True), f"g{i}")
                    for i, p in enumerate(prompts)]
 
         async def ids(stream):
             return [t async for out in stream for t in out.new_token_ids]
         got = await asyncio.gather(*(ids(s) for s in streams))
-        stats = eng.stats()
-        eng.stop()
+        stats = await eng.client.stats()
+        await eng.stop()
         return got, stats
 
     got, stats = asyncio.run(run())

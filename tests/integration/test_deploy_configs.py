@@ -57,7 +57,8 @@ def test_build_app_deployment_options():
                                        "serve.engine_autoscaling.target_ongoing_requests=5"])
     engine = build_app(cfg)._bound_deployment  # the engine is the app's HTTP ingress
     assert engine.name == "EngineDeployment"
-    assert engine._replica_config.placement_group_bundles == [{"CPU": 1.0}] * 3
+    # The replica and its engine core, then one bundle per DP rank.
+    assert engine._replica_config.placement_group_bundles == [{"CPU": 2.0}, {"CPU": 1.0}, {"CPU": 1.0}]
     assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
     auto = engine._deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 5)
@@ -66,4 +67,4 @@ def test_build_app_deployment_options():
 
     gpu = app_builder({"config": "h200.yaml", "set": {"parallel.dp_size": 2}})
     engine = gpu._bound_deployment
-    assert engine._replica_config.placement_group_bundles == [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    assert engine._replica_config.placement_group_bundles == [{"CPU": 2.0}, {"GPU": 1.0}, {"GPU": 1.0}]

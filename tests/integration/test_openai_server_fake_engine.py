@@ -1,4 +1,4 @@
-"""The HTTP front end's behaviour with a scripted engine in place of the AsyncEngine: API
+"""The HTTP front end's behaviour with a scripted engine in place of the EngineClient: API
 keys, queue-full statuses, error mapping, mid-stream failures. In-process (ASGI), fast."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from configs.schema import load_config
-from serve_app.async_engine import EngineUnavailable, QueueFull, RequestRejected
+from serve_app.engine_client import EngineUnavailable, QueueFull, RequestRejected
 from serve_app.openai_server import OpenAIServer, build_api
 from serve_app.request import RequestOutput
 from serve_app.request_stream import StreamFailed
@@ -43,7 +43,7 @@ class FakeStream:
 
 
 class FakeEngine:
-    """Stands in for AsyncEngine. script(prompt_ids, params, rid) -> outputs and errors; an
+    """Stands in for EngineClient. script(prompt_ids, params, rid) -> outputs and errors; an
     error first is raised by add_request itself (the request is not admitted)."""
 
     def __init__(self, script):
@@ -61,7 +61,7 @@ class FakeEngine:
     async def check_health(self):
         return None
 
-    def stats(self):
+    async def stats(self):
         return {"replica": "fake", "running": 0, "waiting": 0, "kv": [{"rank": 0, "free": 10, "capacity": 10}]}
 
 

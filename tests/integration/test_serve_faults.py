@@ -1,7 +1,7 @@
-"""Faults in the serving path: a RankActor killed mid-stream. Its step channel closes, so
-the streams it was serving end at once with an in-band error, new requests get a 503
-while the replica is down, and Serve replaces the replica (its health check fails), after
-which requests succeed again. A 1-layer random model with SmolLM2's tokenizer keeps the
+"""Faults in the serving path: a RankActor, or the engine core, killed mid-stream. Its
+channel closes, so the streams it was serving end at once with an in-band error, new
+requests get a 503 while the replica is down, and Serve replaces the replica (its health
+check fails), after which requests succeed again. A 1-layer random model with SmolLM2's tokenizer keeps the
 replacement's model load short."""
 from __future__ import annotations
 
@@ -17,7 +17,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 APP = "faults"
 
 
-def test_killed_rank_actor_fails_its_streams_fast_and_the_replica_comes_back(server, tmp_path):
+@pytest.mark.parametrize("victim,message", [
+    ("rank0", "rank 0"),  # its step channel closes under the engine core
+    ("core", "engine core closed its channel"),  # the front channel closes under the replica
+])
+def test_killed_actor_fails_its_streams_fast_and_the_replica_comes_back(server, tmp_path, victim, message):
     import ray
     from ray import serve
 
@@ -51,12 +55,12 @@ def test_killed_rank_actor_fails_its_streams_fast_and_the_replica_comes_back(ser
         assert started.wait(60), "the stream never started"
         time.sleep(0.5)
         killed_at = time.monotonic()
-        ray.kill(ray.get_actor(f"kestrel-{replica}-rank0", namespace="kestrel"))
+        ray.kill(ray.get_actor(f"kestrel-{replica}-{victim}", namespace="kestrel"))
         assert ended.wait(30), "the stream did not end within 30 s of the kill"
         assert ended_at[0] - killed_at < 10
         err = events[-1].get("error")
         assert err is not None, events[-1]  # in-band: the 200 status line had gone out
-        assert "rank 0" in err["message"] and "closed its step channel" in err["message"], err
+        assert message in err["message"] and "closed its" in err["message"], err
 
         # The replica is replaced; until then new requests are refused with a clear status.
         deadline = time.monotonic() + 180

@@ -1,19 +1,21 @@
-"""The step channel and the Serve engine's core without Serve: AsyncEngine drives a real
-RankWorker through a real socket (StepServer's thread, RankChannel's asyncio end), and
-must produce what the in-process engine produces; request streams detokenize and cut
-stop strings as the in-process scheduler does; a failing or vanished rank fails its
+"""The step channel and the Serve engine without Serve: an EngineCore drives a real
+RankWorker through a real socket (StepServer's thread, RankChannel's asyncio end), an
+EngineClient talks to the core over the front channel, and together they must produce
+what the in-process engine produces; request streams detokenize and cut stop strings as
+the in-process scheduler does; a failing or vanished rank, or a vanished core, fails the
 requests with its message, fast."""
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 
 from actors.step_channel import HEADER, StepServer, encode
 from actors.step_plan import StepOutput, StepPlan
 from configs.schema import load_config
-from serve_app.async_engine import AsyncEngine
+from kestrel_testing import LocalEngine
 from serve_app.llm_engine import LLMEngine
 from serve_app.rank_channel import RankChannel, RankFailed
 from serve_app.request import SamplingParams
@@ -27,12 +29,8 @@ def _cfg(*extra):
                                   "scheduler.max_running_requests=16", "draft.enabled=false", *extra])
 
 
-async def _engine(cfg, worker, tokenizer, execute=None):
-    server = StepServer(execute or worker.execute)
-    host, port = server.address
-    channel = await RankChannel.connect(host, port, server.token, 0)
-    info = {**worker.info(), "channel": {"host": host, "port": port, "token": server.token}}
-    return AsyncEngine(cfg, [info], [channel], tokenizer), server
+async def _engine(cfg, worker, tokenizer, execute=None) -> LocalEngine:
+    return await LocalEngine.start(cfg, worker.info(), execute or worker.execute, tokenizer)
 
 
 async def _collect(stream):
@@ -40,21 +38,25 @@ async def _collect(stream):
     return [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs), outs[-1]
 
 
-def test_async_engine_over_the_channel_equals_the_in_process_engine(fp32_worker, tokenizer, chat_prompts):
+def test_engine_core_over_the_channels_equals_the_in_process_engine(fp32_worker, tokenizer, chat_prompts):
     cfg = _cfg()
     params = [dict(max_tokens=24, ignore_eos=True), dict(max_tokens=16, stop=["you w", "xyz"]),
               dict(max_tokens=20, temperature=0.8, seed=7), dict(max_tokens=12)]
     prompts = chat_prompts[:4]
 
     async def run():
-        eng, server = await _engine(cfg, fp32_worker, tokenizer)
-        streams = [eng.add_request(p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        eng = await _engine(cfg, fp32_worker, tokenizer)
+        streams = [eng.client.add_request(p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
         results = await asyncio.gather(*(_collect(s) for s in streams))
-        await asyncio.sleep(0.05)  # the last plans' outputs come back and are processed
-        stats = eng.stats()
-        assert eng.num_requests() == 0 and not eng.streams
-        eng.stop()
-        return results, stats, server.steps
+        for _ in range(100):  # the last plan in flight comes back and is processed
+            stats = await eng.client.stats()
+            served = eng.server.steps
+            if stats["steps"]["extend"] + stats["steps"]["decode"] == served:
+                break
+            await asyncio.sleep(0.02)
+        assert eng.client.num_requests() == 0 and not eng.client.streams
+        await eng.stop()
+        return results, stats, served
 
     results, stats, served = asyncio.run(run())
     ref = LLMEngine(cfg, tokenizer=tokenizer, workers=[fp32_worker])
@@ -74,19 +76,19 @@ def test_kv_is_free_again_after_requests_and_a_cancel(fp32_worker, tokenizer, ch
     cfg = _cfg("kv_cache.prefix_caching=false")
 
     async def run():
-        eng, _ = await _engine(cfg, fp32_worker, tokenizer)
-        free0 = eng.kv_stats()[0]["free"]
-        keep = eng.add_request(chat_prompts[0], dict(max_tokens=8), "keep")
-        gone = eng.add_request(chat_prompts[1], dict(max_tokens=500, ignore_eos=True), "gone")
+        eng = await _engine(cfg, fp32_worker, tokenizer)
+        free0 = (await eng.client.kv_stats())[0]["free"]
+        keep = eng.client.add_request(chat_prompts[0], dict(max_tokens=8), "keep")
+        gone = eng.client.add_request(chat_prompts[1], dict(max_tokens=500, ignore_eos=True), "gone")
         await gone.__anext__()  # a first output, then the consumer goes away
         gone.cancel()
         await _collect(keep)
         for _ in range(50):
-            if eng.num_requests() == 0:
+            if (await eng.client.stats())["running"] == 0:
                 break
             await asyncio.sleep(0.02)
-        free1 = eng.kv_stats()[0]["free"]
-        eng.stop()
+        free1 = (await eng.client.kv_stats())[0]["free"]
+        await eng.stop()
         return free0, free1
 
     free0, free1 = asyncio.run(run())
@@ -104,16 +106,33 @@ def test_a_failing_step_fails_the_rank_with_its_message(fp32_worker, tokenizer, 
         return fp32_worker.execute(plan)
 
     async def run():
-        eng, _ = await _engine(cfg, fp32_worker, tokenizer, execute)
-        stream = eng.add_request(chat_prompts[0], dict(max_tokens=8), "a")
+        eng = await _engine(cfg, fp32_worker, tokenizer, execute)
+        stream = eng.client.add_request(chat_prompts[0], dict(max_tokens=8), "a")
         with pytest.raises(StreamFailed, match="illegal memory access"):
             await _collect(stream)
         with pytest.raises(RuntimeError, match="rank 0 failed"):
-            await eng.check_health()
-        eng.stop()
+            await eng.client.check_health()
+        await eng.stop()
 
     asyncio.run(run())
     assert "decode" in calls
+
+
+def test_a_vanished_core_fails_the_streams_at_once(fp32_worker, tokenizer, chat_prompts):
+    async def run():
+        eng = await _engine(_cfg(), fp32_worker, tokenizer)
+        stream = eng.client.add_request(chat_prompts[0], dict(max_tokens=400, ignore_eos=True), "a")
+        await stream.__anext__()
+        eng.core.writer.transport.abort()  # the core's process dies: its sockets close
+        t0 = time.monotonic()
+        with pytest.raises(StreamFailed, match="engine core closed its channel"):
+            await _collect(stream)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(Exception, match="engine core"):
+            eng.client.add_request(chat_prompts[0], dict(max_tokens=4), "b")
+        await eng.stop()
+
+    asyncio.run(run())
 
 
 def test_a_vanished_actor_is_seen_at_once():

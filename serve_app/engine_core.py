@@ -1,0 +1,259 @@
+"""The engine core: each DP rank's scheduler and step loop, in a process of their own.
+
+When the step loops shared the replica's event loop with the HTTP handlers, every
+stream's chunk (detokenization, SSE, a socket write: 120-180 us on the 2-core CPU) ran
+between two steps, and at 64 streams that work outgrew a step: the GPU waited ~1.4 ms per
+5 ms step on the H200 for its next plan. As in vLLM's engine core, the loops now run in
+a Ray actor of their own (EngineCoreActor, in the replica's placement group) that does
+nothing but steps; the replica's front end (serve_app/engine_client.py) sends it requests
+over the front channel and gets back one frame per step with every request's new tokens.
+When the front end falls behind, its streams carry several steps per chunk; the GPU does
+not wait for it.
+
+One step loop per rank: schedule -> send the plan down the rank's step channel (the next
+plan goes out before this one returns) -> receive the output -> process_output -> one
+"out" frame to the front end.
+
+Front channel frames (length-prefixed pickles, as the step channel's; the first frame
+from the front end must carry the core's token):
+  in:  ("add", (rank, rid, prompt_ids, sampling_params)), ("finish", (rid, reason)),
+       ("call", (call_id, name))  name: "kv_stats" | "rank_stats" | "stats"
+  out: ("out", [(rid, token_ids, finished, finish_reason, num_output_tokens, accept_lengths)]),
+       ("reply", (call_id, value)), ("reject", (rid, message)), ("failed", (rank, message))
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import socket
+import time
+from collections import deque
+from typing import Any
+
+import ray
+
+from actors.step_channel import HEADER, HELLO, OK, decode, encode
+from configs.schema import KestrelConfig
+from serve_app.rank_channel import RankChannel
+from serve_app.request import Request, RequestOutput, SamplingParams
+from serve_app.scheduler import Scheduler
+
+log = logging.getLogger("kestrel.engine")
+
+# Plans in flight per rank: the running one and the next, queued in its channel, so the
+# worker starts step N+1 the moment step N returns. The scheduler plans KV two windows
+# ahead for exactly this; a third would only add latency.
+MAX_IN_FLIGHT = 2
+STEP_PHASES = ("schedule", "process", "execute", "wait", "recv")
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[str, Any]:
+    (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    return decode(await reader.readexactly(n))
+
+
+class EngineCore:
+    def __init__(self, cfg: KestrelConfig, infos: list[dict], channels: list[RankChannel],
+                 eos_token_ids: list[int]):
+        """`infos`: each rank's RankWorker.info(); `channels`: connected, one per rank;
+        `eos_token_ids`: the model's and the tokenizer's. Call on the event loop that
+        will run the steps."""
+        self.cfg = cfg
+        self.channels = channels
+        self.schedulers = [Scheduler(cfg, info, eos_token_ids) for info in infos]
+        self.token = secrets.token_hex(16)
+        self.writer: asyncio.StreamWriter | None = None
+        self._outbox: list[tuple] = []  # this step's outputs, sent as one frame
+        # Per rank: seconds in each phase of a step (schedule and process here; execute,
+        # wait and recv as the actor measured them), and steps by mode. `wait` counts only
+        # plans sent while another was in flight: the time the GPU sat idle waiting on the
+        # control plane although its next step could have been queued.
+        self.step_seconds = [dict.fromkeys(STEP_PHASES, 0.0) for _ in infos]
+        self.step_counts = [{"extend": 0, "decode": 0, "pipelined": 0} for _ in infos]
+        self.failed: str | None = None
+        self._wake = [asyncio.Event() for _ in infos]
+        self.loops = [asyncio.create_task(self._run_rank(r), name=f"kestrel-rank-{r}")
+                      for r in range(len(infos))]
+
+    # ---- the front channel -------------------------------------------------------------
+    async def listen(self, host: str) -> tuple[str, int]:
+        """Serve one front end at a time on a free port of `host`."""
+        self.server = await asyncio.start_server(self._front, host, 0)
+        return host, self.server.sockets[0].getsockname()[1]
+
+    async def _front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        expected = encode(HELLO, self.token)
+        try:  # compared as bytes: nothing from an unknown peer is unpickled
+            hello = await reader.readexactly(len(expected))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        if not hmac.compare_digest(hello, expected):
+            log.warning("front channel: a connection without the core's token was refused")
+            writer.close()
+            return
+        self.writer = writer
+        writer.write(encode(OK, None))
+        try:
+            while True:
+                kind, payload = await read_frame(reader)
+                if kind == "add":
+                    self._add(*payload)
+                elif kind == "finish":
+                    rid, reason = payload
+                    for rank, s in enumerate(self.schedulers):
+                        if s.finish(rid, reason):
+                            self._wake[rank].set()
+                elif kind == "call":
+                    call_id, name = payload
+                    writer.write(encode("reply", (call_id, getattr(self, name)())))
+                self._flush()  # aborts answered at once
+        except (asyncio.IncompleteReadError, ConnectionError):
+            log.warning("front channel closed: aborting every request")
+            for s in self.schedulers:
+                s.abort_all()
+            self._outbox.clear()
+            self.writer = None
+
+    def _send(self, kind: str, payload: Any) -> None:
+        if self.writer is not None and not self.writer.is_closing():
+            self.writer.write(encode(kind, payload))
+
+    def _emit(self, out: RequestOutput) -> None:
+        self._outbox.append((out.rid, out.new_token_ids, out.finished, out.finish_reason,
+                             out.num_output_tokens, out.accept_lengths))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            self._send("out", self._outbox)
+            self._outbox = []
+
+    def _add(self, rank: int, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+        try:
+            req = Request(rid, prompt_ids, SamplingParams(**params), on_output=self._emit)
+            self.schedulers[rank].add_request(req)
+        except (TypeError, ValueError) as e:  # the front end checked; say so if it missed
+            self._send("reject", (rid, str(e)))
+            return
+        self._wake[rank].set()
+
+    # ---- calls -------------------------------------------------------------------------
+    def kv_stats(self) -> list[dict[str, int]]:
+        return [{"rank": r, "free": s.kv_free_slots(), "capacity": s.slots.capacity}
+                for r, s in enumerate(self.schedulers)]
+
+    def rank_stats(self) -> list[dict[str, Any]]:
+        """Per DP rank: requests held now, the scheduler's counters, step phase seconds."""
+        return [{"rank": r, "requests": s.num_requests, **s.stats,
+                 "step_seconds": dict(self.step_seconds[r]), "steps": dict(self.step_counts[r])}
+                for r, s in enumerate(self.schedulers)]
+
+    def stats(self) -> dict[str, Any]:
+        scheds = self.schedulers
+        return {"running": sum(len(s.running) + len(s.prefilling) for s in scheds),
+                "waiting": sum(len(s.waiting) for s in scheds),
+                "kv": self.kv_stats(),
+                "prompt_tokens_cached": sum(s.stats["prompt_tokens_cached"] for s in scheds),
+                "prompt_tokens_computed": sum(s.stats["prompt_tokens_computed"] for s in scheds),
+                "step_seconds": {p: sum(s[p] for s in self.step_seconds) for p in STEP_PHASES},
+                "steps": {k: sum(c[k] for c in self.step_counts)
+                          for k in ("extend", "decode", "pipelined")}}
+
+    def check(self) -> None:
+        """Raises if a rank failed or a step loop stopped."""
+        if self.failed:
+            raise RuntimeError(self.failed)
+        for r, task in enumerate(self.loops):
+            if task.done():
+                raise RuntimeError(f"the step loop of rank {r} stopped")
+
+    # ---- the step loop ---------------------------------------------------------------
+    async def _run_rank(self, rank: int) -> None:
+        sched, channel, wake = self.schedulers[rank], self.channels[rank], self._wake[rank]
+        seconds, counts = self.step_seconds[rank], self.step_counts[rank]
+        inflight: deque = deque()  # (plan, sent while another was in flight), in send order
+        try:
+            while True:
+                t0 = time.perf_counter()
+                while len(inflight) < MAX_IN_FLIGHT:
+                    plan = sched.schedule()
+                    if plan is None:
+                        break
+                    channel.send(plan)
+                    inflight.append((plan, bool(inflight)))
+                if not inflight and sched.has_work:
+                    # A decode plan that preempted every running request returns None with
+                    # the requests back in the queue: planning again prefills them.
+                    plan = sched.schedule()
+                    if plan is None:
+                        raise RuntimeError("the scheduler has requests but could not plan a step")
+                    channel.send(plan)
+                    inflight.append((plan, False))
+                seconds["schedule"] += time.perf_counter() - t0
+                if not inflight:
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                out = await channel.recv()
+                plan, pipelined = inflight.popleft()
+                t1 = time.perf_counter()
+                sched.process_output(plan, out)  # each request's outputs into the outbox
+                self._flush()
+                seconds["process"] += time.perf_counter() - t1
+                timings = out.timings
+                seconds["execute"] += timings.get(plan.mode, 0.0)
+                seconds["recv"] += timings.get("recv", 0.0)
+                counts[plan.mode] += 1
+                if pipelined:
+                    seconds["wait"] += timings.get("wait", 0.0)
+                    counts["pipelined"] += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # actor died, scheduler bug: fail this rank's requests loudly
+            log.exception("rank %d step loop failed", rank)
+            self.failed = f"engine rank {rank} failed: {type(e).__name__}: {e}"
+            self._send("failed", (rank, self.failed))
+            sched.abort_all()
+            self._outbox.clear()  # the front end fails those streams itself
+
+    def stop(self) -> None:
+        for task in self.loops:
+            task.cancel()
+        for ch in self.channels:
+            ch.close()
+        if getattr(self, "server", None) is not None:
+            self.server.close()
+
+
+@ray.remote
+class EngineCoreActor:
+    """EngineCore as a Ray actor, placed by its replica beside itself (bundle 0 of the
+    replica's placement group). Async: the step loops and the front channel run on the
+    actor's event loop between (and during) its method calls."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        self.cfg = KestrelConfig.model_validate(cfg)
+        self.core: EngineCore | None = None
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    async def start(self, infos: list[dict], eos_token_ids: list[int], front_ip: str) -> dict:
+        """Connect to every rank's step channel, start the step loops, listen for the
+        front end (on loopback when it runs on this node); returns where and the token."""
+        channels = [await RankChannel.connect(i["channel"]["host"], i["channel"]["port"],
+                                              i["channel"]["token"], r)
+                    for r, i in enumerate(infos)]
+        self.core = EngineCore(self.cfg, infos, channels, eos_token_ids)
+        ip = ray.util.get_node_ip_address()
+        host, port = await self.core.listen("127.0.0.1" if front_ip == ip else ip)
+        return {"host": host, "port": port, "token": self.core.token}
+
+    async def check(self) -> None:
+        self.core.check()
