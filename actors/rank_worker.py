@@ -23,6 +23,7 @@ from actors.sampler import sample_tokens
 from actors.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
 from kernels import layer_ops
+from kernels.compile_watch import CompileWatch
 
 log = logging.getLogger("kestrel.worker")
 
@@ -108,9 +109,15 @@ class RankWorker:
             self.decode_graphs = self._capture_decode_graphs(sizes)
             if self.eagle is not None:  # verify, draft decode and draft extend replay too
                 self.eagle.capture_graphs(sizes)
+        self.prefill_graphs = None
+        if cfg.attention.cuda_graphs and cfg.attention.prefill_graph_tokens:
+            self.capture_prefill_graphs(cfg.attention.prefill_graph_tokens)
         if self.device.type == "cuda":  # compile prefill's kernels now, not at a first request
             from actors.warmup import warm_up_prefill
             warm_up_prefill(self)
+        self.compiles = CompileWatch()
+        if self.device.type == "cuda":
+            self.compiles.arm()
 
     def _graph_batch_sizes(self) -> list[int]:
         if self.device.type != "cuda":
@@ -137,6 +144,21 @@ class RankWorker:
         log.info("rank %d: captured decode graphs for batch sizes %s in %.1fs",
                  self.rank, sizes, time.time() - t0)
         return runner
+
+    def capture_prefill_graphs(self, sizes: list[int], use_cuda_graph: bool | None = None) -> None:
+        """Replay one request's prefill chunks of up to max(sizes) tokens from now on
+        (actors/prefill_graph.py); on CPU (use_cuda_graph None) the eager stand-in."""
+        from actors.prefill_graph import PrefillGraphs
+        real = self.device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
+        backends = [self.target.backend] + ([self.eagle.extend_backend] if self.eagle else [])
+        if real and not all(b.plans_on_device for b in backends):
+            log.info("rank %d: no prefill graphs: attention.backend=%s plans on the host",
+                     self.rank, self.cfg.attention.backend)
+            return
+        graphs = PrefillGraphs(self, sizes, real)
+        with torch.inference_mode():
+            graphs.capture()
+        self.prefill_graphs = graphs
 
     def _num_slots(self) -> int:
         kv = self.cfg.kv_cache
@@ -171,6 +193,8 @@ class RankWorker:
         else:
             tokens = self._decode(plan)
         timings = {plan.mode: time.perf_counter() - t0}
+        if self.compiles.seconds:
+            timings["compile"] = self.compiles.take_seconds()
         if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
             timings.update(self.eagle.last_timings)
         return StepOutput(plan.step_id, tokens, timings)
@@ -190,6 +214,10 @@ class RankWorker:
                             rows, prefix, list(plan.extend_lens))
 
     def _extend(self, plan: StepPlan) -> list[list[int]]:
+        graphs = self.prefill_graphs
+        size = graphs.size_for(plan) if graphs is not None else None
+        if size is not None:
+            return graphs.run(plan, size)
         fb = self.extend_batch(plan)
         aux = self.eagle.aux_layers if self.eagle else ()
         hidden, aux_hidden = self.target.forward(fb, aux_layers=aux)

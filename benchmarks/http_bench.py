@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -151,7 +152,7 @@ def server_side(before: dict[str, float], after: dict[str, float], seconds: floa
     if not steps:
         return {}
     per_step = {p: 1000 * d.get(f"kestrel_engine_step_seconds_total:{p}", 0.0) / steps
-                for p in ("schedule", "process", "execute", "recv")}
+                for p in ("schedule", "process", "execute", "recv", "compile")}
     pipelined = d.get("kestrel_engine_steps_total:pipelined", 0)
     ttft_n = d.get("kestrel_time_to_first_token_seconds_count", 0)
     accepts = d.get("kestrel_spec_accept_length_count", 0)
@@ -261,7 +262,7 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
 def table(name: str, levels: list[dict]) -> str:
     head = ("| server | c | tok/s | in-process tok/s | HTTP / in-process | TTFT p50 / p99 ms | "
             "server TTFT ms | TPOT ms | chunk gap p50 / p99 ms | steps/s | per step ms: schedule, "
-            "process, execute, recv | wait ms / pipelined step |")
+            "process, execute, recv, compile | wait ms / pipelined step |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     def num(v, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -271,7 +272,7 @@ def table(name: str, levels: list[dict]) -> str:
         sv = lv.get("server") or {}
         ratio = lv["tok_s"] / ip["tok_s"] if ip.get("tok_s") else None
         st = sv.get("step_ms") or {}
-        phases = ", ".join(f"{st[p]:.2f}" for p in ("schedule", "process", "execute", "recv")) if st else "-"
+        phases = ", ".join(f"{st[p]:.2f}" for p in ("schedule", "process", "execute", "recv", "compile")) if st else "-"
         lines.append(
             f"| {name} | {lv['concurrency']} | {lv['tok_s']:.0f} | {num(ip.get('tok_s'), '.0f')} | "
             f"{num(ratio, '.2f')} | {lv['ttft_p50_ms']:.0f} / {lv['ttft_p99_ms']:.0f} | "
@@ -339,6 +340,7 @@ def main(argv=None) -> None:
     finally:
         if proc is not None:
             stop_server(proc)
+            shutil.copy(log, out / f"server_{name}.log")  # compile warnings, step errors
     if args.url is None and not args.no_in_process:
         ip = in_process(args.config, overrides, questions, args.concurrency, args.max_tokens,
                         args.c1_prompts)

@@ -87,12 +87,19 @@ class AttentionConfig(_Strict):
     # the future-map store (actors/spec/step_graph.py), where the backend plans on the
     # device (triton); false, or flashinfer: one graph per forward, eager ops between.
     spec_step_graph: bool = True
+    # With cuda_graphs: a prefill chunk of one request up to this many tokens replays as a
+    # graph padded to the next size here (actors/prefill_graph.py), so a short prompt's
+    # first token does not wait on some 400 kernel launches; [] turns it off.
+    prefill_graph_tokens: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512])
 
     @model_validator(mode="after")
     def _sizes(self) -> "AttentionConfig":
         if any(b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError("attention.cuda_graph_batch_sizes must be positive integers")
+        if any(t < 1 for t in self.prefill_graph_tokens):
+            raise ValueError("attention.prefill_graph_tokens must be positive integers")
         self.__dict__["cuda_graph_batch_sizes"] = sorted(set(self.cuda_graph_batch_sizes))
+        self.__dict__["prefill_graph_tokens"] = sorted(set(self.prefill_graph_tokens))
         return self
 
 

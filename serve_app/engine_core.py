@@ -46,7 +46,7 @@ log = logging.getLogger("kestrel.engine")
 # worker starts step N+1 the moment step N returns. The scheduler plans KV two windows
 # ahead for exactly this; a third would only add latency.
 MAX_IN_FLIGHT = 2
-STEP_PHASES = ("schedule", "process", "execute", "wait", "recv")
+STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile")
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[str, Any]:
@@ -208,6 +208,7 @@ class EngineCore:
                 timings = out.timings
                 seconds["execute"] += timings.get(plan.mode, 0.0)
                 seconds["recv"] += timings.get("recv", 0.0)
+                seconds["compile"] += timings.get("compile", 0.0)
                 counts[plan.mode] += 1
                 if pipelined:
                     seconds["wait"] += timings.get("wait", 0.0)
