@@ -69,6 +69,7 @@ class RankWorker:
     def __init__(self, cfg: KestrelConfig, rank: int = 0):
         self.cfg = cfg
         self.rank = rank
+        self.compiles = CompileWatch()  # armed once start-up has compiled what serving needs
         self.device = torch.device(cfg.resolved_device())
         self.dtype = resolve_dtype(cfg.model.dtype, self.device.type)
         if self.device.type == "cpu":
@@ -115,7 +116,6 @@ class RankWorker:
         if self.device.type == "cuda":  # compile prefill's kernels now, not at a first request
             from actors.warmup import warm_up_prefill
             warm_up_prefill(self)
-        self.compiles = CompileWatch()
         if self.device.type == "cuda":
             self.compiles.arm()
 
