@@ -31,6 +31,7 @@ from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompl
                                        sse_event)
 from serve_app.request import RequestOutput
 from serve_app.request_stream import StreamFailed
+from serve_app.tokenizer import apply_chat_template
 
 log = logging.getLogger("kestrel.http")
 
@@ -111,6 +112,16 @@ class OpenAIServer:
         if body.model is not None and body.model != self.model_name:
             raise KestrelAPIError.model_not_found(body.model)
         return body
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The messages through the model's chat template, as token ids."""
+        try:
+            return apply_chat_template(self.tokenizer, [m.for_template() for m in body.messages],
+                                       add_generation_prompt=body.add_generation_prompt,
+                                       continue_final_message=body.continue_final_message)
+        except Exception as e:  # a template may reject a conversation (e.g. role order)
+            raise KestrelAPIError.bad_request(f"The chat template rejected the messages: {e}",
+                                              param="messages") from None
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -217,13 +228,7 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
-        from serve_app.tokenizer import apply_chat_template
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            ids = apply_chat_template(self.tokenizer, messages)
-        except Exception as e:  # a template may reject a conversation (e.g. role order)
-            raise KestrelAPIError.bad_request(f"The chat template rejected the messages: {e}",
-                                              param="messages") from None
+        ids = self.chat_prompt(body)
         self.check_prompt(ids, "messages")
         request_id = make_id("chatcmpl")
         choices = self.make_choices(body, [ids], request_id)
@@ -245,7 +250,8 @@ class OpenAIServer:
         body: CompletionRequest = await self.parse(request, CompletionRequest)
         prompts: list[list[int]] = []
         for i, p in enumerate(body.prompts()):
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            ids = (self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens)
+                   if isinstance(p, str) else list(p))
             self.check_prompt(ids, "prompt" if len(body.prompts()) == 1 else f"prompt.{i}")
             prompts.append(ids)
         request_id = make_id("cmpl")
