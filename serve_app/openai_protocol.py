@@ -178,7 +178,7 @@ class ChatMessage(RejectedMessageFields):
 
 
 class ChatTemplateFields(RequestModel):
-    """How the messages become a prompt (extensions, as vLLM)."""
+    """How the messages become a prompt (extensions, as vLLM; also on /tokenize)."""
 
     add_generation_prompt: bool = True  # end with the assistant turn's header
     continue_final_message: bool = False  # end inside the last message, which generation extends

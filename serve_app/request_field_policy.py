@@ -153,7 +153,7 @@ class RejectedSamplingFields(RequestModel):
 
 
 class RejectedTemplateFields(RequestModel):
-    """vLLM's chat-template inputs."""
+    """vLLM's chat-template inputs (chat and /tokenize with messages)."""
 
     tools: list[Any] | None = None
     add_special_tokens: bool | None = None

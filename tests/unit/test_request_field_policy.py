@@ -10,6 +10,8 @@ from pydantic import ValidationError
 
 from serve_app.errors import validation_error_body
 from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from serve_app.tokenize_protocol import (DetokenizeRequest, TokenizeChatRequest,
+                                         TokenizePromptRequest, tokenize_request_model)
 
 MSGS = [{"role": "user", "content": "Hi"}]
 CHAT = {"messages": MSGS}
@@ -157,6 +159,9 @@ def test_every_openai_sdk_field_is_declared():
     (CompletionRequest, COMPLETION, "max_completion_tokens"),
     (CompletionRequest, COMPLETION, "metadata"),
     (CompletionRequest, COMPLETION, "tools"),
+    (TokenizePromptRequest, {"prompt": "x"}, "foo"),
+    (TokenizeChatRequest, CHAT, "max_tokens"),
+    (DetokenizeRequest, {"tokens": [1]}, "foo"),
 ])
 def test_unknown_field_is_400_naming_it(cls, base, field):
     err = rejected(cls, {**base, field: 1})
@@ -310,3 +315,25 @@ def test_completion_add_special_tokens_defaults_on():
     assert CompletionRequest.model_validate(COMPLETION).add_special_tokens is True
     assert CompletionRequest.model_validate({**COMPLETION, "add_special_tokens": False}) \
         .add_special_tokens is False
+
+
+# ----------------------------------------------------------------- /tokenize, /detokenize bodies
+
+
+def test_tokenize_bodies():
+    assert tokenize_request_model({"prompt": "x"}) is TokenizePromptRequest
+    assert tokenize_request_model({"messages": MSGS}) is TokenizeChatRequest
+    p = TokenizePromptRequest.model_validate({"prompt": ""})
+    assert (p.add_special_tokens, p.return_token_strs) == (True, False)
+    c = TokenizeChatRequest.model_validate({"messages": MSGS})
+    assert (c.add_generation_prompt, c.continue_final_message) == (True, False)
+    for field, value in [("add_special_tokens", True), ("chat_template", "x"), ("tools", [{}]),
+                         ("continue_final_message", True)]:
+        assert rejected(TokenizeChatRequest, {"messages": MSGS, field: value})["param"] == field
+    assert rejected(TokenizeChatRequest, {"messages": []})["param"] == "messages"
+    assert rejected(TokenizePromptRequest, {})["param"] == "prompt"
+
+
+@pytest.mark.parametrize("tokens", [[1, True], [1, "2"], [1.5], "1 2", None])
+def test_detokenize_wants_integer_ids(tokens):
+    assert rejected(DetokenizeRequest, {"tokens": tokens})["param"] == "tokens"
