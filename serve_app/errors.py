@@ -122,6 +122,10 @@ def _one_message(err: dict[str, Any]) -> tuple[str | None, str]:
         msg = msg[len("Value error, "):]
     elif err.get("type") == "missing":
         msg = "field required"
+    elif err.get("type") == "extra_forbidden":
+        # A field no model declares: neither OpenAI's nor vLLM's (request_field_policy.py).
+        msg = (f"{param or 'this field'} is not supported by Kestrel (not a field of this "
+               "request in the OpenAI or vLLM API); remove it")
     elif err.get("type") not in ("value_error", "assertion_error"):
         got = _short_input(err.get("input"))
         if got is not None:

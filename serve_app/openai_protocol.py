@@ -6,8 +6,13 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (BaseModel, Field, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
+
+from serve_app.request_field_policy import (NoEffectChatFields, NoEffectFields,
+                                            RejectedChatFields, RejectedCompletionFields,
+                                            RejectedMessageFields, RejectedSamplingFields,
+                                            RequestModel, unsupported)
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -24,30 +29,23 @@ def _now() -> int:
     return int(time.time())
 
 
-class _Request(BaseModel):
-    # OpenAI clients send fields we don't model (e.g. `metadata`, `store`); ignore them.
-    model_config = ConfigDict(extra="ignore")
+def _no_bool(v: Any) -> Any:
+    # pydantic would read true as 1; a bool where a number belongs is a client bug.
+    if isinstance(v, bool):
+        raise ValueError("expected an integer, got a boolean")
+    return v
 
 
-def _unsupported(name: str, hint: str):
-    """Field validator rejecting any non-default value: silently ignoring a penalty or a
-    logprobs request would return something other than what the client asked for."""
-
-    def check(cls, v: Any) -> Any:
-        is_zero = isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0
-        if v is None or v is False or is_zero or v == {} or v == []:
-            return v
-        raise ValueError(f"{name} is not supported by Kestrel ({hint})")
-
-    return field_validator(name, mode="before")(check)
-
-
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+    _no_obfuscation = unsupported("include_obfuscation", "Kestrel's chunks carry no "
+                                  "obfuscation field; omit it or send false", False)
 
 
-class SamplingFields(_Request):
-    """Fields shared by chat and text completions."""
+class SamplingFields(NoEffectFields, RejectedSamplingFields):
+    """Fields shared by chat and text completions that Kestrel honours."""
 
     model: str | None = None  # None = the served model
     max_tokens: int | None = Field(None, ge=1)
@@ -61,23 +59,11 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
-    user: str | None = None
-    # Accepted only at their defaults (see _unsupported).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-
-    _no_presence = _unsupported("presence_penalty", "omit it or send 0")
-    _no_frequency = _unsupported("frequency_penalty", "omit it or send 0")
-    _no_logit_bias = _unsupported("logit_bias", "omit it")
 
     @field_validator("n", "max_tokens", "top_k", "seed", mode="before")
     @classmethod
     def _no_bool_ints(cls, v: Any) -> Any:
-        # pydantic would read true as 1; a bool here is a client bug worth reporting.
-        if isinstance(v, bool):
-            raise ValueError("expected an integer, got a boolean")
-        return v
+        return _no_bool(v)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -142,7 +128,7 @@ class SamplingFields(_Request):
 # --------------------------------------------------------------------------- chat
 
 
-class ChatMessage(_Request):
+class ChatMessage(RejectedMessageFields):
     """One input message. `content` is normalized to plain text: OpenAI also allows a list
     of parts, of which Kestrel accepts only {"type": "text", "text": ...}."""
 
@@ -174,79 +160,85 @@ class ChatMessage(_Request):
             for i, part in enumerate(v):
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ValueError(f"content part {i} has type {kind!r}; only text parts are supported")
+                    raise ValueError(f"content part {i} has type {kind!r}, which is not supported "
+                                     "by Kestrel (it serves text models); send text parts only")
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f"content part {i} needs a string 'text'")
+                extra = sorted(set(part) - {"type", "text"})
+                if extra:
+                    raise ValueError(f"content part {i} has {extra[0]!r}, which is not supported "
+                                     "by Kestrel; send only 'type' and 'text'")
                 texts.append(part["text"])
             return "\n".join(texts)
         raise ValueError("content must be a string or a list of text parts")
 
+    def for_template(self) -> dict[str, Any]:
+        """What the chat template sees (the rejected fields are null or empty)."""
+        return self.model_dump(include={"role", "content", "name"}, exclude_none=True)
 
-class ChatCompletionRequest(SamplingFields):
+
+class ChatTemplateFields(RequestModel):
+    """How the messages become a prompt (extensions, as vLLM; also on /tokenize)."""
+
+    add_generation_prompt: bool = True  # end with the assistant turn's header
+    continue_final_message: bool = False  # end inside the last message, which generation extends
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_prompt(cls, v: bool, info: ValidationInfo) -> bool:
+        # add_generation_prompt is declared first, so it is already in info.data.
+        if v and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message extends the last message, so it needs "
+                             "add_generation_prompt false")
+        return v
+
+
+class ChatCompletionRequest(SamplingFields, NoEffectChatFields, RejectedChatFields,
+                            ChatTemplateFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-
-    _no_logprobs = _unsupported("logprobs", "omit it or send false")
-    _no_top_logprobs = _unsupported("top_logprobs", "omit it")
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name of max_tokens
 
     @field_validator("max_completion_tokens", mode="before")
     @classmethod
     def _no_bool_max(cls, v: Any) -> Any:
-        if isinstance(v, bool):
-            raise ValueError("expected an integer, got a boolean")
-        return v
+        return _no_bool(v)
 
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("tools")
+    @field_validator("max_completion_tokens")
     @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tools are not supported by Kestrel")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and v.get("type", "text") != "text":
-            raise ValueError(f"response_format type {v.get('type')!r} is not supported by Kestrel")
+    def _one_limit(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # max_tokens is declared first (SamplingFields), so it is already in info.data.
+        other = info.data.get("max_tokens")
+        if v is not None and other is not None and v != other:
+            raise ValueError(f"max_completion_tokens ({v}) and max_tokens ({other}) differ; "
+                             "they are two names of one limit, send one of them")
         return v
 
     def _requested_max_tokens(self) -> int | None:
-        # max_completion_tokens is OpenAI's newer name and wins when both are sent.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 # --------------------------------------------------------------------------- completions
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, RejectedCompletionFields):
     # str | list[int] | list[str] (batch) | list[list[int]] (batch)
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = None  # accepted when it equals n: every sample is returned
+    add_special_tokens: bool = True  # extension (as vLLM): tokenizer's BOS etc. on text prompts
 
-    _no_logprobs = _unsupported("logprobs", "omit it")
-    _no_suffix = _unsupported("suffix", "omit it")
-
-    @field_validator("echo")
+    @field_validator("best_of", mode="before")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported by Kestrel; send echo=false")
-        return v
+    def _no_bool_best_of(cls, v: Any) -> Any:
+        return _no_bool(v)
 
     @field_validator("best_of")
     @classmethod
-    def _best_of(cls, v: int | None) -> int | None:
-        if v is not None and v > 1:
-            raise ValueError("best_of > 1 is not supported by Kestrel; use n")
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # n is declared first (SamplingFields), so it is already in info.data.
+        n = info.data.get("n")
+        if v is not None and n is not None and v != n:
+            raise ValueError(f"best_of ({v}) other than n ({n}) is not supported by Kestrel "
+                             "(it returns every sample it draws); omit it or send best_of = n")
         return v
 
     @field_validator("prompt", mode="before")

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front end, served by every Engine replica itself.
 
 `OpenAIServer` holds the logic (validate, tokenize, chat template, fan out `n`, stream
-SSE, map errors to OpenAI bodies) and calls the replica's EngineClient in the same
+SSE, map errors to OpenAI bodies; vLLM's /tokenize and /detokenize) and calls the replica's EngineClient in the same
 process and event loop: a request's tokens reach its HTTP response without a Ray hop. `build_api` puts it behind FastAPI routes. Every error a client can cause becomes a
 4xx with an OpenAI error body, and no request, however malformed, can take the server
 down.
@@ -31,12 +31,16 @@ from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompl
                                        sse_event)
 from serve_app.request import RequestOutput
 from serve_app.request_stream import StreamFailed
+from serve_app.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+                                         TokenizeResponse, tokenize_request_model)
+from serve_app.tokenizer import apply_chat_template
 
 log = logging.getLogger("kestrel.http")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # larger bodies get 413 before being parsed
 HEALTH_TIMEOUT_S = 10.0
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
+              "/health", "/metrics"}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _END = object()
 
@@ -94,6 +98,9 @@ class OpenAIServer:
             raise KestrelAPIError.unauthorized("Invalid API key")
 
     async def parse(self, request: Request, model: type) -> Any:
+        return self.validate(await self.read_json(request), model)
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise KestrelAPIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes")
@@ -103,6 +110,9 @@ class OpenAIServer:
             raise KestrelAPIError.bad_request("The request body is not valid JSON") from None
         if not isinstance(data, dict):
             raise KestrelAPIError.bad_request("The request body must be a JSON object")
+        return data
+
+    def validate(self, data: dict[str, Any], model: type) -> Any:
         try:
             body = model.model_validate(data)
         except ValidationError as e:
@@ -111,6 +121,22 @@ class OpenAIServer:
         if body.model is not None and body.model != self.model_name:
             raise KestrelAPIError.model_not_found(body.model)
         return body
+
+    def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+        """The messages through the model's chat template, as token ids."""
+        try:
+            return apply_chat_template(self.tokenizer, [m.for_template() for m in body.messages],
+                                       add_generation_prompt=body.add_generation_prompt,
+                                       continue_final_message=body.continue_final_message)
+        except Exception as e:  # a template may reject a conversation (e.g. role order)
+            raise KestrelAPIError.bad_request(f"The chat template rejected the messages: {e}",
+                                              param="messages") from None
+
+    def check_vocab(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise KestrelAPIError.bad_request(
+                f"Token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -121,10 +147,7 @@ class OpenAIServer:
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                 f"has {len(ids)} tokens (at most {limit} leave room for one generated token)",
                 param=param)
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise KestrelAPIError.bad_request(
-                f"Token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
+        self.check_vocab(ids, param)
 
     def make_choices(self, body: Any, prompts: list[list[int]], request_id: str) -> list[_Choice]:
         """n choices per prompt, indexed prompt-major as OpenAI does; seeded requests get
@@ -217,13 +240,7 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
-        from serve_app.tokenizer import apply_chat_template
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            ids = apply_chat_template(self.tokenizer, messages)
-        except Exception as e:  # a template may reject a conversation (e.g. role order)
-            raise KestrelAPIError.bad_request(f"The chat template rejected the messages: {e}",
-                                              param="messages") from None
+        ids = self.chat_prompt(body)
         self.check_prompt(ids, "messages")
         request_id = make_id("chatcmpl")
         choices = self.make_choices(body, [ids], request_id)
@@ -245,7 +262,8 @@ class OpenAIServer:
         body: CompletionRequest = await self.parse(request, CompletionRequest)
         prompts: list[list[int]] = []
         for i, p in enumerate(body.prompts()):
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            ids = (self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens)
+                   if isinstance(p, str) else list(p))
             self.check_prompt(ids, "prompt" if len(body.prompts()) == 1 else f"prompt.{i}")
             prompts.append(ids)
         request_id = make_id("cmpl")
@@ -293,6 +311,25 @@ class OpenAIServer:
         finally:
             for st in streams:  # a client that hung up: abort now, not when this is collected
                 st.cancel()
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a text prompt, or the prompt chat would build from messages."""
+        self.check_auth(request)
+        data = await self.read_json(request)
+        body = self.validate(data, tokenize_request_model(data))
+        if isinstance(body, TokenizeChatRequest):
+            ids = self.chat_prompt(body)
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
+                                             tokens=ids, token_strs=strs).model_dump())
+
+    async def detokenize(self, request: Request) -> Response:
+        self.check_auth(request)
+        body: DetokenizeRequest = await self.parse(request, DetokenizeRequest)
+        self.check_vocab(body.tokens, "tokens")
+        return JSONResponse(DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens)).model_dump())
 
     def models(self, request: Request) -> Response:
         self.check_auth(request)
@@ -372,6 +409,14 @@ def build_api(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await server.completions(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await server.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await server.detokenize(request)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -56,9 +56,13 @@ def load_tokenizer(path: str) -> Any:
     return tok
 
 
-def apply_chat_template(tok: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Chat messages -> prompt token ids ending with the assistant turn header, as plain ints."""
-    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def apply_chat_template(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> list[int]:
+    """Chat messages -> prompt token ids, as plain ints: by default ending with the assistant
+    turn header; with continue_final_message, ending inside the last message (no end-of-turn)
+    so that generation extends it."""
+    out = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, tokenize=True)
     # transformers 5 returns a BatchEncoding (return_dict defaults on); 4.x returns a list.
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):
         out = out["input_ids"]

@@ -2,90 +2,21 @@
 keys, queue-full statuses, error mapping, mid-stream failures. In-process (ASGI), fast."""
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import pytest
+from fake_engine import FakeEngine, call, echo_script, tokens
 
 from configs.schema import load_config
 from serve_app.engine_client import EngineUnavailable, QueueFull, RequestRejected
-from serve_app.openai_server import OpenAIServer, build_api
-from serve_app.request import RequestOutput
 from serve_app.request_stream import StreamFailed
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-class FakeStream:
-    """Stands in for a RequestStream: yields the scripted outputs, raises scripted errors."""
-
-    def __init__(self, items):
-        self.items = list(items)
-        self.cancelled = False  # cancelled before its outputs ran out
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        await asyncio.sleep(0)
-        if not self.items:
-            raise StopAsyncIteration
-        item = self.items.pop(0)
-        if isinstance(item, BaseException):
-            self.items = []
-            raise item
-        return item
-
-    def cancel(self):
-        if self.items:
-            self.cancelled = True
-
-
-class FakeEngine:
-    """Stands in for EngineClient. script(prompt_ids, params, rid) -> outputs and errors; an
-    error first is raised by add_request itself (the request is not admitted)."""
-
-    def __init__(self, script):
-        self.script = script
-        self.streams: list[FakeStream] = []
-
-    def add_request(self, ids, params, rid):
-        items = self.script(ids, params, rid)
-        if items and isinstance(items[0], BaseException):
-            raise items[0]
-        s = FakeStream(items)
-        self.streams.append(s)
-        return s
-
-    async def check_health(self):
-        return None
-
-    async def stats(self):
-        return {"replica": "fake", "running": 0, "waiting": 0, "kv": [{"rank": 0, "free": 10, "capacity": 10}]}
-
-
-def tokens(rid, text, n, finished=False, reason=None):
-    return RequestOutput(rid, list(range(n)), text, finished, reason, 3, n)
-
-
-def echo_script(ids, params, rid):
-    return [tokens(rid, "Hello", 1), tokens(rid, " world", 2, True, "length")]
-
-
 def make_client(script=echo_script, *overrides):
     cfg = load_config(overrides=["device=cpu", *overrides])
     return cfg, FakeEngine(script)
-
-
-async def _request(tokenizer, cfg, engine, method, path, **kw):
-    app = build_api(OpenAIServer(cfg, engine, tokenizer))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        return await c.request(method, path, **kw)
-
-
-def call(tokenizer, cfg, engine, method, path, **kw) -> httpx.Response:
-    return asyncio.run(_request(tokenizer, cfg, engine, method, path, **kw))
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -44,7 +44,7 @@ def test_full_chat_request():
     req = chat(max_tokens=50, temperature=0, top_p=0.9, top_k=40, seed=3, stop="###",
                stop_token_ids=[2, 2, 7], n=3, stream=True, stream_options={"include_usage": True},
                presence_penalty=0, frequency_penalty=0.0, logprobs=False, user="u1",
-               ignore_eos=True, metadata={"x": 1}, store=False)  # unknown fields ignored
+               ignore_eos=True, metadata={"x": 1}, store=False)  # no-effect fields accepted
     assert req.include_usage_in_stream
     sp = req.to_sampling_params(default_max_tokens=16)
     assert sp == {"max_tokens": 50, "temperature": 0.0, "top_p": 0.9, "top_k": 40, "seed": 3,
@@ -62,9 +62,10 @@ def test_content_parts_and_roles():
     assert req.messages[2].content == ""
 
 
-def test_max_completion_tokens_wins_and_top_k_zero_is_off():
-    sp = chat(max_tokens=10, max_completion_tokens=20, top_k=0).to_sampling_params(5)
+def test_max_completion_tokens_is_max_tokens_and_top_k_zero_is_off():
+    sp = chat(max_completion_tokens=20, top_k=0).to_sampling_params(5)
     assert sp["max_tokens"] == 20 and sp["top_k"] == -1
+    assert chat(max_tokens=7, max_completion_tokens=7).to_sampling_params(5)["max_tokens"] == 7
 
 
 def test_stop_list_normalized():

@@ -1,0 +1,238 @@
+"""Request fields of the OpenAI and vLLM APIs that Kestrel does not act on.
+
+Every field a client may send is one of three kinds: honoured (declared in
+serve_app/openai_protocol.py), accepted here because it changes nothing about the output,
+or declared here and rejected with a 400 naming it unless it carries its neutral value.
+Any other field is a 400 too (`extra="forbid"`). Nothing is dropped silently: a client
+that asks for a penalty, logprobs or a JSON schema must learn that it did not get one.
+The lists follow OpenAI's Chat Completions and Completions references and vLLM's "Extra
+Parameters" of its OpenAI-compatible server; docs/serve.md repeats them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+
+class RequestModel(BaseModel):
+    """A request body: a field Kestrel does not know is an error, never dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _same(v: Any, neutral: Any) -> bool:
+    # In Python True == 1 and False == 0: a bool only matches a bool.
+    return isinstance(v, bool) == isinstance(neutral, bool) and v == neutral
+
+
+def unsupported(name: str, hint: str, *neutral: Any):
+    """Field validator rejecting every value but null and `neutral` (those that ask for
+    nothing beyond what Kestrel does anyway): silently ignoring a penalty or a logprobs
+    request would return something other than what the client asked for."""
+
+    def check(cls, v: Any) -> Any:
+        if v is None or any(_same(v, n) for n in neutral):
+            return v
+        raise ValueError(f"{name} is not supported by Kestrel ({hint})")
+
+    return field_validator(name, mode="before")(check)
+
+
+# --------------------------------------------------------------------------- accepted
+
+
+class NoEffectFields(RequestModel):
+    """Both endpoints: an end-user id, for OpenAI's abuse monitoring."""
+
+    user: str | None = None
+
+
+class NoEffectChatFields(RequestModel):
+    """Chat only: bookkeeping and routing hints of OpenAI's service; the output is the same
+    with or without them. `parallel_tool_calls` only matters with tools, which are
+    rejected; the prompt cache hints are moot as Kestrel's prefix cache is automatic."""
+
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+
+
+# --------------------------------------------------------------------------- rejected
+
+
+class RejectedSamplingFields(RequestModel):
+    """Both endpoints (OpenAI's, then vLLM's extra sampling and request fields)."""
+
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logits_processors: list[Any] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: Any = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    priority: int | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+    _presence = unsupported("presence_penalty", "omit it or send 0", 0)
+    _frequency = unsupported("frequency_penalty", "omit it or send 0", 0)
+    _logit_bias = unsupported("logit_bias", "omit it", {})
+    _format = unsupported("response_format", "Kestrel has no constrained decoding; "
+                          "omit it or send {\"type\": \"text\"}", {"type": "text"})
+    _beam = unsupported("use_beam_search", "Kestrel samples; omit it or send false", False)
+    _length_penalty = unsupported("length_penalty", "it applies to beam search only; "
+                                  "omit it or send 1", 1)
+    _repetition = unsupported("repetition_penalty", "omit it or send 1", 1)
+    _min_p = unsupported("min_p", "use top_p or top_k; omit it or send 0", 0)
+    _min_tokens = unsupported("min_tokens", "omit it or send 0", 0)
+    _bad_words = unsupported("bad_words", "omit it", [])
+    _allowed = unsupported("allowed_token_ids", "omit it")
+    _processors = unsupported("logits_processors", "omit it", [])
+    _stop_str = unsupported("include_stop_str_in_output", "the stop string is never part "
+                            "of the output; omit it or send false", False)
+    _skip_special = unsupported("skip_special_tokens", "special tokens are always left out "
+                                "of the text; omit it or send true", True)
+    _spaces_special = unsupported("spaces_between_special_tokens", "omit it or send true", True)
+    _truncate = unsupported("truncate_prompt_tokens", "a prompt longer than the context is "
+                            "a 400; omit it and shorten the prompt yourself")
+    _truncation_side = unsupported("truncation_side", "Kestrel does not truncate prompts; "
+                                   "omit it")
+    _prompt_logprobs = unsupported("prompt_logprobs", "omit it")
+    _structured = unsupported("structured_outputs", "Kestrel has no constrained decoding; omit it")
+    _guided_json = unsupported("guided_json", "Kestrel has no constrained decoding; omit it")
+    _guided_regex = unsupported("guided_regex", "Kestrel has no constrained decoding; omit it")
+    _guided_choice = unsupported("guided_choice", "Kestrel has no constrained decoding; omit it")
+    _guided_grammar = unsupported("guided_grammar", "Kestrel has no constrained decoding; "
+                                  "omit it")
+    _guided_backend = unsupported("guided_decoding_backend", "Kestrel has no constrained "
+                                  "decoding; omit it")
+    _guided_whitespace = unsupported("guided_whitespace_pattern", "Kestrel has no constrained "
+                                     "decoding; omit it")
+    _structural_tag = unsupported("structural_tag", "Kestrel has no constrained decoding; "
+                                  "omit it")
+    _tokens_as_ids = unsupported("return_tokens_as_token_ids", "Kestrel returns no logprobs; "
+                                 "omit it or send false", False)
+    _token_ids = unsupported("return_token_ids", "omit it or send false", False)
+    _priority = unsupported("priority", "requests are served first come, first served; "
+                            "omit it or send 0", 0)
+    _request_id = unsupported("request_id", "Kestrel makes its own response ids; omit it")
+    _cache_salt = unsupported("cache_salt", "the prefix cache is shared by all requests; "
+                              "omit it")
+    _kv_transfer = unsupported("kv_transfer_params", "Kestrel has no disaggregated prefill; "
+                               "omit it")
+    _xargs = unsupported("vllm_xargs", "omit it", {})
+
+
+class RejectedTemplateFields(RequestModel):
+    """vLLM's chat-template inputs (chat and /tokenize with messages)."""
+
+    tools: list[Any] | None = None
+    add_special_tokens: bool | None = None
+    documents: list[Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+
+    _tools = unsupported("tools", "Kestrel has no tool calling; omit it", [])
+    _special = unsupported("add_special_tokens", "the chat template adds the special tokens; "
+                           "omit it or send false", False)
+    _documents = unsupported("documents", "put the documents in a message; omit it")
+    _template = unsupported("chat_template", "Kestrel uses the model's chat template; omit it")
+    _template_kwargs = unsupported("chat_template_kwargs", "omit it", {})
+    _mm_kwargs = unsupported("mm_processor_kwargs", "Kestrel serves text models; omit it", {})
+    _media_kwargs = unsupported("media_io_kwargs", "Kestrel serves text models; omit it", {})
+
+
+class RejectedChatFields(RejectedTemplateFields):
+    """Chat only (OpenAI's, then vLLM's)."""
+
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    moderation: dict[str, Any] | None = None
+    echo: bool | None = None
+
+    _logprobs = unsupported("logprobs", "omit it or send false", False)
+    _top_logprobs = unsupported("top_logprobs", "omit it", 0)
+    _tool_choice = unsupported("tool_choice", "Kestrel has no tool calling; omit it or send "
+                               "\"none\"", "none")
+    _functions = unsupported("functions", "Kestrel has no function calling; omit it", [])
+    _function_call = unsupported("function_call", "Kestrel has no function calling; omit it "
+                                 "or send \"none\"", "none")
+    _modalities = unsupported("modalities", "Kestrel generates text only; omit it or send "
+                              "[\"text\"]", ["text"])
+    _audio = unsupported("audio", "Kestrel generates text only; omit it")
+    _prediction = unsupported("prediction", "omit it")
+    _web_search = unsupported("web_search_options", "Kestrel has no web search; omit it")
+    _reasoning = unsupported("reasoning_effort", "omit it")
+    _verbosity = unsupported("verbosity", "omit it")
+    _moderation = unsupported("moderation", "Kestrel runs no moderation; omit it")
+    _echo = unsupported("echo", "omit it or send false", False)
+
+
+class RejectedCompletionFields(RequestModel):
+    """Completions only (OpenAI's, then vLLM's)."""
+
+    echo: bool | None = None
+    logprobs: int | None = None  # 0 asks for the sampled token's logprob: not neutral
+    suffix: str | None = None
+    prompt_embeds: Any = None
+
+    _echo = unsupported("echo", "omit it or send false", False)
+    _logprobs = unsupported("logprobs", "omit it")
+    _suffix = unsupported("suffix", "Kestrel does not fill in the middle; omit it", "")
+    _prompt_embeds = unsupported("prompt_embeds", "send the prompt as text or token ids")
+
+
+class RejectedMessageFields(RequestModel):
+    """Fields of a chat message beyond role, content and name: tool and audio turns."""
+
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
+    audio: Any = None
+
+    _tool_calls = unsupported("tool_calls", "Kestrel has no tool calling; omit it", [])
+    _tool_call_id = unsupported("tool_call_id", "Kestrel has no tool calling; omit it")
+    _function_call = unsupported("function_call", "Kestrel has no function calling; omit it")
+    _refusal = unsupported("refusal", "put the text in content; omit it")
+    _audio = unsupported("audio", "Kestrel serves text models; omit it")

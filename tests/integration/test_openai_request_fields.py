@@ -1,0 +1,234 @@
+"""No silent drops, over HTTP: the official `openai` client (vLLM's fields through
+extra_body) against the real FastAPI app on a socket, a scripted engine behind it. A
+field Kestrel does not act on is a 400 naming it and reaches no engine; a field it accepts
+or honours shows in what the engine is asked to do."""
+from __future__ import annotations
+
+import openai
+import pytest
+from fake_engine import BosTokenizer, FakeEngine, Recorder, call, serve_over_http
+
+from configs.schema import load_config
+from serve_app.openai_server import OpenAIServer, build_api
+from serve_app.tokenizer import apply_chat_template
+
+MODEL = "SmolLM2-135M-Instruct"
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer):
+    recorder = Recorder()
+    app = build_api(OpenAIServer(load_config(overrides=["device=cpu"]), FakeEngine(recorder),
+                                 tokenizer))
+    with serve_over_http(app) as url:
+        yield url, recorder
+
+
+@pytest.fixture
+def engine_asked(served) -> list:
+    """(prompt ids, sampling params) of each request the engine got during the test."""
+    served[1].requests.clear()
+    return served[1].requests
+
+
+@pytest.fixture
+def client(served):
+    with openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=kw.pop("messages", MSGS),
+                                          max_tokens=kw.pop("max_tokens", 2), **kw)
+
+
+def complete(client, **kw):
+    return client.completions.create(model=MODEL, prompt="Once", max_tokens=2, **kw)
+
+
+def assert_rejected(err: openai.BadRequestError, param: str) -> None:
+    assert err.status_code == 400 and err.param == param, (err.param, err.message)
+    assert "not supported by Kestrel" in err.message and param in err.message
+
+
+# ----------------------------------------------------------------- rejected
+
+
+CHAT_REJECTED = [  # (param, the client's own keyword arguments)
+    ("presence_penalty", {"presence_penalty": 0.5}),
+    ("frequency_penalty", {"frequency_penalty": 0.5}),
+    ("logit_bias", {"logit_bias": {"50256": -100}}),
+    ("logprobs", {"logprobs": True}),
+    ("top_logprobs", {"top_logprobs": 2}),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("tool_choice", {"tool_choice": "required"}),
+    ("functions", {"functions": [{"name": "f"}]}),
+    ("response_format", {"response_format": {"type": "json_object"}}),
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}),
+    ("modalities", {"modalities": ["text", "audio"]}),
+    ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
+    ("prediction", {"prediction": {"type": "content", "content": "Hello"}}),
+    ("web_search_options", {"web_search_options": {}}),
+    ("reasoning_effort", {"reasoning_effort": "low"}),
+    ("verbosity", {"verbosity": "low"}),
+]
+VLLM_REJECTED = [  # (param, extra_body), both endpoints
+    ("min_p", {"min_p": 0.1}),
+    ("repetition_penalty", {"repetition_penalty": 1.2}),
+    ("length_penalty", {"length_penalty": 0.5}),
+    ("use_beam_search", {"use_beam_search": True}),
+    ("min_tokens", {"min_tokens": 3}),
+    ("bad_words", {"bad_words": ["no"]}),
+    ("allowed_token_ids", {"allowed_token_ids": [1, 2]}),
+    ("include_stop_str_in_output", {"include_stop_str_in_output": True}),
+    ("skip_special_tokens", {"skip_special_tokens": False}),
+    ("spaces_between_special_tokens", {"spaces_between_special_tokens": False}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 8}),
+    ("prompt_logprobs", {"prompt_logprobs": 1}),
+    ("structured_outputs", {"structured_outputs": {"choice": ["a", "b"]}}),
+    ("guided_json", {"guided_json": {"type": "object"}}),
+    ("guided_regex", {"guided_regex": "[ab]"}),
+    ("guided_choice", {"guided_choice": ["a", "b"]}),
+    ("guided_grammar", {"guided_grammar": "root ::= 'a'"}),
+    ("priority", {"priority": 1}),
+    ("cache_salt", {"cache_salt": "tenant"}),
+    ("foo", {"foo": 1}),  # no API has it
+]
+
+
+@pytest.mark.parametrize("param,kwargs", CHAT_REJECTED, ids=[p for p, _ in CHAT_REJECTED])
+def test_chat_fields_kestrel_cannot_honour_are_400(client, engine_asked, param, kwargs):
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, **kwargs)
+    assert_rejected(ei.value, param)
+    assert engine_asked == []
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("param,extra", VLLM_REJECTED, ids=[p for p, _ in VLLM_REJECTED])
+def test_vllm_fields_kestrel_cannot_honour_are_400(client, engine_asked, endpoint, param, extra):
+    with pytest.raises(openai.BadRequestError) as ei:
+        (chat if endpoint == "chat" else complete)(client, extra_body=extra)
+    assert_rejected(ei.value, param)
+    assert engine_asked == []
+
+
+@pytest.mark.parametrize("param,kwargs", [
+    ("echo", {"echo": True}),
+    ("logprobs", {"logprobs": 0}),
+    ("suffix", {"suffix": "}"}),
+    ("best_of", {"best_of": 2}),
+    ("presence_penalty", {"presence_penalty": 1.0}),
+    ("logit_bias", {"logit_bias": {"1": 5}}),
+])
+def test_completion_fields_kestrel_cannot_honour_are_400(client, engine_asked, param, kwargs):
+    with pytest.raises(openai.BadRequestError) as ei:
+        complete(client, **kwargs)
+    assert_rejected(ei.value, param)
+    assert engine_asked == []
+
+
+def test_streamed_request_is_refused_before_it_streams(client, engine_asked):
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, stream=True, extra_body={"min_p": 0.2})
+    assert_rejected(ei.value, "min_p")
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, stream=True, stream_options={"include_usage": True, "include_obfuscation": True})
+    assert ei.value.param == "stream_options.include_obfuscation"
+    assert engine_asked == []
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    {"type": "file", "file": {"file_id": "file-1"}},
+])
+def test_non_text_content_parts_are_400(client, engine_asked, part):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, messages=messages)
+    assert ei.value.param == "messages.0.content" and part["type"] in ei.value.message
+    assert engine_asked == []
+
+
+def test_tool_turns_are_400(client):
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, messages=[*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
+    assert ei.value.param == "messages.1.tool_calls"
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, messages=[*MSGS, {"role": "tool", "content": "42", "tool_call_id": "c1"}])
+    assert ei.value.param.startswith("messages.1.")
+
+
+# ----------------------------------------------------------------- accepted, honoured
+
+
+def test_no_effect_fields_change_nothing(client, engine_asked):
+    chat(client, temperature=0)
+    chat(client, temperature=0, user="u-1", metadata={"k": "v"}, store=True,
+         service_tier="default", parallel_tool_calls=False, tool_choice="none",
+         response_format={"type": "text"}, presence_penalty=0, logprobs=False,
+         extra_body={"repetition_penalty": 1.0, "min_p": 0, "skip_special_tokens": True})
+    plain, decorated = engine_asked
+    assert decorated == plain
+
+
+def test_include_usage_is_honoured(client):
+    chunks = list(chat(client, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_max_completion_tokens_is_max_tokens(client, engine_asked):
+    client.chat.completions.create(model=MODEL, messages=MSGS, max_completion_tokens=7)
+    chat(client, max_tokens=7, max_completion_tokens=7)
+    assert [params["max_tokens"] for _, params in engine_asked] == [7, 7]
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, max_tokens=7, max_completion_tokens=8)
+    assert ei.value.param == "max_completion_tokens"
+
+
+def test_best_of_equal_to_n(client, engine_asked):
+    resp = complete(client, n=2, best_of=2)
+    assert len(resp.choices) == 2 and len(engine_asked) == 2
+
+
+def test_text_parts_are_joined(client, engine_asked, tokenizer):
+    chat(client, messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                         {"type": "text", "text": "b"}]}])
+    (ids, _), = engine_asked
+    assert ids == apply_chat_template(tokenizer, [{"role": "user", "content": "a\nb"}])
+
+
+def test_chat_template_fields_are_honoured(client, engine_asked, tokenizer):
+    messages = [*MSGS, {"role": "assistant", "content": "Hel"}]
+    chat(client, messages=messages)
+    chat(client, messages=messages, extra_body={"add_generation_prompt": False})
+    chat(client, messages=messages, extra_body={"add_generation_prompt": False,
+                                                "continue_final_message": True})
+    got = [ids for ids, _ in engine_asked]
+    assert got == [apply_chat_template(tokenizer, messages),
+                   apply_chat_template(tokenizer, messages, add_generation_prompt=False),
+                   apply_chat_template(tokenizer, messages, add_generation_prompt=False,
+                                       continue_final_message=True)]
+    assert len(set(map(tuple, got))) == 3
+    assert tokenizer.decode(got[2]).endswith("Hel")
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, messages=messages, extra_body={"continue_final_message": True})
+    assert ei.value.param == "continue_final_message"
+
+
+def test_completion_add_special_tokens_is_honoured(tokenizer):
+    recorder = Recorder()
+    cfg = load_config(overrides=["device=cpu"])
+    bos = BosTokenizer(tokenizer)
+    for flag in (None, True, False):
+        body = {"prompt": "Once", "max_tokens": 2}
+        if flag is not None:
+            body["add_special_tokens"] = flag
+        r = call(bos, cfg, FakeEngine(recorder), "POST", "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+    plain = tokenizer.encode("Once", add_special_tokens=False)
+    assert [ids for ids, _ in recorder.requests] == [[bos.BOS, *plain], [bos.BOS, *plain], plain]
