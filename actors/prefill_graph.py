@@ -1,30 +1,34 @@
-"""One request's short prefill chunk as CUDA graphs, padded to a captured token count.
+"""Prefill chunks as CUDA graphs: B requests, each padded to T tokens, B x T within a budget.
 
-Decode replays graphs, but a prefill ran eagerly: for a 135M model that is some 400 kernel
-launches, and on the H200 the host issuing them, not the GPU, set a short prompt's time to
-first token. Here a chunk of one request with at most max(sizes) tokens replays as the
-graph of the next captured size T:
+Decode replays graphs, but a prefill ran eagerly: for a 135M model some 400 kernel launches,
+and on the H200 the host issuing them, not the GPU, set the time to first token (17 ms for
+a 66-token prompt, 1.5 ms replayed). A prefill step whose B chunks are each at most
+max(token_sizes) long replays as the graph of the next captured batch size and the next
+captured chunk length T, when the padded size B x T is within `max_tokens`:
 
-  target graph  ids[:T] at positions prefix.. -> the last real row's logits [1, V] fp32,
-                and the features the draft head reads [T, F]
-  (sampling)    eager, as for any batch: the request's own temperature, top-p, coins
-  draft graph   (speculation) draft extend over the chunk, ids shifted by one with the
-                token after the chunk last -> the next top-k and hidden state
+  target graph  lane b's ids at [b*T, b*T + n_b), positions prefix_b.. -> each lane's
+                last real row's logits [B, V] fp32, and the features the draft head
+                reads [B*T, F], into buffers every size shares
+  (sampling)    eager, as for any batch: each request's temperature, top-p, coins
+  draft graph   (speculation) draft extend over the chunks, ids shifted by one with the
+                token after each chunk last -> the next top-k and hidden state
 
-Padded tokens (rows n..T-1) sit after the real ones: causal attention hides them from
-every real token, their keys go to slot 0 (reserved) and their outputs are never read.
-Attention reads request keys through req_to_token[row, 0:prefix+T], so a chunk runs
-padded only when prefix + T fits the row. The graphs read one static input buffer
-(ids, row, prefix, real length, next id), filled by one host-to-device copy per chunk.
+Padding sits after each lane's real tokens, and padded lanes are row 0 (reserved) with one
+token: causal attention hides padding from every real token, padded keys go to slot 0
+(reserved) and padded outputs are never read. Attention reads lane b's keys through
+req_to_token[row_b, 0:prefix_b+T], so a chunk runs padded only when prefix_b + T fits the
+row. The graphs read one static input buffer (ids, rows, prefixes, real lengths, next
+ids), filled by one host-to-device copy per step.
 
-On CPU the "graphs" are the bodies run on the same static buffers (how tests compare
-the padded path to the eager one).
+On CPU the "graphs" are the bodies run on the same static buffers (how tests compare the
+padded path to the eager one).
 """
 from __future__ import annotations
 
 import logging
 import time
 
+import numpy as np
 import torch
 
 from actors.cuda_graph_runner import EagerGraph, capture_cuda_graph, padded_size
@@ -37,108 +41,138 @@ log = logging.getLogger("kestrel.worker")
 
 
 class PrefillGraphs:
-    def __init__(self, worker, sizes: list[int], use_cuda_graph: bool):
+    def __init__(self, worker, batch_sizes: list[int], token_sizes: list[int], max_tokens: int,
+                 use_cuda_graph: bool):
         self.w = worker
         self.eagle = worker.eagle
-        self.sizes = sorted(set(sizes))
+        self.token_sizes = sorted(set(token_sizes))
+        self.max_tokens = max_tokens
+        self.shapes = [(b, t) for b in sorted(set(batch_sizes)) for t in self.token_sizes
+                       if b * t <= max_tokens]
+        if not self.shapes:
+            raise ValueError(f"no prefill graph fits attention.prefill_graph_max_tokens={max_tokens}")
+        self.batch_sizes = sorted({b for b, _ in self.shapes})
         self.use_cuda_graph = use_cuda_graph
-        M = self.sizes[-1]
-        self.M = M
-        # ids [M], then row, prefix, real length, next id: one copy fills them all.
-        self.inputs = torch.zeros(M + 4, dtype=torch.int64, device=worker.device)  # [M+4] int64
+        dev = worker.device
+        M = max(b * t for b, t in self.shapes)
+        R = self.batch_sizes[-1]
+        self.M, self.R = M, R
+        # ids [M], then rows, prefixes, real lengths, next ids [R] each: one copy fills all.
+        self.inputs = torch.zeros(M + 4 * R, dtype=torch.int64, device=dev)  # [M+4R] int64
         self.ids = self.inputs[:M]
-        self.row, self.prefix = self.inputs[M:M + 1], self.inputs[M + 1:M + 2]  # [1] int64 each
-        self.length, self.next_id = self.inputs[M + 2:M + 3], self.inputs[M + 3:M + 4]
-        self.token = torch.zeros(1, dtype=torch.int64, device=worker.device)  # [1] sampled first token
-        self._target: dict[int, object] = {}
-        self._draft: dict[int, object] = {}
+        self.rows, self.prefix, self.length, self.next_id = self.inputs[M:].view(4, R)  # [R] int64 each
+        self.token = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] sampled first tokens
+        self.logits = torch.zeros(R, worker.arch.vocab_size, dtype=torch.float32, device=dev)  # [R, V]
+        self.feats = None
+        if self.eagle is not None:
+            self.feats = torch.zeros(M, self.eagle.feature_size, dtype=worker.dtype, device=dev)  # [M, F]
+        self._target: dict[tuple[int, int], object] = {}
+        self._draft: dict[tuple[int, int], object] = {}
 
-    def size_for(self, plan: StepPlan) -> int | None:
-        """The captured size a plan's chunk replays at, or None (eager)."""
-        if len(plan.rows) != 1:
+    def shape_for(self, plan: StepPlan) -> tuple[int, int] | None:
+        """The captured (batch, chunk length) a plan's chunks replay at, or None (eager)."""
+        B = len(plan.rows)
+        bs = padded_size(self.batch_sizes, B)
+        T = padded_size(self.token_sizes, max(plan.extend_lens)) if B else None
+        if bs is None or T is None or bs * T > self.max_tokens:
             return None
-        T = padded_size(self.sizes, plan.extend_lens[0])
-        if T is None or plan.prefix_lens[0] + T > self.w.max_context:
+        if max(plan.prefix_lens) + T > self.w.max_context:
             return None
-        return T
+        return bs, T
 
     # ---- bodies ---------------------------------------------------------------------
-    def _batch(self, T: int, mode: ForwardMode, ids: torch.Tensor, hidden_in=None) -> ForwardBatch:
+    def _batch(self, B: int, T: int, mode: ForwardMode, ids: torch.Tensor,
+               hidden_in=None) -> ForwardBatch:
+        rows, prefix, length = self.rows[:B], self.prefix[:B], self.length[:B]
         offs = torch.arange(T, dtype=torch.int64, device=self.inputs.device)  # [T] int64
-        positions = self.prefix + offs  # [T] int64
-        slots = self.w.req_to_token.req_to_token[self.row, positions]  # [T] int64
-        loc = torch.where(offs < self.length, slots, torch.zeros_like(slots))  # padding -> slot 0
-        return ForwardBatch(mode, ids, positions, loc, self.row, self.prefix, [T],
+        pos = prefix[:, None] + offs[None, :]  # [B, T] int64
+        slots = self.w.req_to_token.req_to_token[rows[:, None], pos]  # [B, T] int64
+        loc = torch.where(offs[None, :] < length[:, None], slots, torch.zeros_like(slots))
+        return ForwardBatch(mode, ids, pos.reshape(-1), loc.reshape(-1), rows, prefix, [T] * B,
                             hidden_in=hidden_in)
 
-    def _target_body(self, T: int):
-        w = self.w
-        aux_layers = self.eagle.aux_layers if self.eagle else ()
-        hidden, aux = w.target.forward(self._batch(T, ForwardMode.EXTEND, self.ids[:T]),
-                                       aux_layers=aux_layers)
-        last = self.length - 1  # [1] int64
-        logits = w.model.compute_logits(hidden[last])  # [1, V] fp32
-        feats = self.eagle._features(hidden, aux) if self.eagle else None  # [T, F]
-        return logits, feats
+    def _last(self, B: int, T: int) -> torch.Tensor:
+        """Each lane's last real row in the flattened [B*T] chunk: [B] int64."""
+        lanes = torch.arange(B, dtype=torch.int64, device=self.inputs.device)
+        return lanes * T + self.length[:B] - 1
 
-    def _draft_body(self, T: int, feats: torch.Tensor):
+    def _target_body(self, B: int, T: int) -> None:
+        w = self.w
+        fb = self._batch(B, T, ForwardMode.EXTEND, self.ids[:B * T])
+        hidden, aux = w.target.forward(fb, aux_layers=self.eagle.aux_layers if self.eagle else ())
+        self.logits[:B].copy_(w.model.compute_logits(hidden[self._last(B, T)]))
+        if self.eagle is not None:
+            self.feats[:B * T].copy_(self.eagle._features(hidden, aux))
+
+    def _draft_body(self, B: int, T: int):
         e = self.eagle
-        last = self.length - 1  # [1] int64
-        nxt = torch.where(self.next_id >= 0, self.next_id, self.token)  # [1] int64
-        shifted = torch.roll(self.ids[:T], -1).index_copy(0, last, nxt)  # [T] int64
-        fb = self._batch(T, ForwardMode.DRAFT_EXTEND, draft_extend_ids(shifted), hidden_in=feats)
-        h = e.runner.forward(fb, hidden_in=feats)  # [T, H]
-        last_h = h[last]  # [1, H]
+        last = self._last(B, T)
+        nxt = torch.where(self.next_id[:B] >= 0, self.next_id[:B], self.token[:B])  # [B] int64
+        shifted = self.ids[:B * T].view(B, T).roll(-1, 1).reshape(-1).index_copy(0, last, nxt)
+        feats = self.feats[:B * T]
+        fb = self._batch(B, T, ForwardMode.DRAFT_EXTEND, draft_extend_ids(shifted), hidden_in=feats)
+        h = e.runner.forward(fb, hidden_in=feats)  # [B*T, H]
+        last_h = h[last]  # [B, H]
         topk_p, topk_index = e.head.topk(last_h, e.K)
         return topk_p, topk_index, last_h
 
     # ---- capture and replay ---------------------------------------------------------
     def capture(self) -> None:
-        """Record both graphs of every size, largest first (smaller ones reuse its pool)."""
+        """Record both graphs of every shape, largest first (smaller ones reuse its pool)."""
         t0 = time.time()
-        self.inputs.zero_()
-        self.length.fill_(1)  # capture on row 0 (reserved): only slot 0 is written
+        self._fill_padding()
         pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
         stream = torch.cuda.Stream(self.w.device) if self.use_cuda_graph else None
-        for T in reversed(self.sizes):
-            self._target[T] = self._record(lambda _, T=T: self._target_body(T), pool, stream)
+        for B, T in sorted(self.shapes, key=lambda s: -s[0] * s[1]):
+            self._target[B, T] = self._record(lambda _, B=B, T=T: self._target_body(B, T), pool, stream)
             if self.eagle is not None:
-                # The CUDA graph reads the target graph's static features; the eager
-                # stand-in reads whatever its last replay produced.
-                self._draft[T] = self._record(
-                    lambda _, T=T: self._draft_body(T, self._target[T].output[1]), pool, stream)
+                self._draft[B, T] = self._record(lambda _, B=B, T=T: self._draft_body(B, T), pool, stream)
         if self.use_cuda_graph:
             torch.cuda.synchronize(self.w.device)
-        log.info("rank %d: captured prefill graphs for chunks of up to %s tokens in %.1fs%s",
-                 self.w.rank, self.sizes, time.time() - t0,
+        log.info("rank %d: captured %d prefill graphs (batches %s x chunks %s, at most %d tokens) "
+                 "in %.1fs%s", self.w.rank, len(self._target) + len(self._draft), self.batch_sizes,
+                 self.token_sizes, self.max_tokens, time.time() - t0,
                  "" if self.use_cuda_graph else " (eager stand-in)")
+
+    def _fill_padding(self) -> None:
+        """Every lane a padded one: row 0, one token, slot 0 (how capture runs, too)."""
+        self.inputs.zero_()
+        self.length.fill_(1)
 
     def _record(self, body, pool, stream):
         if not self.use_cuda_graph:
             return EagerGraph(body, None)
         return capture_cuda_graph(body, None, pool, stream)
 
-    def run(self, plan: StepPlan, T: int) -> list[list[int]]:
-        """The plan's one chunk at captured size T (from size_for) -> its output tokens."""
+    def run(self, plan: StepPlan, shape: tuple[int, int]) -> list[list[int]]:
+        """The plan's chunks at a captured shape (from shape_for) -> their output tokens."""
         w = self.w
-        n, prefix = plan.extend_lens[0], plan.prefix_lens[0]
-        host = torch.zeros(self.M + 4, dtype=torch.int64)  # [M+4] int64, padding ids 0
-        host[:n] = torch.as_tensor(plan.input_ids, dtype=torch.int64)
-        host[self.M:] = torch.tensor([plan.rows[0], prefix, n, plan.next_ids[0]], dtype=torch.int64)
-        self.inputs.copy_(host)
-        target = self._target[T]
-        target.replay()
-        logits, _ = target.output
-        tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins)  # [1]
-        done = plan.last_chunk[0]
-        seq_len = self.prefix + self.length  # [1] int64
-        if self.eagle is not None:
-            self.token.copy_(tokens)
-            draft = self._draft[T]
-            draft.replay()
-            topk_p, topk_index, last_h = draft.output
-            if done:
-                w.future.store(self.row, seq_len, tokens, topk_p, topk_index, last_h)
-        elif done:
-            w.future.store(self.row, seq_len, tokens)
-        return [[int(tokens.item())]] if done else [[]]
+        bs, T = shape
+        B = len(plan.rows)
+        host = np.zeros(self.M + 4 * self.R, dtype=np.int64)  # [M+4R] int64, padding ids 0
+        start = 0
+        for b, n in enumerate(plan.extend_lens):
+            host[b * T:b * T + n] = plan.input_ids[start:start + n]
+            start += n
+        lanes = host[self.M:].reshape(4, self.R)
+        lanes[:, :B] = (plan.rows, plan.prefix_lens, plan.extend_lens, plan.next_ids)
+        lanes[2, B:] = 1  # padded lanes: one token on row 0
+        self.inputs.copy_(torch.from_numpy(host))
+        self._target[bs, T].replay()
+        tokens = sample_tokens(self.logits[:B], plan.temperature, plan.top_p, plan.top_k,
+                               plan.coins)  # [B] int64
+        if self.eagle is not None:  # also for chunks that end no prompt: it writes draft KV
+            self.token[:B].copy_(tokens)
+            self._draft[bs, T].replay()
+        done = [b for b in range(B) if plan.last_chunk[b]]
+        if done:
+            idx = slice(0, B) if len(done) == B else torch.tensor(done, device=w.device)
+            rows, seq_lens = self.rows[:B][idx], (self.prefix[:B] + self.length[:B])[idx]
+            if self.eagle is not None:
+                topk_p, topk_index, last_h = self._draft[bs, T].output
+                w.future.store(rows, seq_lens, tokens[idx], topk_p[:B][idx], topk_index[:B][idx],
+                               last_h[:B][idx])
+            else:
+                w.future.store(rows, seq_lens, tokens[idx])
+        toks = tokens.tolist()
+        return [[toks[b]] if plan.last_chunk[b] else [] for b in range(B)]

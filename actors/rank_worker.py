@@ -112,10 +112,12 @@ class RankWorker:
                 self.eagle.capture_graphs(sizes)
         self.prefill_graphs = None
         if cfg.attention.cuda_graphs and cfg.attention.prefill_graph_tokens:
-            self.capture_prefill_graphs(cfg.attention.prefill_graph_tokens)
-        if self.device.type == "cuda":  # compile prefill's kernels now, not at a first request
-            from actors.warmup import warm_up_prefill
+            self.capture_prefill_graphs(self._graph_batch_sizes(), cfg.attention.prefill_graph_tokens,
+                                        cfg.attention.prefill_graph_max_tokens)
+        if self.device.type == "cuda":  # compile eager paths' kernels now, not at a first request
+            from actors.warmup import warm_up_prefill, warm_up_sampled_decode
             warm_up_prefill(self)
+            warm_up_sampled_decode(self)
         if self.device.type == "cuda":
             self.compiles.arm()
 
@@ -145,9 +147,11 @@ class RankWorker:
                  self.rank, sizes, time.time() - t0)
         return runner
 
-    def capture_prefill_graphs(self, sizes: list[int], use_cuda_graph: bool | None = None) -> None:
-        """Replay one request's prefill chunks of up to max(sizes) tokens from now on
-        (actors/prefill_graph.py); on CPU (use_cuda_graph None) the eager stand-in."""
+    def capture_prefill_graphs(self, batch_sizes: list[int], token_sizes: list[int],
+                               max_tokens: int, use_cuda_graph: bool | None = None) -> None:
+        """Replay prefill steps of up to max(batch_sizes) chunks of up to max(token_sizes)
+        tokens, max_tokens when padded, from now on (actors/prefill_graph.py); on CPU
+        (use_cuda_graph None) the eager stand-in."""
         from actors.prefill_graph import PrefillGraphs
         real = self.device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
         backends = [self.target.backend] + ([self.eagle.extend_backend] if self.eagle else [])
@@ -155,7 +159,7 @@ class RankWorker:
             log.info("rank %d: no prefill graphs: attention.backend=%s plans on the host",
                      self.rank, self.cfg.attention.backend)
             return
-        graphs = PrefillGraphs(self, sizes, real)
+        graphs = PrefillGraphs(self, batch_sizes, token_sizes, max_tokens, real)
         with torch.inference_mode():
             graphs.capture()
         self.prefill_graphs = graphs
@@ -215,9 +219,9 @@ class RankWorker:
 
     def _extend(self, plan: StepPlan) -> list[list[int]]:
         graphs = self.prefill_graphs
-        size = graphs.size_for(plan) if graphs is not None else None
-        if size is not None:
-            return graphs.run(plan, size)
+        shape = graphs.shape_for(plan) if graphs is not None else None
+        if shape is not None:
+            return graphs.run(plan, shape)
         fb = self.extend_batch(plan)
         aux = self.eagle.aux_layers if self.eagle else ()
         hidden, aux_hidden = self.target.forward(fb, aux_layers=aux)

@@ -1,9 +1,12 @@
-"""Prefill warm-up: run prefill once at each kind of shape it meets before serving.
+"""Warm-up: run once, before serving, each eager path whose Triton kernels a graph does not
+already compile.
 
-CUDA graphs cover decode, but prefill runs eagerly, and its Triton kernels are compiled
-for each new combination of tile sizes (chosen from the longest prompt chunk) and of the
-integer arguments Triton specializes (1, multiples of 16, other). Compiling one took
-0.5-1 s on the H200, in front of the first token of every request of that batch: over
+CUDA graphs cover decode and prefill steps within the prefill-graph budget, but larger
+prefills run eagerly, and their Triton kernels are compiled for each new combination of
+tile sizes (chosen from the longest prompt chunk) and of the integer arguments Triton
+specializes (1, multiples of 16, other). So is the accept kernel of sampled speculative
+decoding (tree rejection sampling), which no greedy graph contains. Compiling one took
+0.4-1 s on the H200, in front of the first token of every request of that batch: over
 HTTP a burst of 32 requests waited a second for its first tokens. Running these shapes
 at start-up moves that cost to the model load.
 
@@ -39,12 +42,25 @@ def prefill_shapes(num_rows: int, chunk_budget: int, num_slots: int, page: int) 
     return list(dict.fromkeys(shapes))
 
 
+def _coins(worker) -> int:
+    cfg = worker.cfg
+    return (cfg.draft.num_draft_tokens + 1) if cfg.draft.enabled else 1
+
+
 def warm_up_prefill(worker) -> None:
-    """Run the prefill shapes on `worker` (a RankWorker) and wait for the GPU."""
+    """Run the prefill shapes eagerly on `worker` (a RankWorker) and wait for the GPU."""
+    graphs, worker.prefill_graphs = worker.prefill_graphs, None  # their kernels: at capture
+    try:
+        _run_prefill_shapes(worker)
+    finally:
+        worker.prefill_graphs = graphs
+
+
+def _run_prefill_shapes(worker) -> None:
     import torch
     cfg = worker.cfg
     page = cfg.kv_cache.page_size
-    coins = (cfg.draft.num_draft_tokens + 1) if cfg.draft.enabled else 1
+    coins = _coins(worker)
     shapes = prefill_shapes(worker.num_rows, cfg.scheduler.chunked_prefill_size, worker.num_slots, page)
     t0 = time.time()
     for step, (batch, n) in enumerate(shapes):
@@ -63,3 +79,26 @@ def warm_up_prefill(worker) -> None:
         torch.cuda.synchronize(worker.device)
     log.info("rank %d: prefill warmed up at %s (requests x tokens) in %.1fs", worker.rank,
              ", ".join(f"{b}x{n}" for b, n in shapes), time.time() - t0)
+
+
+def warm_up_sampled_decode(worker) -> None:
+    """One sampled speculative iteration on row 1 (a one-token prompt, its window's slots
+    after the reserved page), so tree rejection sampling is compiled before a client's
+    first sampled request meets it. Nothing to do without speculation: plain sampling
+    is torch ops."""
+    if worker.eagle is None:
+        return
+    import torch
+    page, coins = worker.cfg.kv_cache.page_size, _coins(worker)
+    slots = page + np.arange(1 + worker.window, dtype=np.int64)  # the prompt, then the window
+    t0 = time.time()
+    worker.execute(StepPlan(
+        -1000, "extend", [1], kv_writes=[(1, 0, slots)], temperature=[0.0], top_p=[1.0],
+        top_k=[-1], coins=np.zeros((1, coins), dtype=np.float32), input_ids=[0],
+        prefix_lens=[0], extend_lens=[1], last_chunk=[True], next_ids=[-1]))
+    worker.execute(StepPlan(
+        -1001, "decode", [1], temperature=[1.0], top_p=[1.0], top_k=[-1],
+        coins=np.full((1, coins), 0.5, dtype=np.float32), use_spec=True))
+    if worker.device.type == "cuda":
+        torch.cuda.synchronize(worker.device)
+    log.info("rank %d: sampled speculative decoding warmed up in %.1fs", worker.rank, time.time() - t0)

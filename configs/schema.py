@@ -87,10 +87,14 @@ class AttentionConfig(_Strict):
     # the future-map store (actors/spec/step_graph.py), where the backend plans on the
     # device (triton); false, or flashinfer: one graph per forward, eager ops between.
     spec_step_graph: bool = True
-    # With cuda_graphs: a prefill chunk of one request up to this many tokens replays as a
-    # graph padded to the next size here (actors/prefill_graph.py), so a short prompt's
-    # first token does not wait on some 400 kernel launches; [] turns it off.
+    # With cuda_graphs: a prefill step whose chunks are each at most max(prefill_graph_tokens)
+    # long replays as a graph (actors/prefill_graph.py), each chunk padded to the next size
+    # here and the batch to the next cuda_graph_batch_sizes entry, when the padded total is
+    # within prefill_graph_max_tokens, so a first token does not wait on some 400 kernel
+    # launches. The budget bounds the padding's compute (lower it for large models); []
+    # turns prefill graphs off.
     prefill_graph_tokens: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512])
+    prefill_graph_max_tokens: int = Field(4096, ge=1)
 
     @model_validator(mode="after")
     def _sizes(self) -> "AttentionConfig":

@@ -1,7 +1,7 @@
 """Prefill graphs and the warm-up on the GPU (bf16, the h200 preset's engine).
 
-A prompt prefilled alone replays a padded graph; its output equals the eager prefill's up
-to bf16 near-ties, plain and speculative. After start-up (graph capture and the prefill
+Prompts prefilled alone and eight at once replay padded graphs; their outputs equal the
+eager prefill's up to bf16 near-ties, plain and speculative. After start-up (graph capture and the prefill
 warm-up), serving a mix of batch sizes and prompt lengths as HTTP traffic brings it
 compiles no Triton kernel: each compile would stall the requests of its step."""
 import pytest
@@ -17,21 +17,28 @@ def engine(tokenizer, *overrides):
     return LLMEngine(load_config("configs/h200.yaml", H200 + list(overrides)), tokenizer=tokenizer)
 
 
-def one_by_one(eng, prompts):
+def one_by_one_and_together(eng, prompts):
     from serve_app.request import SamplingParams
-    return [eng.generate([p], SamplingParams(max_tokens=MAX, ignore_eos=True))[0].output_ids
-            for p in prompts]
+    params = SamplingParams(max_tokens=MAX, ignore_eos=True)
+    alone = [eng.generate([p], params)[0].output_ids for p in prompts]
+    return alone + [r.output_ids for r in eng.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "tree"])
 def test_prefill_graphs_equal_eager_on_gpu(tokenizer, chat_prompts, fp32_ref, spec):
     flags = [f"draft.enabled={str(spec).lower()}", "kv_cache.prefix_caching=false"]
-    eager = one_by_one(engine(tokenizer, *flags, "attention.prefill_graph_tokens=[]"), chat_prompts)
+    eager = one_by_one_and_together(engine(tokenizer, *flags, "attention.prefill_graph_tokens=[]"),
+                                    chat_prompts)
     eng = engine(tokenizer, *flags)
-    assert eng.workers[0].prefill_graphs is not None and eng.workers[0].prefill_graphs.use_cuda_graph
-    graphs = one_by_one(eng, chat_prompts)
-    n = check_near_ties(fp32_ref, chat_prompts, graphs, eager)
-    assert n <= 2, f"{n} of {len(chat_prompts)} prompts diverged"
+    graphs = eng.workers[0].prefill_graphs
+    assert graphs is not None and graphs.use_cuda_graph
+    replays = []
+    run = graphs.run
+    graphs.run = lambda plan, shape: replays.append(shape) or run(plan, shape)
+    got = one_by_one_and_together(eng, chat_prompts)
+    assert {b for b, _ in replays} >= {1, 8}  # alone, and all eight in one padded step
+    n = check_near_ties(fp32_ref, chat_prompts * 2, got, eager)
+    assert n <= 4, f"{n} of {2 * len(chat_prompts)} runs diverged"
 
 
 def test_serving_compiles_no_kernel_after_start_up(tokenizer, chat_prompts):

@@ -1,12 +1,13 @@
 """Prefill graphs (actors/prefill_graph.py) wired into the real engine on CPU.
 
 On CPU the graphs are their bodies run eagerly on the static buffers, so these tests drive
-the padded path a CUDA replay takes: a prompt chunk padded to the next captured size, its
-padding written to slot 0 and hidden by causal attention, the first token sampled from the
-last real row, the draft extended over the chunk. Outputs equal the eager prefill's token
-for token, plain and speculative, greedy and sampled, for chunks that need padding, one
-that fills its size exactly, chunks of a longer prompt (not the last chunk: no token) and
-a prompt that starts from a cached prefix.
+the padded path a CUDA replay takes: each chunk padded to the next captured length and the
+batch to the next captured size, padding written to slot 0 and hidden by causal attention,
+padded lanes on row 0, first tokens sampled from each lane's last real row, the draft
+extended over the chunks. Outputs equal the eager prefill's token for token, plain and
+speculative, greedy and sampled, for chunks that need padding, one that fills its length
+exactly, chunks of a longer prompt (not the last chunk: no token), a prompt that starts
+from a cached prefix, and batches of several prompts of different lengths.
 """
 from __future__ import annotations
 
@@ -16,17 +17,21 @@ from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
 from actors.prefill_graph import PrefillGraphs
 from serve_app.request import SamplingParams
 
-SIZES = [8, 16]
+BATCHES, TOKENS, BUDGET = [1, 2, 4], [8, 16], 64
 CHUNK = "scheduler.chunked_prefill_size=16"
 
 
 def spy(graphs: PrefillGraphs) -> list[tuple[int, int, int]]:
-    """Log (chunk tokens, prefix, padded size) of every replayed chunk."""
+    """Log (chunk tokens, prefix, padded length) of every chunk of a single-request replay,
+    and (requests, padded batch) of others."""
     seen = []
 
-    def run(plan, T):
-        seen.append((plan.extend_lens[0], plan.prefix_lens[0], T))
-        return PrefillGraphs.run(graphs, plan, T)
+    def run(plan, shape):
+        if len(plan.rows) == 1:
+            seen.append((plan.extend_lens[0], plan.prefix_lens[0], shape[1]))
+        else:
+            seen.append((len(plan.rows), shape[0]))
+        return PrefillGraphs.run(graphs, plan, shape)
 
     graphs.run = run
     return seen
@@ -56,7 +61,7 @@ def test_prefill_graphs_equal_eager(tiny_llama_dir, shape, sampled):
     want = one_by_one(make_engine(tiny_llama_dir, shape), prompts, params)
     eng = make_engine(tiny_llama_dir, shape)
     worker = eng.workers[0]
-    worker.capture_prefill_graphs(SIZES)
+    worker.capture_prefill_graphs(BATCHES, TOKENS, BUDGET)
     assert not worker.prefill_graphs.use_cuda_graph  # CPU: the eager stand-in
     seen = spy(worker.prefill_graphs)
     assert one_by_one(eng, prompts, params) == want
@@ -73,19 +78,33 @@ def test_cached_prefix_and_eager_fallback(tiny_llama_dir, shape):
     want = one_by_one(make_engine(tiny_llama_dir, shape, "kv_cache.page_size=4"), prompts, params)
     eng = make_engine(tiny_llama_dir, shape, "kv_cache.page_size=4")
     worker = eng.workers[0]
-    worker.capture_prefill_graphs([4])  # 16-token chunks do not fit: eager
+    worker.capture_prefill_graphs([1], [4], 4)  # 16-token chunks do not fit: eager
     seen = spy(worker.prefill_graphs)
     assert one_by_one(eng, prompts, params) == want
     assert seen and all(n <= 4 and prefix > 0 for n, prefix, _ in seen)
 
 
-def test_batches_of_several_requests_stay_eager(tiny_llama_dir):
+@pytest.mark.parametrize("shape", ["plain", "tree"])
+def test_batches_of_several_prompts_replay_padded(tiny_llama_dir, shape):
+    prompts = random_prompts(3, seed=4)  # 5-40 tokens each, in one prefill step
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=t, seed=i)
+              for i, t in enumerate((0.0, 1.0, 0.0))]
+    whole = "scheduler.chunked_prefill_size=512"
+    want = [r.output_ids for r in make_engine(tiny_llama_dir, shape, whole).generate(prompts, params)]
+    eng = make_engine(tiny_llama_dir, shape, whole)
+    eng.workers[0].capture_prefill_graphs([1, 4], [8, 16, 64], 256)
+    seen = spy(eng.workers[0].prefill_graphs)
+    assert [r.output_ids for r in eng.generate(prompts, params)] == want
+    assert (3, 4) in seen  # three lanes padded to four
+
+
+def test_steps_above_the_budget_run_eagerly(tiny_llama_dir):
     prompts = random_prompts(3, seed=4)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    whole = "scheduler.chunked_prefill_size=512"  # all three prompts in one prefill step
+    whole = "scheduler.chunked_prefill_size=512"
     want = [r.output_ids for r in make_engine(tiny_llama_dir, "tree", whole).generate(prompts, params)]
     eng = make_engine(tiny_llama_dir, "tree", whole)
-    eng.workers[0].capture_prefill_graphs(SIZES)
+    eng.workers[0].capture_prefill_graphs([1, 4], [8, 16, 64], 64)  # 4 x 64 > 64
     seen = spy(eng.workers[0].prefill_graphs)
     assert [r.output_ids for r in eng.generate(prompts, params)] == want
     assert seen == []

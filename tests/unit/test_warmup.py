@@ -3,7 +3,7 @@ must leave a worker exactly as usable as before: run here on the CPU worker, the
 output is unchanged."""
 from __future__ import annotations
 
-from actors.warmup import CHUNK_LENS, prefill_shapes, warm_up_prefill
+from actors.warmup import CHUNK_LENS, prefill_shapes, warm_up_prefill, warm_up_sampled_decode
 from configs.schema import load_config
 from serve_app.llm_engine import LLMEngine
 from serve_app.request import SamplingParams
@@ -46,4 +46,5 @@ def test_warm_up_leaves_a_speculative_worker_serving_the_same_tokens(tokenizer, 
 
     before = run()
     warm_up_prefill(worker)
+    warm_up_sampled_decode(worker)
     assert run() == before
