@@ -1,6 +1,6 @@
 """Plot http_bench results: tokens/s and TTFT p50 against concurrency, one line per run.
 
-    python -m benchmarks.plot_http OUT.png RUN.json [RUN.json ...] [--title TEXT]
+    python -m benchmarks.plot_http OUT.png RUN.json[=LABEL] [RUN.json ...] [--title TEXT]
 
 Each RUN.json is what `benchmarks.http_bench` wrote (http_bench_<name>.json); a run with
 in-process figures gets a dashed line for them too. Needs matplotlib (the GPU image has
@@ -16,7 +16,7 @@ from pathlib import Path
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("runs", nargs="+")
+    ap.add_argument("runs", nargs="+", help="RUN.json, or RUN.json=LABEL to name its line")
     ap.add_argument("--title", default="")
     args = ap.parse_args(argv)
     import matplotlib
@@ -24,8 +24,10 @@ def main(argv=None) -> None:
     import matplotlib.pyplot as plt
 
     fig, (tps, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for path in args.runs:
+    for spec in args.runs:
+        path, _, label = spec.partition("=")
         run = json.loads(Path(path).read_text())
+        run["name"] = label or run["name"]
         levels = sorted(run["levels"], key=lambda lv: lv["concurrency"])
         c = [lv["concurrency"] for lv in levels]
         line, = tps.plot(c, [lv["tok_s"] for lv in levels], marker="o", label=run["name"])
