@@ -34,7 +34,6 @@ import torch
 from actors.cuda_graph_runner import EagerGraph, capture_cuda_graph, padded_size
 from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
-from actors.sampler import sample_tokens
 from actors.step_plan import StepPlan
 
 log = logging.getLogger("kestrel.worker")
@@ -159,8 +158,7 @@ class PrefillGraphs:
         lanes[2, B:] = 1  # padded lanes: one token on row 0
         self.inputs.copy_(torch.from_numpy(host))
         self._target[bs, T].replay()
-        tokens = sample_tokens(self.logits[:B], plan.temperature, plan.top_p, plan.top_k,
-                               plan.coins)  # [B] int64
+        tokens = w.sample(plan, self.rows[:B], self.logits[:B])  # [B] int64
         if self.eagle is not None:  # also for chunks that end no prompt: it writes draft KV
             self.token[:B].copy_(tokens)
             self._draft[bs, T].replay()
@@ -168,6 +166,7 @@ class PrefillGraphs:
         if done:
             idx = slice(0, B) if len(done) == B else torch.tensor(done, device=w.device)
             rows, seq_lens = self.rows[:B][idx], (self.prefix[:B] + self.length[:B])[idx]
+            w.record(plan, rows, tokens[idx])
             if self.eagle is not None:
                 topk_p, topk_index, last_h = self._draft[bs, T].output
                 w.future.store(rows, seq_lens, tokens[idx], topk_p[:B][idx], topk_index[:B][idx],

@@ -18,6 +18,7 @@ from actors.forward_batch import ForwardBatch
 from actors.future_map import FutureMap
 from actors.kv_cache import ReqToTokenPool, TokenToKVPool
 from actors.model_runner import ModelRunner
+from actors.output_counts import OutputCounts
 from actors.models.loader import build_model, default_model_path
 from actors.sampler import sample_tokens
 from actors.step_plan import StepOutput, StepPlan
@@ -101,6 +102,7 @@ class RankWorker:
         if spec:
             from actors.spec.eagle_worker import EagleWorker
             self.eagle = EagleWorker(cfg, self)
+        self.counts = OutputCounts(self.num_rows, a.vocab_size, self.device)
         self.future = FutureMap(self.num_rows, cfg.draft.topk,
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,
                                 self.dtype, self.device, spec)
@@ -187,6 +189,8 @@ class RankWorker:
     def execute(self, plan: StepPlan) -> StepOutput:
         if plan.kv_writes:
             self.req_to_token.write_many(plan.kv_writes)
+        if plan.count_resets:
+            self.counts.reset(plan.count_resets)
         if plan.mode == "idle" or not plan.rows:
             return StepOutput(plan.step_id, [[] for _ in plan.rows])
         t0 = time.perf_counter()
@@ -202,6 +206,24 @@ class RankWorker:
         if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
             timings.update(self.eagle.last_timings)
         return StepOutput(plan.step_id, tokens, timings)
+
+    def sample(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """One token per request from logits [B, V] of rows [B], after the plan's logit
+        processing (penalties, bias, min_tokens, min_p) when it has any -> [B] int64."""
+        pp = plan.processing
+        if pp is not None:
+            logits = self.counts.process(plan, rows, logits[:, None])[:, 0]
+        return sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins,
+                             None if pp is None else pp.min_p)
+
+    def record(self, plan: StepPlan, rows: torch.Tensor, tokens: torch.Tensor,
+               lens: torch.Tensor | None = None) -> None:
+        """Count emitted tokens ([B] one each, or [B, L] with lens [B]) for processing."""
+        if plan.processing is None:
+            return
+        if tokens.dim() == 1:
+            tokens, lens = tokens[:, None], torch.ones_like(tokens)
+        self.counts.record(rows, tokens, lens)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -227,8 +249,9 @@ class RankWorker:
         hidden, aux_hidden = self.target.forward(fb, aux_layers=aux)
         last = torch.cumsum(fb.seq_lens - fb.prefix_lens, 0) - 1  # [B] int64 last row per chunk
         logits = self.model.compute_logits(hidden[last])
-        tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins)
+        tokens = self.sample(plan, fb.req_pool_indices, logits)
         done = self._tensor(plan.last_chunk).bool()  # [B] prompts finished by this chunk
+        self.record(plan, fb.req_pool_indices[done], tokens[done])
         if self.eagle is not None:
             self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done, last)
         else:
@@ -255,6 +278,7 @@ class RankWorker:
                 GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1))
         else:
             logits = self._decode_logits(c.bonus, c.seq_lens, loc, rows)
-        tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins)
+        tokens = self.sample(plan, rows, logits)
+        self.record(plan, rows, tokens)
         self.future.store(rows, c.seq_lens + 1, tokens)
         return [[t] for t in tokens.tolist()]

@@ -13,6 +13,21 @@ import numpy as np
 
 
 @dataclass
+class PlanProcessing:
+    """Logit processing for a step's requests, in plan order (kernels/penalties.py); a plan
+    carries one only when some request asks for it."""
+
+    presence: np.ndarray  # [B] float32
+    frequency: np.ndarray  # [B] float32
+    repetition: np.ndarray  # [B] float32, 1 = off
+    min_p: np.ndarray  # [B] float32, 0 = off
+    min_tokens: np.ndarray  # [B] int64
+    bias: np.ndarray  # [M, 2] int64 (request, token id), with bias_value [M] float32
+    bias_value: np.ndarray
+    stops: np.ndarray  # [S, 2] int64 (request, id banned while under min_tokens)
+
+
+@dataclass
 class StepPlan:
     step_id: int
     mode: str  # "extend" | "decode" | "idle"
@@ -31,6 +46,10 @@ class StepPlan:
     next_ids: list[int] = field(default_factory=list)  # prompt token after the chunk (-1 on the last)
     # decode only: requests whose future values were just created (sanity checking)
     use_spec: bool = False
+    processing: PlanProcessing | None = None
+    # Rows whose output counts restart (a request admitted, or readmitted after preemption):
+    # (row, prompt ids or None when no repetition penalty needs them, outputs so far).
+    count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

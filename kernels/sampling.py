@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.penalties import min_p_filter
+
 __all__ = ["process_logits", "sample_from_probs"]
 
 
@@ -15,6 +17,7 @@ def process_logits(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     top_k: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Turn raw logits into the sampling distribution of each row.
 
@@ -27,9 +30,12 @@ def process_logits(
             whose cumulative probability is >= top_p; the most likely token is always
             kept; top_p >= 1 keeps everything.
         top_k: [T] int64. Keep the top_k most likely tokens; top_k <= 0 means no limit.
+        min_p: [T] float or None. Keep tokens with at least min_p times the row's largest
+            probability (0 = off).
 
-    Order (as in HF warpers): softmax(logits / temperature), then top-k, renormalise,
-    then top-p on the renormalised top-k distribution, renormalise. Ties in probability
+    Order (as in HF warpers, min-p as vLLM places it): softmax(logits / temperature), then
+    min-p, renormalise, then top-k, renormalise, then top-p on the renormalised top-k
+    distribution, renormalise. Ties in probability
     are ranked toward the lower token id (stable sort).
 
     Returns:
@@ -40,6 +46,9 @@ def process_logits(
     greedy = temperature <= 0  # [T] bool
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [T] float32
     probs = torch.softmax(logits.float() / safe_t[:, None], dim=-1)  # [T, V] float32
+    if min_p is not None and bool((min_p > 0).any()):
+        probs = min_p_filter(probs, min_p.float())
+        probs = probs / probs.sum(dim=-1, keepdim=True)
 
     # Without top-k/top-p every token stays: skip the [T, V] sort, the bulk of the cost.
     filtered = bool(((top_k > 0) | (top_p < 1.0)).any())

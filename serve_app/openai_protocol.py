@@ -32,7 +32,7 @@ def _now() -> int:
 def _no_bool(v: Any) -> Any:
     # pydantic would read true as 1; a bool where a number belongs is a client bug.
     if isinstance(v, bool):
-        raise ValueError("expected an integer, got a boolean")
+        raise ValueError("expected a number, got a boolean")
     return v
 
 
@@ -59,8 +59,32 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
+    # Logit processing (kernels/penalties.py), lossless under speculation: OpenAI's, then
+    # vLLM's extensions.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI) -> bias
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0)
 
-    @field_validator("n", "max_tokens", "top_k", "seed", mode="before")
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be within [-100, 100], got {bias}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                     mode="before")
+    @classmethod
+    def _no_bool_floats(cls, v: Any) -> Any:
+        return _no_bool(v)
+
+    @field_validator("n", "max_tokens", "top_k", "seed", "min_tokens", mode="before")
     @classmethod
     def _no_bool_ints(cls, v: Any) -> Any:
         return _no_bool(v)
@@ -121,6 +145,12 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
             "stop": stops,
             "stop_token_ids": list(dict.fromkeys(self.stop_token_ids or [])),
             "ignore_eos": bool(self.ignore_eos),
+            "presence_penalty": float(self.presence_penalty or 0.0),
+            "frequency_penalty": float(self.frequency_penalty or 0.0),
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            "logit_bias": {int(k): float(b) for k, b in (self.logit_bias or {}).items()},
+            "min_p": float(self.min_p or 0.0),
+            "min_tokens": int(self.min_tokens or 0),
             "n": self.n,
         }
 

@@ -155,6 +155,11 @@ class OpenAIServer:
         choices = []
         for p, ids in enumerate(prompts):
             params = body.to_sampling_params(self.max_model_len - len(ids))
+            self.check_vocab(list(params["logit_bias"]), "logit_bias")
+            if params["min_tokens"] > params["max_tokens"]:
+                raise KestrelAPIError.bad_request(
+                    f"min_tokens ({params['min_tokens']}) exceeds max_tokens ({params['max_tokens']})",
+                    param="min_tokens")
             n = params.pop("n")
             for i in range(n):
                 sp = dict(params)

@@ -4,7 +4,7 @@ Every field a client may send is one of three kinds: honoured (declared in
 serve_app/openai_protocol.py), accepted here because it changes nothing about the output,
 or declared here and rejected with a 400 naming it unless it carries its neutral value.
 Any other field is a 400 too (`extra="forbid"`). Nothing is dropped silently: a client
-that asks for a penalty, logprobs or a JSON schema must learn that it did not get one.
+that asks for logprobs or a JSON schema must learn that it did not get one.
 The lists follow OpenAI's Chat Completions and Completions references and vLLM's "Extra
 Parameters" of its OpenAI-compatible server; docs/serve.md repeats them.
 """
@@ -69,15 +69,9 @@ class NoEffectChatFields(RequestModel):
 class RejectedSamplingFields(RequestModel):
     """Both endpoints (OpenAI's, then vLLM's extra sampling and request fields)."""
 
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     logits_processors: list[Any] | None = None
@@ -103,17 +97,11 @@ class RejectedSamplingFields(RequestModel):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
 
-    _presence = unsupported("presence_penalty", "omit it or send 0", 0)
-    _frequency = unsupported("frequency_penalty", "omit it or send 0", 0)
-    _logit_bias = unsupported("logit_bias", "omit it", {})
     _format = unsupported("response_format", "Kestrel has no constrained decoding; "
                           "omit it or send {\"type\": \"text\"}", {"type": "text"})
     _beam = unsupported("use_beam_search", "Kestrel samples; omit it or send false", False)
     _length_penalty = unsupported("length_penalty", "it applies to beam search only; "
                                   "omit it or send 1", 1)
-    _repetition = unsupported("repetition_penalty", "omit it or send 1", 1)
-    _min_p = unsupported("min_p", "use top_p or top_k; omit it or send 0", 0)
-    _min_tokens = unsupported("min_tokens", "omit it or send 0", 0)
     _bad_words = unsupported("bad_words", "omit it", [])
     _allowed = unsupported("allowed_token_ids", "omit it")
     _processors = unsupported("logits_processors", "omit it", [])

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from actors.kv_cache import RowAllocator, SlotAllocator
-from actors.step_plan import StepOutput, StepPlan
+from actors.step_plan import PlanProcessing, StepOutput, StepPlan
 from configs.schema import KestrelConfig
 from serve_app.radix_cache import RadixCache
 from serve_app.request import CoinStream, Request, RequestOutput
@@ -35,6 +35,22 @@ def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
     if len(prompt_ids) > limit:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model accepts "
                          f"at most {limit} (model.max_model_len={max_model_len})")
+
+
+def plan_processing(reqs: list[Request]) -> PlanProcessing:
+    """The logit processing of a step's requests, in plan order."""
+    params = [r.params for r in reqs]
+    f32 = lambda vals: np.asarray(vals, dtype=np.float32)
+    bias = [(b, t, v) for b, p in enumerate(params) for t, v in p.logit_bias.items()]
+    stops = [(b, t) for b, (r, p) in enumerate(zip(reqs, params)) if p.min_tokens
+             for t in sorted(r.stop_ids)]
+    return PlanProcessing(
+        f32([p.presence_penalty for p in params]), f32([p.frequency_penalty for p in params]),
+        f32([p.repetition_penalty for p in params]), f32([p.min_p for p in params]),
+        np.asarray([p.min_tokens for p in params], dtype=np.int64),
+        np.asarray([(b, t) for b, t, _ in bias], dtype=np.int64).reshape(-1, 2),
+        f32([v for _, _, v in bias]),
+        np.asarray(stops, dtype=np.int64).reshape(-1, 2))
 
 
 class Scheduler:
@@ -61,6 +77,7 @@ class Scheduler:
         # req_to_token updates not yet sent: they ride on the next plan that is dispatched,
         # whichever it is (an admission can happen in an extend plan that is then dropped).
         self._kv_writes: list[tuple[int, int, torch.Tensor]] = []
+        self._count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = []  # the same way
         self.coins_per_request = (cfg.draft.num_draft_tokens + 1) if self.spec else 1
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
         if self.slots.capacity < self.max_model_len + 2 * self.window + self.page:
@@ -182,6 +199,7 @@ class Scheduler:
         if plan is not None:
             plan.kv_writes = [(row, start, slots.numpy()) for row, start, slots in self._kv_writes]
             self._kv_writes = []
+            plan.count_resets, self._count_resets = self._count_resets, []
         return plan
 
     def _admit(self, req: Request) -> bool:
@@ -201,6 +219,10 @@ class Scheduler:
         self.stats["prompt_tokens_cached"] += m.length
         if m.length:
             self._kv_writes.append((row, 0, m.slots))
+        p = req.params
+        if p.needs_counts:  # from its outputs so far: a preempted request brings them back
+            prompt = np.asarray(req.prompt_ids, dtype=np.int64) if p.repetition_penalty != 1.0 else None
+            self._count_resets.append((row, prompt, np.asarray(req.output_ids, dtype=np.int64)))
         return True
 
     def _prefill_due(self) -> bool:
@@ -318,6 +340,8 @@ class Scheduler:
         plan.temperature += [p.temperature for p in params]
         plan.top_p += [p.top_p for p in params]
         plan.top_k += [p.top_k for p in params]
+        if any(p.needs_processing for p in params):
+            plan.processing = plan_processing(reqs)
 
     def _coins(self, reqs: list[Request]) -> np.ndarray:
         coins = np.zeros((len(reqs), self.coins_per_request), dtype=np.float32)  # [B, C]

@@ -159,8 +159,8 @@ class EagleWorker:
         dev = w.device
         clock = PhaseClock(self.cfg.profile_steps, w.device)
         g = self.step_graph
-        if g is not None and g.pad_size(len(plan.rows)) is not None and not any(
-                t > 0 for t in plan.temperature):
+        if g is not None and g.pad_size(len(plan.rows)) is not None and plan.processing is None \
+                and not any(t > 0 for t in plan.temperature):
             out = g.run(list(plan.rows)).tolist()  # the iteration's one host sync
             clock.mark("step_graph")
             self.last_timings = clock.times
@@ -186,7 +186,8 @@ class EagleWorker:
         logits = logits.view(B, N, -1)  # [B, N, V] fp32
         loc = batch.out_cache_loc.view(B, N)  # [B, N] int64 verify slots
         clock.mark("verify")
-        accept_index, accept_length, predict = self._accept(plan, tree, logits)
+        accept_index, accept_length, predict = self._accept(plan, rows, tree, logits)
+        w.record(plan, rows, predict, accept_length)
         self._keep_accepted_kv(loc, accept_index)
         # -- draft extend over N rows per request
         topk_p, topk_index, last = self._draft_extend(batch, accept_index, accept_length,
@@ -363,9 +364,14 @@ class EagleWorker:
         topk_p, topk_index = self.head.topk(last, self.K)
         return topk_p, topk_index, last
 
-    def _accept(self, plan: StepPlan, tree, logits):
+    def _accept(self, plan: StepPlan, rows, tree, logits):
         S = self.S
         B, N = tree.tokens.shape
+        pp = plan.processing
+        if pp is not None:  # each node processed with the counts along its own path
+            path = tree.tree_mask.clone()
+            path[:, :, 0] = False  # the root is the last emitted token: counted already
+            logits = self.w.counts.process(plan, rows, logits, tree.tokens, path)
         accept_index, accept_length, predict = greedy_verify(
             tree.tokens, logits.argmax(-1), tree.first_child, tree.next_sibling, S)
         hot = [i for i, t in enumerate(plan.temperature) if t > 0]
@@ -375,7 +381,8 @@ class EagleWorker:
             rep = lambda vals, dt: torch.tensor([vals[i] for i in hot], dtype=dt, device=dev).repeat_interleave(N)
             probs = process_logits(logits[idx].reshape(len(hot) * N, -1),
                                    rep(plan.temperature, torch.float32), rep(plan.top_p, torch.float32),
-                                   rep(plan.top_k, torch.int64)).view(len(hot), N, -1)
+                                   rep(plan.top_k, torch.int64),
+                                   None if pp is None else rep(pp.min_p, torch.float32)).view(len(hot), N, -1)
             coins = torch.from_numpy(plan.coins).to(dev)[idx]  # [b, N+1]: N node coins, then the final coin
             ai, al, pr = tree_sampling_verify(tree.tokens[idx], probs, tree.first_child[idx],
                                               tree.next_sibling[idx], S, coins[:, :N], coins[:, N])

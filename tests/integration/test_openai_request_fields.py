@@ -56,9 +56,6 @@ def assert_rejected(err: openai.BadRequestError, param: str) -> None:
 
 
 CHAT_REJECTED = [  # (param, the client's own keyword arguments)
-    ("presence_penalty", {"presence_penalty": 0.5}),
-    ("frequency_penalty", {"frequency_penalty": 0.5}),
-    ("logit_bias", {"logit_bias": {"50256": -100}}),
     ("logprobs", {"logprobs": True}),
     ("top_logprobs", {"top_logprobs": 2}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
@@ -74,11 +71,8 @@ CHAT_REJECTED = [  # (param, the client's own keyword arguments)
     ("verbosity", {"verbosity": "low"}),
 ]
 VLLM_REJECTED = [  # (param, extra_body), both endpoints
-    ("min_p", {"min_p": 0.1}),
-    ("repetition_penalty", {"repetition_penalty": 1.2}),
     ("length_penalty", {"length_penalty": 0.5}),
     ("use_beam_search", {"use_beam_search": True}),
-    ("min_tokens", {"min_tokens": 3}),
     ("bad_words", {"bad_words": ["no"]}),
     ("allowed_token_ids", {"allowed_token_ids": [1, 2]}),
     ("include_stop_str_in_output", {"include_stop_str_in_output": True}),
@@ -119,8 +113,6 @@ def test_vllm_fields_kestrel_cannot_honour_are_400(client, engine_asked, endpoin
     ("logprobs", {"logprobs": 0}),
     ("suffix", {"suffix": "}"}),
     ("best_of", {"best_of": 2}),
-    ("presence_penalty", {"presence_penalty": 1.0}),
-    ("logit_bias", {"logit_bias": {"1": 5}}),
 ])
 def test_completion_fields_kestrel_cannot_honour_are_400(client, engine_asked, param, kwargs):
     with pytest.raises(openai.BadRequestError) as ei:
@@ -131,8 +123,8 @@ def test_completion_fields_kestrel_cannot_honour_are_400(client, engine_asked, p
 
 def test_streamed_request_is_refused_before_it_streams(client, engine_asked):
     with pytest.raises(openai.BadRequestError) as ei:
-        chat(client, stream=True, extra_body={"min_p": 0.2})
-    assert_rejected(ei.value, "min_p")
+        chat(client, stream=True, extra_body={"bad_words": ["no"]})
+    assert_rejected(ei.value, "bad_words")
     with pytest.raises(openai.BadRequestError) as ei:
         chat(client, stream=True, stream_options={"include_usage": True, "include_obfuscation": True})
     assert ei.value.param == "stream_options.include_obfuscation"
@@ -173,6 +165,24 @@ def test_no_effect_fields_change_nothing(client, engine_asked):
          extra_body={"repetition_penalty": 1.0, "min_p": 0, "skip_special_tokens": True})
     plain, decorated = engine_asked
     assert decorated == plain
+
+
+def test_logit_processing_reaches_the_engine(client, engine_asked):
+    """OpenAI's penalties and bias through the client's own keywords, vLLM's through
+    extra_body, on both endpoints; a bias on an id outside the vocabulary is a 400."""
+    chat(client, presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"7": 3},
+         extra_body={"repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 1})
+    complete(client, presence_penalty=1.0, logit_bias={"1": -5})
+    (_, c), (_, t) = engine_asked
+    assert (c["presence_penalty"], c["frequency_penalty"], c["logit_bias"]) == (0.5, -0.5, {7: 3.0})
+    assert (c["repetition_penalty"], c["min_tokens"]) == (1.2, 1) and c["min_p"] == pytest.approx(0.1)
+    assert (t["presence_penalty"], t["logit_bias"]) == (1.0, {1: -5.0})
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, logit_bias={"99999999": 1})
+    assert ei.value.param == "logit_bias" and "vocabulary" in ei.value.message
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, max_tokens=2, extra_body={"min_tokens": 3})
+    assert ei.value.param == "min_tokens"
 
 
 def test_include_usage_is_honoured(client):

@@ -18,7 +18,9 @@ CHAT = {"messages": MSGS}
 COMPLETION = {"prompt": "Once"}
 
 HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "stop_token_ids", "n", "stream", "stream_options", "ignore_eos"}
+                 "stop_token_ids", "n", "stream", "stream_options", "ignore_eos",
+                 "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
+                 "min_p", "min_tokens"}
 HONOURED_CHAT = HONOURED_BOTH | {"messages", "max_completion_tokens", "add_generation_prompt",
                                  "continue_final_message"}
 HONOURED_COMPLETION = HONOURED_BOTH | {"prompt", "best_of", "add_special_tokens"}
@@ -31,15 +33,9 @@ NO_EFFECT_CHAT = {**NO_EFFECT_BOTH, "metadata": {"k": "v"}, "store": True,
 
 # field -> (a value Kestrel would have to act on, its neutral values)
 REJECTED_BOTH = {
-    "presence_penalty": (0.5, [0, 0.0]),
-    "frequency_penalty": (-1.0, [0]),
-    "logit_bias": ({"50256": -100}, [{}]),
     "response_format": ({"type": "json_object"}, [{"type": "text"}]),
     "use_beam_search": (True, [False]),
     "length_penalty": (0.8, [1, 1.0]),
-    "repetition_penalty": (1.1, [1.0]),
-    "min_p": (0.05, [0.0]),
-    "min_tokens": (4, [0]),
     "bad_words": (["no"], [[]]),
     "allowed_token_ids": ([1, 2], []),
     "logits_processors": (["my.module:proc"], [[]]),
@@ -201,7 +197,8 @@ def test_known_unsupported_field_at_neutral_value_changes_nothing(cls, base, fie
 
 
 @pytest.mark.parametrize("field,value", [("repetition_penalty", True), ("presence_penalty", False),
-                                         ("top_logprobs", False), ("priority", False)])
+                                         ("min_tokens", True), ("top_logprobs", False),
+                                         ("priority", False)])
 def test_a_bool_is_not_a_neutral_number(field, value):
     # True == 1 and False == 0 in Python; a bool sent for a number is not the default.
     assert rejected(ChatCompletionRequest, {**CHAT, field: value})["param"] == field
@@ -288,6 +285,26 @@ def test_max_completion_tokens_is_max_tokens():
     assert err["param"] == "max_completion_tokens" and "max_tokens" in err["message"]
     assert rejected(ChatCompletionRequest, {**CHAT, "max_completion_tokens": True})["param"] == \
         "max_completion_tokens"
+
+
+@pytest.mark.parametrize("cls,base", [(ChatCompletionRequest, CHAT), (CompletionRequest, COMPLETION)])
+def test_logit_processing_fields_reach_the_engine(cls, base):
+    body = {**base, "presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2,
+            "logit_bias": {"50": -100, "7": 2.5}, "min_p": 0.1, "min_tokens": 3}
+    p = params_of(cls, body)
+    assert (p["presence_penalty"], p["frequency_penalty"], p["repetition_penalty"]) == (0.5, -1.0, 1.2)
+    assert p["logit_bias"] == {50: -100.0, 7: 2.5} and p["min_p"] == pytest.approx(0.1)
+    assert p["min_tokens"] == 3
+    off = params_of(cls, base)
+    assert (off["presence_penalty"], off["repetition_penalty"], off["logit_bias"], off["min_tokens"]) == (0.0, 1.0, {}, 0)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+    ("repetition_penalty", 2.5), ("min_p", 1.5), ("min_tokens", -1),
+    ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101})])
+def test_logit_processing_values_out_of_range_are_400(field, value):
+    assert rejected(ChatCompletionRequest, {**CHAT, field: value})["param"] == field
 
 
 @pytest.mark.parametrize("best_of,n,ok", [(None, 3, True), (1, 1, True), (3, 3, True),
