@@ -56,3 +56,4 @@ def test_serving_compiles_no_kernel_after_start_up(tokenizer, chat_prompts):
         eng.generate(batch, params)
         prompts = prompts[size:] + prompts[:size]
     assert watch.count == 0, f"{watch.count} compiles while serving: {watch.kernels}"
+

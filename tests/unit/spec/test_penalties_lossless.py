@@ -98,3 +98,97 @@ def test_min_tokens_holds_back_a_forced_stop(tiny_llama_dir, shape):
     eng = tiny_engine(tiny_llama_dir, *(shape or ()), spec=shape is not None)
     for r in eng.generate(prompts, params):
         assert len(r.output_ids) == 6 and r.output_ids[-1] == 2 and 2 not in r.output_ids[:5]
+
+
+@pytest.mark.parametrize("shape", [None, TREE], ids=["plain", "tree"])
+def test_preempted_requests_keep_their_counts(tiny_llama_dir, shape):
+    """Out of KV, requests are preempted and re-prefilled with their outputs as prompt: the
+    worker's counts restart from those outputs, so the penalized answer is unchanged."""
+    from serve_app.llm_engine import LLMEngine
+    from spec_helpers import tiny_config
+    prompts = random_prompts(8, seed=5)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **PENALIZED)
+    over = ["model.max_model_len=128", *(shape or ())]
+    roomy = tiny_engine(tiny_llama_dir, *over, spec=shape is not None)
+    want = [r.output_ids for r in roomy.generate(prompts, params)]
+    cfg = tiny_config(tiny_llama_dir, *over, spec=shape is not None)
+    tight = LLMEngine(cfg, load_tokenizer=False, workers=roomy.workers, worker_info={"num_slots": 360})
+    got = [r.output_ids for r in tight.generate(prompts, params)]
+    assert tight.schedulers[0].stats["preemptions"] > 0
+    assert got == want
+
+
+class TopTwoDraft:
+    """A tree holding, below the root (the first output t1), the target's two likeliest next
+    ids under the processing, and below each of those its two likeliest: with top_k=2 the
+    sampled verify accepts two nodes every time, so t2 and t3 come from one iteration, t3
+    from a node whose path holds t2."""
+
+    def __init__(self, eagle, top2: dict):
+        self.eagle, self.top2 = eagle, top2
+
+    def __call__(self, batch):
+        drafts, parents = [], []
+        for row in batch.req_pool_indices.tolist():
+            t1 = int(self.eagle.w.future.bonus[row])
+            a, b = self.top2[(t1,)]
+            drafts.append([a, b, *self.top2[(t1, a)], *self.top2[(t1, b)], 0][:self.eagle.N - 1])
+            parents.append([0, 0, 1, 1, 2, 2, 3][:self.eagle.N - 1])
+        return torch.tensor(drafts, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64)
+
+
+def test_sampled_tree_with_penalties_keeps_the_target_distribution(tiny_llama_dir, monkeypatch):
+    """C23 with processing: the first three sampled tokens of 800 seeded requests through
+    the tree (t2 and t3 accepted in one iteration) follow the plain processed distribution
+    P(t1) P(t2 | t1) P(t3 | t1, t2), each factor computed from the target's logits with the
+    counts of the outputs before it (chi-square over the 8 outcomes)."""
+    from scipy.stats import chisquare
+    from transformers import LlamaForCausalLM
+
+    from kernels.sampling import process_logits
+    prompt = random_prompts(1, seed=13)[0]
+    pen = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5)
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir).float().eval()
+    V = model.config.vocab_size
+
+    def dist(outputs: tuple) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(outputs)])).logits[0, -1].float()
+        counts = torch.bincount(torch.tensor(outputs, dtype=torch.int64), minlength=V)[None]
+        prompt_mask = torch.zeros(1, V, dtype=torch.bool)
+        prompt_mask[0, prompt] = True
+        f = lambda v: torch.tensor([v])
+        none = torch.zeros(0, dtype=torch.int64)
+        p = Processing(f(1.0), f(0.5), f(1.5), torch.zeros(1, dtype=torch.int64), none, none,
+                       torch.zeros(0), none, none)
+        x = apply_processing(logits[None, None], p, counts, torch.tensor([len(outputs)]), prompt_mask)[0]
+        return process_logits(x, f(1.0), f(1.0), torch.tensor([2]))[0]
+
+    expected, top2 = {}, {}
+    p1 = dist(())
+    top2[()] = p1.topk(2).indices.tolist()
+    for t1 in top2[()]:
+        p2 = dist((t1,))
+        top2[(t1,)] = p2.topk(2).indices.tolist()
+        for t2 in top2[(t1,)]:
+            p3 = dist((t1, t2))
+            top2[(t1, t2)] = p3.topk(2).indices.tolist()
+            for t3 in top2[(t1, t2)]:
+                expected[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    assert len(expected) == 8 and min(expected.values()) > 0.01
+    eng = tiny_engine(tiny_llama_dir, *TREE)
+    eagle = eng.workers[0].eagle
+    monkeypatch.setattr(eagle, "_draft", TopTwoDraft(eagle, top2))
+    trials = 800
+    reqs = eng.generate([prompt] * trials, [
+        SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, top_k=2, seed=s, **pen)
+        for s in range(trials)])
+    seen = {k: 0 for k in expected}
+    for r in reqs:
+        assert tuple(r.output_ids) in seen, r.output_ids  # only ids the processing allows
+        seen[tuple(r.output_ids)] += 1
+    assert all(r.accept_lengths[0] == 3 for r in reqs)  # t2 and t3 from one tree
+    keys = sorted(expected)
+    total = sum(expected.values())
+    p = chisquare([seen[k] for k in keys], [trials * expected[k] / total for k in keys]).pvalue
+    assert p > 1e-3, (p, seen, expected)
