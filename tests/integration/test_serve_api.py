@@ -184,6 +184,35 @@ def test_concurrent_streams_equal_in_process_engine(server, tokenizer, fp32_work
     print(f"12 concurrent streams in {elapsed:.1f}s")
 
 
+def test_penalized_streams_equal_the_plain_in_process_engine(server, tokenizer, fp32_worker):
+    """Penalties and a bias through HTTP (the served preset speculates) give, greedy, the
+    tokens the plain in-process engine gives with the same processing."""
+    from serve_app.llm_engine import LLMEngine
+    from serve_app.request import SamplingParams
+    from serve_app.tokenizer import apply_chat_template
+    server.wait_idle()
+    questions = mt_bench(4)
+    pen = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "logit_bias": {"30": -100}}
+    vllm = {"repetition_penalty": 1.3, "min_tokens": 20, **IGNORE_EOS}
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=180)
+        async with client:
+            return await asyncio.gather(*(client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=24,
+                extra_body=vllm, **pen, **GREEDY) for q in questions))
+
+    served = [r.choices[0].message.content for r in asyncio.run(run_all())]
+    engine = LLMEngine(server.cfg, tokenizer=tokenizer, workers=[fp32_worker])
+    prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.4,
+                            logit_bias={30: -100.0}, repetition_penalty=1.3, min_tokens=20)
+    expected = [r.text for r in engine.generate(prompts, params)]
+    assert served == expected
+    free = [r.text for r in engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+    assert free != expected  # the processing changed the answers
+
+
 # ---------------------------------------------------------------------------- robustness
 
 
