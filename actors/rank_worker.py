@@ -71,6 +71,7 @@ class RankWorker:
         self.cfg = cfg
         self.rank = rank
         self.compiles = CompileWatch()  # armed once start-up has compiled what serving needs
+        CompileWatch.pause_all()
         self.device = torch.device(cfg.resolved_device())
         self.dtype = resolve_dtype(cfg.model.dtype, self.device.type)
         if self.device.type == "cpu":

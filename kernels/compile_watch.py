@@ -35,6 +35,17 @@ class CompileWatch:
         self._armed = True
         return True
 
+    @staticmethod
+    def pause_all() -> None:
+        """Stop whichever watch is armed: the hooks are global to the process, and a new
+        worker's start-up compiles (a second engine in a test or benchmark) are no stall."""
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        knobs.runtime.jit_cache_hook = None
+        knobs.runtime.jit_post_compile_hook = None
+
     def disarm(self) -> None:
         if not self._armed:
             return

@@ -28,3 +28,10 @@ def test_watch_counts_times_and_names_each_compile(caplog):
     finally:
         watch.disarm()
     assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is None
+
+
+def test_a_new_worker_pauses_the_armed_watch():
+    watch = CompileWatch()
+    assert watch.arm()
+    CompileWatch.pause_all()  # what a RankWorker does before its own start-up compiles
+    assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is None
