@@ -129,7 +129,9 @@ class StepServer:
                 out = self.execute(plan)
             except Exception as e:  # the engine fails this rank's requests with the message
                 log.exception("step %s failed", getattr(plan, "step_id", "?"))
-                conn.sendall(encode(ERROR, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+                # (message, traceback): the message may reach clients, the traceback only logs.
+                conn.sendall(encode(ERROR, (str(e) or "an error without a message",
+                                            traceback.format_exc(limit=8))))
                 continue
             out.timings["wait"] = t1 - t0
             out.timings["recv"] = t2 - t1

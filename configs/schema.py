@@ -136,7 +136,16 @@ class ServeConfig(_Strict):
     # the environment of its processes: `kestrel serve` sets it when it starts Ray, a
     # cluster must be started with serve_app.app.ray_env(cfg) (ray_cluster.yaml does).
     http_proxy: Literal["haproxy", "serve"] = "haproxy"
+    # Non-empty: every route but /health (and /metrics, below) needs one of these keys as
+    # `Authorization: Bearer <key>`.
     api_keys: list[str] = Field(default_factory=list)
+    # With api_keys set, /metrics needs a key too. Off by default, so Prometheus scrapes
+    # without one; the metrics are counts and latencies, never prompt text.
+    metrics_require_api_key: bool = False
+    # Larger request bodies get 413, counted as they arrive (never buffered whole). A
+    # full-context prompt is at most a few hundred KB of JSON; 8 MiB leaves room for
+    # batches of them.
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     queue_full_status: Literal[503, 429] = 503
     retry_after_s: int = Field(1, ge=0)
     stream_interval_ms: float = Field(0.0, ge=0)  # 0 = send every token as it comes

@@ -116,9 +116,8 @@ class EngineClient:
                 elif kind == "failed":
                     rank, message = payload
                     self._fail(message, rank)
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            self._fail(f"the engine core closed its channel (it died or was killed): "
-                       f"{type(e).__name__}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self._fail("the engine core closed its channel (it died or was killed)")
 
     def _fail(self, message: str, rank: int | None = None) -> None:
         self.failed = message

@@ -216,8 +216,10 @@ class EngineCore:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # actor died, scheduler bug: fail this rank's requests loudly
-            log.exception("rank %d step loop failed", rank)
-            self.failed = f"engine rank {rank} failed: {type(e).__name__}: {e}"
+            log.exception("rank %d step loop failed%s", rank,
+                          f"; the rank's traceback:\n{e.detail}" if getattr(e, "detail", "") else "")
+            # Clients see this message: what failed, without the insides (class, traceback).
+            self.failed = f"engine rank {rank} failed: {str(e) or 'an error without a message'}"
             self._send("failed", (rank, self.failed))
             sched.abort_all()
             self._outbox.clear()  # the front end fails those streams itself

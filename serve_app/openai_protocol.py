@@ -16,6 +16,12 @@ from serve_app.request_field_policy import (NoEffectChatFields, NoEffectFields,
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+# The engine keeps seeds and top_k in int64 (torch): a larger one failed the rank's step,
+# and with it every request on the replica.
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+# Temperatures below this sample greedily, as vLLM's do: in float32, logits / 1e-40 are
+# infinite, and the sampler's distribution NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -51,8 +57,8 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # extension (as vLLM): -1 or 0 = off
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # extension (as vLLM): -1 or 0 = off
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: list[str] | None = None  # str or list of str on the wire; normalized to a list
     stop_token_ids: list[int] | None = None  # extension
     n: int = Field(1, ge=1, le=MAX_N)
@@ -128,9 +134,13 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
     def to_sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
         """Engine sampling params with OpenAI defaults filled in.
 
-        top_k is normalized to -1 for "off"; stop strings are de-duplicated and empty
-        ones dropped (an empty stop would end every request at once)."""
+        top_k is normalized to -1 for "off"; a temperature too small to divide logits by
+        to 0 (greedy); stop strings are de-duplicated and empty ones dropped (an empty
+        stop would end every request at once)."""
         top_k = self.top_k if self.top_k not in (None, 0) else -1
+        temperature = 1.0 if self.temperature is None else float(self.temperature)
+        if temperature < GREEDY_BELOW_TEMPERATURE:
+            temperature = 0.0
         stops: list[str] = []
         for s in self.stop or []:
             if s and s not in stops:
@@ -138,7 +148,7 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
         requested = self._requested_max_tokens()
         return {
             "max_tokens": requested if requested is not None else int(default_max_tokens),
-            "temperature": 1.0 if self.temperature is None else float(self.temperature),
+            "temperature": temperature,
             "top_p": 1.0 if self.top_p is None else float(self.top_p),
             "top_k": top_k,
             "seed": self.seed,

@@ -9,14 +9,15 @@ down.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
-import json
 import logging
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,16 +30,21 @@ from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompl
                                        CompletionChoice, CompletionRequest, CompletionResponse,
                                        ModelCard, ModelList, StreamChunks, UsageInfo, make_id,
                                        sse_event)
+from serve_app.openapi_document import install_openapi, responses
 from serve_app.request import RequestOutput
+from serve_app.request_body import read_json_object
 from serve_app.request_stream import StreamFailed
 from serve_app.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
-                                         TokenizeResponse, tokenize_request_model)
+                                         TokenizePromptRequest, TokenizeResponse,
+                                         tokenize_request_model)
 from serve_app.tokenizer import apply_chat_template
 
 log = logging.getLogger("kestrel.http")
 
-MAX_BODY_BYTES = 32 * 1024 * 1024  # larger bodies get 413 before being parsed
 HEALTH_TIMEOUT_S = 10.0
+# Longer texts are tokenized on a worker thread (the tokenizer releases the GIL): inline,
+# a 1 MB prompt held the event loop, and so every stream of the replica, for 1.1 s.
+INLINE_TOKENIZE_CHARS = 8192
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
               "/health", "/metrics"}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -79,21 +85,27 @@ class OpenAIServer:
         self.model_name = cfg.model.name
         self.max_model_len = cfg.model.max_model_len
         self.vocab_size = len(tokenizer)
-        self.api_keys = [k.encode() for k in cfg.serve.api_keys]
+        # Digests, not the keys: compare_digest then always compares 32 bytes, so the time
+        # taken says nothing about a key's length either.
+        self.key_digests = [_digest(k) for k in cfg.serve.api_keys]
+        self.max_request_bytes = cfg.serve.max_request_bytes
+        self.metrics_need_key = cfg.serve.metrics_require_api_key
         self.metrics = ServerMetrics(self.model_name)
 
     # ---- request checks --------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
-        if not self.api_keys:
+        if not self.key_digests:
             return
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise KestrelAPIError.unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
-        # compare_digest against every key: the time taken says nothing about a key.
+        # compare_digest against every key, no early exit: the time taken says nothing
+        # about which key, or how much of one, matched.
+        digest = _digest(key.strip())
         ok = False
-        for k in self.api_keys:
-            ok |= hmac.compare_digest(key.strip().encode(), k)
+        for k in self.key_digests:
+            ok |= hmac.compare_digest(digest, k)
         if not ok:
             raise KestrelAPIError.unauthorized("Invalid API key")
 
@@ -101,16 +113,7 @@ class OpenAIServer:
         return self.validate(await self.read_json(request), model)
 
     async def read_json(self, request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise KestrelAPIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes")
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise KestrelAPIError.bad_request("The request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise KestrelAPIError.bad_request("The request body must be a JSON object")
-        return data
+        return await read_json_object(request, self.max_request_bytes)
 
     def validate(self, data: dict[str, Any], model: type) -> Any:
         try:
@@ -122,13 +125,25 @@ class OpenAIServer:
             raise KestrelAPIError.model_not_found(body.model)
         return body
 
-    def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text,
+                                       add_special_tokens=add_special_tokens)
+
+    async def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
         """The messages through the model's chat template, as token ids."""
+        messages = [m.for_template() for m in body.messages]
+        kw = dict(add_generation_prompt=body.add_generation_prompt,
+                  continue_final_message=body.continue_final_message)
         try:
-            return apply_chat_template(self.tokenizer, [m.for_template() for m in body.messages],
-                                       add_generation_prompt=body.add_generation_prompt,
-                                       continue_final_message=body.continue_final_message)
-        except Exception as e:  # a template may reject a conversation (e.g. role order)
+            if sum(len(m["content"]) for m in messages) <= INLINE_TOKENIZE_CHARS:
+                return apply_chat_template(self.tokenizer, messages, **kw)
+            return await asyncio.to_thread(apply_chat_template, self.tokenizer, messages, **kw)
+        # A template may reject a conversation (e.g. role order: TemplateError), and
+        # transformers a continue_final_message it cannot honour (ValueError); anything
+        # else is a bug, whose message is no answer for a client.
+        except (TemplateError, ValueError) as e:
             raise KestrelAPIError.bad_request(f"The chat template rejected the messages: {e}",
                                               param="messages") from None
 
@@ -245,7 +260,7 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
-        ids = self.chat_prompt(body)
+        ids = await self.chat_prompt(body)
         self.check_prompt(ids, "messages")
         request_id = make_id("chatcmpl")
         choices = self.make_choices(body, [ids], request_id)
@@ -267,8 +282,7 @@ class OpenAIServer:
         body: CompletionRequest = await self.parse(request, CompletionRequest)
         prompts: list[list[int]] = []
         for i, p in enumerate(body.prompts()):
-            ids = (self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens)
-                   if isinstance(p, str) else list(p))
+            ids = (await self.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p))
             self.check_prompt(ids, "prompt" if len(body.prompts()) == 1 else f"prompt.{i}")
             prompts.append(ids)
         request_id = make_id("cmpl")
@@ -323,9 +337,9 @@ class OpenAIServer:
         data = await self.read_json(request)
         body = self.validate(data, tokenize_request_model(data))
         if isinstance(body, TokenizeChatRequest):
-            ids = self.chat_prompt(body)
+            ids = await self.chat_prompt(body)
         else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await self.encode(body.prompt, body.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
                                              tokens=ids, token_strs=strs).model_dump())
@@ -349,13 +363,19 @@ class OpenAIServer:
             return JSONResponse(error_body(503, "The engine is not healthy"), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    async def metrics_text(self) -> Response:
+    async def metrics_text(self, request: Request) -> Response:
+        if self.metrics_need_key:
+            self.check_auth(request)
         try:
             self.metrics.update_engine(await self.engine.stats())
         except Exception as e:  # noqa: BLE001 - still serve the request metrics
             log.warning("could not read engine stats: %r", e)
         data, content_type = self.metrics.render()
         return Response(data, media_type=content_type)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
 
 
 class _RequestCounter:
@@ -407,32 +427,41 @@ def build_api(server: OpenAIServer) -> FastAPI:
         err = server.api_error(e)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=responses(ChatCompletionResponse, stream=True))
     async def chat(request: Request):
         return await server.chat(request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=responses(CompletionResponse, stream=True))
     async def completions(request: Request):
         return await server.completions(request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=responses(TokenizeResponse))
     async def tokenize(request: Request):
         return await server.tokenize(request)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=responses(DetokenizeResponse))
     async def detokenize(request: Request):
         return await server.detokenize(request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(ModelList))
     async def models(request: Request):
         return server.models(request)
 
-    @app.get("/health")
+    @app.get("/health", responses=responses())
     async def health():
         return await server.health()
 
-    @app.get("/metrics")
-    async def metrics():
-        return await server.metrics_text()
+    @app.get("/metrics", response_class=PlainTextResponse, responses=responses(text=True))
+    async def metrics(request: Request):
+        return await server.metrics_text(request)
 
+    keyed = {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/models"}
+    if server.metrics_need_key:
+        keyed.add("/metrics")
+    install_openapi(app, bodies={
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/completions": CompletionRequest,
+        "/tokenize": TokenizePromptRequest | TokenizeChatRequest,
+        "/detokenize": DetokenizeRequest,
+    }, keyed_paths=keyed if server.key_digests else set())
     return app

@@ -15,7 +15,13 @@ from actors.step_plan import StepOutput, StepPlan
 
 
 class RankFailed(RuntimeError):
-    """The rank's actor died, closed its channel, or raised while running a step."""
+    """The rank's actor died, closed its channel, or raised while running a step. The
+    message may reach clients, so it names no exception class; `detail` is the actor's
+    traceback, for the log."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
 
 
 class RankChannel:
@@ -52,11 +58,12 @@ class RankChannel:
             header = await self.reader.readexactly(HEADER.size)
             (n,) = HEADER.unpack(header)
             kind, payload = decode(await self.reader.readexactly(n))
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
+        except (asyncio.IncompleteReadError, ConnectionError):
             raise RankFailed(f"the actor of rank {self.rank} closed its step channel "
-                             f"(it died or was killed): {type(e).__name__}") from None
+                             "(it died or was killed)") from None
         if kind == ERROR:
-            raise RankFailed(f"rank {self.rank} failed a step: {payload}")
+            message, trace = payload
+            raise RankFailed(f"rank {self.rank} failed a step: {message}", detail=trace)
         if kind != OK:
             raise RankFailed(f"rank {self.rank} sent an unknown frame {kind!r}")
         return payload

@@ -15,10 +15,22 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, field_validator
 
 
+def _accepted_values_in_schema(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    # The JSON schema (the OpenAPI document's request bodies) of a field `unsupported`
+    # guards lists the only values it accepts, so the document says what a client may send.
+    for dec in cls.__pydantic_decorators__.field_validators.values():
+        accepted = getattr(dec.func, "accepted", None)
+        if accepted is None:
+            continue
+        for name in dec.info.fields:
+            schema["properties"][name] = {"enum": [None, *accepted], "default": None,
+                                          "description": dec.func.description}
+
+
 class RequestModel(BaseModel):
     """A request body: a field Kestrel does not know is an error, never dropped."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_accepted_values_in_schema)
 
 
 def _same(v: Any, neutral: Any) -> bool:
@@ -34,8 +46,10 @@ def unsupported(name: str, hint: str, *neutral: Any):
     def check(cls, v: Any) -> Any:
         if v is None or any(_same(v, n) for n in neutral):
             return v
-        raise ValueError(f"{name} is not supported by Kestrel ({hint})")
+        raise ValueError(check.description)
 
+    check.accepted = neutral
+    check.description = f"{name} is not supported by Kestrel ({hint})"
     return field_validator(name, mode="before")(check)
 
 

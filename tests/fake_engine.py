@@ -122,11 +122,14 @@ def call(tokenizer, cfg, engine, method, path, **kw) -> httpx.Response:
 
 
 @contextlib.contextmanager
-def serve_over_http(app) -> Iterator[str]:
-    """The app on a loopback port for the duration; yields its base URL."""
+def serve_over_http(app, log_level: str = "warning") -> Iterator[str]:
+    """The app on a loopback port for the duration; yields its base URL. uvicorn's log
+    records (its access log at "info") propagate to the root logger, where pytest's
+    caplog sees them."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, log_config=None,
+                                           lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

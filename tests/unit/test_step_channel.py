@@ -108,8 +108,10 @@ def test_a_failing_step_fails_the_rank_with_its_message(fp32_worker, tokenizer, 
     async def run():
         eng = await _engine(cfg, fp32_worker, tokenizer, execute)
         stream = eng.client.add_request(chat_prompts[0], dict(max_tokens=8), "a")
-        with pytest.raises(StreamFailed, match="illegal memory access"):
+        with pytest.raises(StreamFailed, match="illegal memory access") as failed:
             await _collect(stream)
+        # Clients see this message: the actor's traceback and exception class stay in logs.
+        assert "Traceback" not in str(failed.value) and "RuntimeError" not in str(failed.value)
         with pytest.raises(RuntimeError, match="rank 0 failed"):
             await eng.client.check_health()
         await eng.stop()
