@@ -49,12 +49,14 @@ class OutputCounts:
         """The plan's processing on logits [B, N, V] of request rows [B] -> a new tensor."""
         self._ensure()
         pp, dev = plan.processing, self.device
-        t = lambda a, dt: torch.as_tensor(a, dtype=dt, device=dev)
-        p = Processing(t(pp.presence, torch.float32), t(pp.frequency, torch.float32),
-                       t(pp.repetition, torch.float32), t(pp.min_tokens, torch.int64),
-                       t(pp.bias[:, 0], torch.int64), t(pp.bias[:, 1], torch.int64),
-                       t(pp.bias_value, torch.float32), t(pp.stops[:, 0], torch.int64),
-                       t(pp.stops[:, 1], torch.int64))
+        B, M, S = len(pp.presence), len(pp.bias_value), len(pp.stops)
+        # Two host-to-device copies, not nine: the floats, then the integers.
+        f = torch.from_numpy(np.concatenate([pp.presence, pp.frequency, pp.repetition,
+                                             pp.bias_value]).astype(np.float32)).to(dev)  # [3B+M]
+        i = torch.from_numpy(np.concatenate([pp.min_tokens, pp.bias[:, 0], pp.bias[:, 1], pp.stops[:, 0],
+                                             pp.stops[:, 1]]).astype(np.int64)).to(dev)  # [B+2M+2S]
+        p = Processing(f[:B], f[B:2 * B], f[2 * B:3 * B], i[:B], i[B:B + M], i[B + M:B + 2 * M],
+                       f[3 * B:], i[B + 2 * M:B + 2 * M + S], i[B + 2 * M + S:])
         prompt = self.prompt[rows] if self.prompt is not None and bool((pp.repetition != 1).any()) else None
         return apply_processing(logits, p, self.counts[rows], self.num_out[rows], prompt,
                                 path_tokens, path_mask)
@@ -62,8 +64,10 @@ class OutputCounts:
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
         """Emitted tokens [B, L] int64 of rows [B], the first lens[b] of each."""
         self._ensure()
-        L = tokens.shape[1]
+        B, L = tokens.shape
         keep = torch.arange(L, device=tokens.device)[None, :] < lens[:, None]  # [B, L] bool
-        r = rows[:, None].expand(-1, L)[keep]
-        self.counts.index_put_((r, tokens[keep]), torch.ones_like(r, dtype=torch.int32), accumulate=True)
+        # Every lane adds its keep bit (0 past the emitted ones): no host sync for a mask.
+        r = rows[:, None].expand(B, L).reshape(-1)
+        t = torch.where(keep, tokens, torch.zeros_like(tokens)).reshape(-1)
+        self.counts.index_put_((r, t), keep.reshape(-1).to(torch.int32), accumulate=True)
         self.num_out[rows] += lens.to(torch.int64)

@@ -51,11 +51,21 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _END = object()
 
 
+def usage_of(choices: list["_Choice"], prompt_tokens: int) -> UsageInfo:
+    """A request's usage: its prompts once, every choice's outputs; the cached prompt
+    tokens of each prompt as its first choice met them (the n choices of a prompt share
+    it, and the later ones find the first one's pages)."""
+    first = {}
+    for c in choices:
+        first.setdefault(id(c.prompt_ids), c.cached)
+    return UsageInfo.of(prompt_tokens, sum(c.tokens for c in choices), sum(first.values()))
+
+
 class _Choice:
     """One generation of a request: what to run, and what came back."""
 
     __slots__ = ("index", "prompt_ids", "params", "rid", "text", "finish_reason", "tokens",
-                 "tracker")
+                 "cached", "tracker")
 
     def __init__(self, index: int, prompt_ids: list[int], params: dict[str, Any], rid: str,
                  tracker: RequestTracker):
@@ -66,11 +76,13 @@ class _Choice:
         self.text: list[str] = []
         self.finish_reason: str | None = None
         self.tokens = 0
+        self.cached = 0
         self.tracker = tracker
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.new_text)
         self.tokens = out.num_output_tokens
+        self.cached = out.cached_tokens
         self.tracker.on_tokens(len(out.new_token_ids), out.accept_lengths)
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -275,7 +287,7 @@ class OpenAIServer:
             id=request_id, model=self.model_name,
             choices=[ChatCompletionChoice(index=c.index, message=ChatCompletionMessage(content="".join(c.text)),
                                           finish_reason=c.finish_reason) for c in choices],
-            usage=UsageInfo.of(usage_prompt, sum(c.tokens for c in choices))).model_dump())
+            usage=usage_of(choices, usage_prompt)).model_dump())
 
     async def completions(self, request: Request) -> Response:
         self.check_auth(request)
@@ -298,7 +310,7 @@ class OpenAIServer:
             id=request_id, model=self.model_name,
             choices=[CompletionChoice(index=c.index, text="".join(c.text), finish_reason=c.finish_reason)
                      for c in choices],
-            usage=UsageInfo.of(usage_prompt, sum(c.tokens for c in choices))).model_dump())
+            usage=usage_of(choices, usage_prompt)).model_dump())
 
     async def collect(self, choices: list[_Choice], streams: list[Any]) -> None:
         async for i, out in self.outputs(streams):
@@ -322,7 +334,7 @@ class OpenAIServer:
                 if out.new_text or out.finished:
                     yield chunks.delta(c.index, out.new_text, out.finish_reason if out.finished else None)
             if include_usage:
-                yield chunks.usage(UsageInfo.of(usage_prompt, sum(c.tokens for c in choices)))
+                yield chunks.usage(usage_of(choices, usage_prompt))
             yield SSE_DONE
         except KestrelAPIError as e:  # the status line is gone: report in-band, as OpenAI does
             yield sse_event(e.body())

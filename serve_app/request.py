@@ -84,6 +84,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     accept_lengths: list[int] = field(default_factory=list)  # new ones since the last output
+    cached_tokens: int = 0  # prompt tokens the prefix cache held at the request's admission
 
 
 @dataclass(eq=False)  # a request is itself: queue lookups compare identity, not fields
@@ -105,6 +106,7 @@ class Request:
     fill_ids: list[int] = field(default_factory=list)  # what the current prefill covers
     cache_node: object | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (all prefills)
+    prompt_cached: int = 0  # of the prompt, at its first admission (usage reports it)
     computed_prompt_tokens: int = 0  # prompt tokens the model actually ran
     num_preemptions: int = 0
     # outcome

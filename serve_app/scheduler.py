@@ -216,6 +216,8 @@ class Scheduler:
         req.kv_allocated_len = m.length  # the matched pages are whole pages
         req.kv_committed_len = m.length
         req.cached_tokens += m.length
+        if req.num_preemptions == 0:  # readmitted, the match also holds its own outputs
+            req.prompt_cached = min(m.length, len(req.prompt_ids))
         self.stats["prompt_tokens_cached"] += m.length
         if m.length:
             self._kv_writes.append((row, 0, m.slots))
@@ -415,7 +417,7 @@ class Scheduler:
         if req.on_output is None and not reason:
             return None
         out = RequestOutput(req.rid, new_ids, text, reason is not None, reason,
-                            len(req.prompt_ids), len(req.output_ids), accepted)
+                            len(req.prompt_ids), len(req.output_ids), accepted, req.prompt_cached)
         if req.on_output is not None:
             req.on_output(out)
         return out

@@ -75,6 +75,23 @@ def test_chat_usage_and_stream_equals_non_stream(client, tokenizer):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_cached_prompt_tokens_in_usage(client, tokenizer):
+    """usage.prompt_tokens_details.cached_tokens: what the prefix cache held of a prompt sent
+    before (of a new one at most the chat template's shared start), in streamed usage too."""
+    from serve_app.tokenizer import apply_chat_template
+    messages = [{"role": "user", "content": "Cached tokens: a prompt long enough to fill " * 6}]
+    n = len(apply_chat_template(tokenizer, messages))
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)
+    before = first.usage.prompt_tokens_details.cached_tokens
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert before < n // 2 and n - 16 < cached < n, (n, before, cached)  # the last is computed
+    stream = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert stream[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
 def test_completion_usage_and_stream_equals_non_stream(client, tokenizer):
     prompt = "The three primary colours are"
     resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,

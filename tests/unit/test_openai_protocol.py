@@ -221,12 +221,13 @@ def test_chat_response_dump():
     resp = ChatCompletionResponse(
         model="m", choices=[ChatCompletionChoice(index=0, message=ChatCompletionMessage(content="hi"),
                                                  finish_reason="stop")],
-        usage=UsageInfo.of(5, 2))
+        usage=UsageInfo.of(5, 2, cached_tokens=3))
     d = json.loads(resp.model_dump_json())
     assert d["id"].startswith("chatcmpl-") and d["object"] == "chat.completion"
     assert d["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "hi"},
                                "finish_reason": "stop", "logprobs": None}
-    assert d["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert d["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                          "prompt_tokens_details": {"cached_tokens": 3}}
 
 
 def test_completion_response_dump():
