@@ -158,7 +158,7 @@ class PrefillGraphs:
         lanes[2, B:] = 1  # padded lanes: one token on row 0
         self.inputs.copy_(torch.from_numpy(host))
         self._target[bs, T].replay()
-        tokens = w.sample(plan, self.rows[:B], self.logits[:B])  # [B] int64
+        tokens = w.sample(plan, self.rows[:B], self.logits[:B], plan.last_chunk)  # [B] int64
         if self.eagle is not None:  # also for chunks that end no prompt: it writes draft KV
             self.token[:B].copy_(tokens)
             self._draft[bs, T].replay()

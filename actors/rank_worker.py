@@ -17,6 +17,7 @@ from actors.dp.sync import ForwardMode
 from actors.forward_batch import ForwardBatch
 from actors.future_map import FutureMap
 from actors.kv_cache import ReqToTokenPool, TokenToKVPool
+from actors.logprobs import plan_logprobs
 from actors.model_runner import ModelRunner
 from actors.output_counts import OutputCounts
 from actors.models.loader import build_model, default_model_path
@@ -195,6 +196,7 @@ class RankWorker:
         if plan.mode == "idle" or not plan.rows:
             return StepOutput(plan.step_id, [[] for _ in plan.rows])
         t0 = time.perf_counter()
+        self.last_logprobs = None  # set by the step's path when the plan asks for logprobs
         if plan.mode == "extend":
             tokens = self._extend(plan)
         elif self.eagle is not None and plan.use_spec:
@@ -206,16 +208,20 @@ class RankWorker:
             timings["compile"] = self.compiles.take_seconds()
         if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
             timings.update(self.eagle.last_timings)
-        return StepOutput(plan.step_id, tokens, timings)
+        return StepOutput(plan.step_id, tokens, timings, self.last_logprobs)
 
-    def sample(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor,
+               emitted: list[bool]) -> torch.Tensor:
         """One token per request from logits [B, V] of rows [B], after the plan's logit
-        processing (penalties, bias, min_tokens, min_p) when it has any -> [B] int64."""
+        processing (penalties, bias, min_tokens, min_p) when it has any -> [B] int64;
+        the logprobs of the `emitted` ones too, when the plan asks."""
         pp = plan.processing
         if pp is not None:
             logits = self.counts.process(plan, rows, logits[:, None])[:, 0]
-        return sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins,
-                             None if pp is None else pp.min_p)
+        tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins,
+                               None if pp is None else pp.min_p)
+        self.last_logprobs = plan_logprobs(plan.logprobs, logits, tokens, emitted)
+        return tokens
 
     def record(self, plan: StepPlan, rows: torch.Tensor, tokens: torch.Tensor,
                lens: torch.Tensor | None = None) -> None:
@@ -250,7 +256,7 @@ class RankWorker:
         hidden, aux_hidden = self.target.forward(fb, aux_layers=aux)
         last = torch.cumsum(fb.seq_lens - fb.prefix_lens, 0) - 1  # [B] int64 last row per chunk
         logits = self.model.compute_logits(hidden[last])
-        tokens = self.sample(plan, fb.req_pool_indices, logits)
+        tokens = self.sample(plan, fb.req_pool_indices, logits, plan.last_chunk)
         done = self._tensor(plan.last_chunk).bool()  # [B] prompts finished by this chunk
         self.record(plan, fb.req_pool_indices[done], tokens[done])
         if self.eagle is not None:
@@ -279,7 +285,7 @@ class RankWorker:
                 GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1))
         else:
             logits = self._decode_logits(c.bonus, c.seq_lens, loc, rows)
-        tokens = self.sample(plan, rows, logits)
+        tokens = self.sample(plan, rows, logits, [True] * B)
         self.record(plan, rows, tokens)
         self.future.store(rows, c.seq_lens + 1, tokens)
         return [[t] for t in tokens.tolist()]

@@ -47,6 +47,8 @@ class StepPlan:
     # decode only: requests whose future values were just created (sanity checking)
     use_spec: bool = False
     processing: PlanProcessing | None = None
+    # Per request, how many alternatives its logprobs list (-1: none asked); None: nobody.
+    logprobs: list[int] | None = None
     # Rows whose output counts restart (a request admitted, or readmitted after preemption):
     # (row, prompt ids or None when no repetition penalty needs them, outputs so far).
     count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = field(default_factory=list)
@@ -63,3 +65,6 @@ class StepOutput:
     # For speculative decode its length is the accept length (accepted drafts + bonus).
     tokens: list[list[int]]
     timings: dict[str, float] = field(default_factory=dict)
+    # Per request, None or one (logprob, top ids, top logprobs) per emitted token
+    # (actors/logprobs.py); None when the plan asked for none.
+    logprobs: list | None = None

@@ -47,6 +47,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_p: float = 0.0
     min_tokens: int = 0
+    logprobs: int | None = None  # alternatives listed with each token's logprob; None = none
 
     @property
     def needs_processing(self) -> bool:
@@ -70,6 +71,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be within (0, 2], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be within [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be within [0, 20], got {self.logprobs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
@@ -85,6 +88,7 @@ class RequestOutput:
     num_output_tokens: int
     accept_lengths: list[int] = field(default_factory=list)  # new ones since the last output
     cached_tokens: int = 0  # prompt tokens the prefix cache held at the request's admission
+    logprobs: list | None = None  # per new token: (logprob, top ids, top logprobs), if asked
 
 
 @dataclass(eq=False)  # a request is itself: queue lookups compare identity, not fields
@@ -107,6 +111,7 @@ class Request:
     cache_node: object | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (all prefills)
     prompt_cached: int = 0  # of the prompt, at its first admission (usage reports it)
+    token_logprobs: list = field(default_factory=list)  # per output token, when asked
     computed_prompt_tokens: int = 0  # prompt tokens the model actually ran
     num_preemptions: int = 0
     # outcome

@@ -95,7 +95,8 @@ class Scheduler:
             req.coin_stream = CoinStream(seed, self.coins_per_request)
         if self.detokenizer_factory is not None:
             req.text_stream = self.detokenizer_factory(req)
-        req.quiet = req.on_output is None and (req.text_stream is None or not req.text_stream.has_stops)
+        req.quiet = (req.on_output is None and p.logprobs is None
+                     and (req.text_stream is None or not req.text_stream.has_stops))
         self.requests[req.rid] = req
         self.waiting.append(req)
 
@@ -344,6 +345,8 @@ class Scheduler:
         plan.top_k += [p.top_k for p in params]
         if any(p.needs_processing for p in params):
             plan.processing = plan_processing(reqs)
+        if any(p.logprobs is not None for p in params):
+            plan.logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
 
     def _coins(self, reqs: list[Request]) -> np.ndarray:
         coins = np.zeros((len(reqs), self.coins_per_request), dtype=np.float32)  # [B, C]
@@ -357,6 +360,7 @@ class Scheduler:
         reqs = self._inflight.pop(plan.step_id)
         events: list[RequestOutput] = []
         extend = plan.mode == "extend"
+        lps = out.logprobs
         for i, (req, toks) in enumerate(zip(reqs, out.tokens)):
             if req.finished or req.row != plan.rows[i]:
                 continue  # aborted or preempted since the plan was made
@@ -381,12 +385,13 @@ class Scheduler:
                         and len(req.output_ids) + len(toks) < req.max_output):
                     req.output_ids += toks
                     continue
-            ev = self._emit(req, toks, accepted)
+            ev = self._emit(req, toks, accepted, lps[i] if lps is not None else None)
             if ev is not None:
                 events.append(ev)
         return events
 
-    def _emit(self, req: Request, toks: list[int], accepted: list[int]) -> RequestOutput | None:
+    def _emit(self, req: Request, toks: list[int], accepted: list[int],
+              logprobs: list | None = None) -> RequestOutput | None:
         if req.first_token_time is None and toks:
             req.first_token_time = time.time()
         new_ids: list[int] = []
@@ -414,10 +419,14 @@ class Scheduler:
             req.text += text
         if reason:
             self._finish(req, reason)
+        if logprobs is not None:
+            logprobs = logprobs[:len(new_ids)]
+            req.token_logprobs += logprobs
         if req.on_output is None and not reason:
             return None
         out = RequestOutput(req.rid, new_ids, text, reason is not None, reason,
-                            len(req.prompt_ids), len(req.output_ids), accepted, req.prompt_cached)
+                            len(req.prompt_ids), len(req.output_ids), accepted, req.prompt_cached,
+                            logprobs)
         if req.on_output is not None:
             req.on_output(out)
         return out

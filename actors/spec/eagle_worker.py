@@ -31,6 +31,7 @@ import torch
 from actors.cuda_graph_runner import GraphBatch, GraphRunner, VerifyPath
 from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
+from actors.logprobs import tree_logprobs
 from actors.kv_cache import TokenToKVPool
 from actors.model_runner import ModelRunner
 from actors.models.eagle import load_eagle_head, resolve_draft_path
@@ -160,7 +161,7 @@ class EagleWorker:
         clock = PhaseClock(self.cfg.profile_steps, w.device)
         g = self.step_graph
         if g is not None and g.pad_size(len(plan.rows)) is not None and plan.processing is None \
-                and not any(t > 0 for t in plan.temperature):
+                and plan.logprobs is None and not any(t > 0 for t in plan.temperature):
             out = g.run(list(plan.rows)).tolist()  # the iteration's one host sync
             clock.mark("step_graph")
             self.last_timings = clock.times
@@ -186,8 +187,11 @@ class EagleWorker:
         logits = logits.view(B, N, -1)  # [B, N, V] fp32
         loc = batch.out_cache_loc.view(B, N)  # [B, N] int64 verify slots
         clock.mark("verify")
-        accept_index, accept_length, predict = self._accept(plan, rows, tree, logits)
+        accept_index, accept_length, predict, logits = self._accept(plan, rows, tree, logits)
         w.record(plan, rows, predict, accept_length)
+        if plan.logprobs is not None:  # before draft extend, which may reuse the logits' buffer
+            w.last_logprobs = tree_logprobs(plan.logprobs, logits, accept_index, predict,
+                                            accept_length.tolist())
         self._keep_accepted_kv(loc, accept_index)
         # -- draft extend over N rows per request
         topk_p, topk_index, last = self._draft_extend(batch, accept_index, accept_length,
@@ -387,7 +391,7 @@ class EagleWorker:
             ai, al, pr = tree_sampling_verify(tree.tokens[idx], probs, tree.first_child[idx],
                                               tree.next_sibling[idx], S, coins[:, :N], coins[:, N])
             accept_index[idx], accept_length[idx], predict[idx] = ai, al, pr
-        return accept_index, accept_length, predict
+        return accept_index, accept_length, predict, logits
 
 
 def prepare_draft_extend(rows: torch.Tensor, seq_lens: torch.Tensor, loc: torch.Tensor,
