@@ -126,7 +126,8 @@ class EngineCore:
 
     def _emit(self, out: RequestOutput) -> None:
         self._outbox.append((out.rid, out.new_token_ids, out.finished, out.finish_reason,
-                             out.num_output_tokens, out.accept_lengths, out.cached_tokens))
+                             out.num_output_tokens, out.accept_lengths, out.cached_tokens,
+                             out.logprobs))
 
     def _flush(self) -> None:
         if self._outbox:

@@ -15,6 +15,7 @@ from serve_app.request_field_policy import (NoEffectChatFields, NoEffectFields,
                                             RequestModel, unsupported)
 
 MAX_N = 16
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs; vLLM's default for both endpoints
 MAX_STOP_STRINGS = 16
 # The engine keeps seeds and top_k in int64 (torch): a larger one failed the rank's step,
 # and with it every request on the replica.
@@ -161,6 +162,7 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
             "logit_bias": {int(k): float(b) for k, b in (self.logit_bias or {}).items()},
             "min_p": float(self.min_p or 0.0),
             "min_tokens": int(self.min_tokens or 0),
+            "logprobs": self._logprobs_top(),
             "n": self.n,
         }
 
@@ -237,6 +239,23 @@ class ChatCompletionRequest(SamplingFields, NoEffectChatFields, RejectedChatFiel
                             ChatTemplateFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _no_bool_top(cls, v: Any) -> Any:
+        return _no_bool(v)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def _logprobs_top(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("max_completion_tokens", mode="before")
     @classmethod
@@ -263,6 +282,15 @@ class ChatCompletionRequest(SamplingFields, NoEffectChatFields, RejectedChatFiel
 class CompletionRequest(SamplingFields, RejectedCompletionFields):
     # str | list[int] | list[str] (batch) | list[list[int]] (batch)
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _no_bool_logprobs(cls, v: Any) -> Any:
+        return _no_bool(v)
+
+    def _logprobs_top(self) -> int | None:
+        return self.logprobs
     best_of: int | None = None  # accepted when it equals n: every sample is returned
     add_special_tokens: bool = True  # extension (as vLLM): tokenizer's BOS etc. on text prompts
 
@@ -348,11 +376,32 @@ class ChatCompletionMessage(BaseModel):
     content: str | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatCompletionMessage
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -369,7 +418,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -412,7 +461,7 @@ class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage = Field(default_factory=DeltaMessage)
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_Chunk):
@@ -427,7 +476,7 @@ class CompletionStreamChoice(BaseModel):
     index: int
     text: str = ""
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionChunk(_Chunk):
@@ -506,14 +555,16 @@ class StreamChunks:
         return sse_event(self._model([ChatCompletionStreamChoice(
             index=index, delta=DeltaMessage(role="assistant", content=""))]))
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> str:
+    def delta(self, index: int, text: str, finish_reason: str | None,
+              logprobs: BaseModel | None = None) -> str:
         reason = "null" if finish_reason is None else f'"{finish_reason}"'
+        lp = "null" if logprobs is None else logprobs.model_dump_json()
         if self.kind == "chat":
             delta = f'{{"content":{json.dumps(text, ensure_ascii=False)}}}' if text else "{}"
-            choice = f'{{"index":{index},"delta":{delta},"finish_reason":{reason},"logprobs":null}}'
+            choice = f'{{"index":{index},"delta":{delta},"finish_reason":{reason},"logprobs":{lp}}}'
         else:
             choice = (f'{{"index":{index},"text":{json.dumps(text, ensure_ascii=False)},'
-                      f'"finish_reason":{reason},"logprobs":null}}')
+                      f'"finish_reason":{reason},"logprobs":{lp}}}')
         return f"{self._head}{choice}]}}\n\n"
 
     def usage(self, usage: UsageInfo) -> str:

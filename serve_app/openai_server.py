@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from configs.schema import KestrelConfig
 from serve_app.engine_client import EngineError, EngineUnavailable, QueueFull, RequestRejected
 from serve_app.errors import KestrelAPIError, error_body, validation_error_body
+from serve_app.logprobs_format import LogprobFormatter
 from serve_app.metrics import RequestTracker, ServerMetrics
 from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionMessage,
                                        ChatCompletionRequest, ChatCompletionResponse,
@@ -65,7 +66,7 @@ class _Choice:
     """One generation of a request: what to run, and what came back."""
 
     __slots__ = ("index", "prompt_ids", "params", "rid", "text", "finish_reason", "tokens",
-                 "cached", "tracker")
+                 "cached", "tracker", "lp_ids", "lp_entries", "chars")
 
     def __init__(self, index: int, prompt_ids: list[int], params: dict[str, Any], rid: str,
                  tracker: RequestTracker):
@@ -78,11 +79,18 @@ class _Choice:
         self.tokens = 0
         self.cached = 0
         self.tracker = tracker
+        self.lp_ids: list[int] = []  # the listed tokens and their logprob entries, when asked
+        self.lp_entries: list = []
+        self.chars = 0  # text length before the latest output (completions' text_offset)
 
     def add(self, out: RequestOutput) -> None:
+        self.chars = sum(len(t) for t in self.text)
         self.text.append(out.new_text)
         self.tokens = out.num_output_tokens
         self.cached = out.cached_tokens
+        if out.logprobs is not None:
+            self.lp_ids += out.new_token_ids[:len(out.logprobs)]
+            self.lp_entries += out.logprobs
         self.tracker.on_tokens(len(out.new_token_ids), out.accept_lengths)
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -94,6 +102,7 @@ class OpenAIServer:
         self.cfg = cfg
         self.engine = engine  # the replica's EngineClient (or a test double)
         self.tokenizer = tokenizer
+        self.logprob_format = LogprobFormatter(tokenizer)
         self.model_name = cfg.model.name
         self.max_model_len = cfg.model.max_model_len
         self.vocab_size = len(tokenizer)
@@ -286,7 +295,9 @@ class OpenAIServer:
         return JSONResponse(ChatCompletionResponse(
             id=request_id, model=self.model_name,
             choices=[ChatCompletionChoice(index=c.index, message=ChatCompletionMessage(content="".join(c.text)),
-                                          finish_reason=c.finish_reason) for c in choices],
+                                          finish_reason=c.finish_reason,
+                                          logprobs=self.choice_logprobs("chat", c))
+                     for c in choices],
             usage=usage_of(choices, usage_prompt)).model_dump())
 
     async def completions(self, request: Request) -> Response:
@@ -308,9 +319,18 @@ class OpenAIServer:
         await self.collect(choices, streams)
         return JSONResponse(CompletionResponse(
             id=request_id, model=self.model_name,
-            choices=[CompletionChoice(index=c.index, text="".join(c.text), finish_reason=c.finish_reason)
+            choices=[CompletionChoice(index=c.index, text="".join(c.text), finish_reason=c.finish_reason,
+                                      logprobs=self.choice_logprobs("completion", c))
                      for c in choices],
             usage=usage_of(choices, usage_prompt)).model_dump())
+
+    def choice_logprobs(self, kind: str, c: _Choice):
+        """A whole choice's logprobs for the response, or None when not asked."""
+        if c.params.get("logprobs") is None:
+            return None
+        if kind == "chat":
+            return self.logprob_format.chat(c.lp_ids, c.lp_entries)
+        return self.logprob_format.completion(c.lp_ids, c.lp_entries, 0)
 
     async def collect(self, choices: list[_Choice], streams: list[Any]) -> None:
         async for i, out in self.outputs(streams):
@@ -332,7 +352,12 @@ class OpenAIServer:
                 c = choices[i]
                 c.add(out)
                 if out.new_text or out.finished:
-                    yield chunks.delta(c.index, out.new_text, out.finish_reason if out.finished else None)
+                    lp = None
+                    if out.logprobs is not None:
+                        ids = out.new_token_ids[:len(out.logprobs)]
+                        lp = (self.logprob_format.chat(ids, out.logprobs) if chunks.kind == "chat"
+                              else self.logprob_format.completion(ids, out.logprobs, c.chars))
+                    yield chunks.delta(c.index, out.new_text, out.finish_reason if out.finished else None, lp)
             if include_usage:
                 yield chunks.usage(usage_of(choices, usage_prompt))
             yield SSE_DONE

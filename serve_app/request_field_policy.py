@@ -4,7 +4,7 @@ Every field a client may send is one of three kinds: honoured (declared in
 serve_app/openai_protocol.py), accepted here because it changes nothing about the output,
 or declared here and rejected with a 400 naming it unless it carries its neutral value.
 Any other field is a 400 too (`extra="forbid"`). Nothing is dropped silently: a client
-that asks for logprobs or a JSON schema must learn that it did not get one.
+that asks for a JSON schema or tools must learn that it did not get them.
 The lists follow OpenAI's Chat Completions and Completions references and vLLM's "Extra
 Parameters" of its OpenAI-compatible server; docs/serve.md repeats them.
 """
@@ -178,8 +178,6 @@ class RejectedTemplateFields(RequestModel):
 class RejectedChatFields(RejectedTemplateFields):
     """Chat only (OpenAI's, then vLLM's)."""
 
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -192,8 +190,6 @@ class RejectedChatFields(RejectedTemplateFields):
     moderation: dict[str, Any] | None = None
     echo: bool | None = None
 
-    _logprobs = unsupported("logprobs", "omit it or send false", False)
-    _top_logprobs = unsupported("top_logprobs", "omit it", 0)
     _tool_choice = unsupported("tool_choice", "Kestrel has no tool calling; omit it or send "
                                "\"none\"", "none")
     _functions = unsupported("functions", "Kestrel has no function calling; omit it", [])
@@ -214,12 +210,10 @@ class RejectedCompletionFields(RequestModel):
     """Completions only (OpenAI's, then vLLM's)."""
 
     echo: bool | None = None
-    logprobs: int | None = None  # 0 asks for the sampled token's logprob: not neutral
     suffix: str | None = None
     prompt_embeds: Any = None
 
     _echo = unsupported("echo", "omit it or send false", False)
-    _logprobs = unsupported("logprobs", "omit it")
     _suffix = unsupported("suffix", "Kestrel does not fill in the middle; omit it", "")
     _prompt_embeds = unsupported("prompt_embeds", "send the prompt as text or token ids")
 

@@ -88,12 +88,17 @@ class RequestStream:
         last = outs[-1]
         finished, reason = last.finished, last.finish_reason
         accepts = outs[0].accept_lengths if len(outs) == 1 else [a for o in outs for a in o.accept_lengths]
+        logprobs = None
+        if outs[0].logprobs is not None:
+            logprobs = outs[0].logprobs if len(outs) == 1 else [e for o in outs for e in o.logprobs or []]
         self.num_output_tokens = last.num_output_tokens or self.num_output_tokens
         text, ended_here = "", False
         if self.text is not None:
             # The scheduler of a Serve engine makes no text, so its "stop" is always a stop
             # token, which the text leaves out.
             text_ids = ids[:-1] if finished and reason == "stop" else ids
+            if logprobs is not None:  # a stop token is not part of the text: nor listed
+                logprobs = logprobs[:len(text_ids)]
             text, stopped = self.text.feed(text_ids, final=finished)
             if stopped:
                 ended_here = not finished
@@ -102,7 +107,7 @@ class RequestStream:
             self.finished = True
             self._end(self.rid, "stop" if ended_here else None)
         return RequestOutput(self.rid, ids, text, finished, reason, self.num_prompt_tokens,
-                             self.num_output_tokens, accepts)
+                             self.num_output_tokens, accepts, last.cached_tokens, logprobs)
 
     def cancel(self) -> None:
         """The consumer went away: the request ends now and its KV is freed."""

@@ -56,8 +56,6 @@ def assert_rejected(err: openai.BadRequestError, param: str) -> None:
 
 
 CHAT_REJECTED = [  # (param, the client's own keyword arguments)
-    ("logprobs", {"logprobs": True}),
-    ("top_logprobs", {"top_logprobs": 2}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("tool_choice", {"tool_choice": "required"}),
     ("functions", {"functions": [{"name": "f"}]}),
@@ -110,7 +108,6 @@ def test_vllm_fields_kestrel_cannot_honour_are_400(client, engine_asked, endpoin
 
 @pytest.mark.parametrize("param,kwargs", [
     ("echo", {"echo": True}),
-    ("logprobs", {"logprobs": 0}),
     ("suffix", {"suffix": "}"}),
     ("best_of", {"best_of": 2}),
 ])

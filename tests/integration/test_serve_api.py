@@ -230,6 +230,29 @@ def test_penalized_streams_equal_the_plain_in_process_engine(server, tokenizer, 
     assert free != expected  # the processing changed the answers
 
 
+def test_logprobs_over_http_equal_the_plain_in_process_engine(server, tokenizer, fp32_worker):
+    """Chat logprobs through HTTP (the served preset speculates: accepted tokens' logprobs
+    come from their tree nodes) equal the plain in-process engine's, token for token."""
+    from serve_app.llm_engine import LLMEngine
+    from serve_app.request import SamplingParams
+    from serve_app.tokenizer import apply_chat_template
+    server.wait_idle()
+    q = mt_bench(1)[0]
+    client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=180)
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
+                                          max_tokens=16, logprobs=True, top_logprobs=3,
+                                          extra_body=IGNORE_EOS, **GREEDY)
+    content = resp.choices[0].logprobs.content
+    engine = LLMEngine(server.cfg, tokenizer=tokenizer, workers=[fp32_worker])
+    prompt = apply_chat_template(tokenizer, [{"role": "user", "content": q}])
+    ref = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3))[0]
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in ref.output_ids]
+    for c, (lp, ids, lps) in zip(content, ref.token_logprobs):
+        assert abs(c.logprob - lp) < 1e-4
+        assert [t.token for t in c.top_logprobs] == [tokenizer.decode([i]) for i in ids]
+        assert all(abs(t.logprob - v) < 1e-4 for t, v in zip(c.top_logprobs, lps))
+
+
 # ---------------------------------------------------------------------------- robustness
 
 
@@ -282,8 +305,8 @@ BAD_REQUESTS = [
     ("empty body", "/completions", b"", 400, None),
     ("prompt too long", "/completions", {"prompt": [1] * 3000, "max_tokens": 1}, 400, "prompt"),
     ("token id outside vocab", "/completions", {"prompt": [10 ** 9], "max_tokens": 1}, 400, "prompt"),
-    ("logprobs", "/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs without logprobs", "/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
 ]
 
 

@@ -38,7 +38,7 @@ def test_minimal_chat_request_and_defaults():
     sp = req.to_sampling_params(default_max_tokens=128)
     assert sp == {"max_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None,
                   "stop": [], "stop_token_ids": [], "ignore_eos": False, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                  "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "n": 1}
+                  "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "logprobs": None, "n": 1}
 
 
 def test_full_chat_request():
@@ -50,7 +50,7 @@ def test_full_chat_request():
     sp = req.to_sampling_params(default_max_tokens=16)
     assert sp == {"max_tokens": 50, "temperature": 0.0, "top_p": 0.9, "top_k": 40, "seed": 3,
                   "stop": ["###"], "stop_token_ids": [2, 7], "ignore_eos": True, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                  "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "n": 3}
+                  "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "logprobs": None, "n": 3}
 
 
 def test_content_parts_and_roles():
@@ -135,8 +135,7 @@ def test_bad_chat_requests_name_the_field(body, param):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("logprobs", True),
-    ("top_logprobs", 3),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
 ])
 def test_unsupported_chat_fields(field, value):
     status, err = bad(ChatCompletionRequest, {"messages": MSGS, field: value})
@@ -146,7 +145,7 @@ def test_unsupported_chat_fields(field, value):
 
 @pytest.mark.parametrize("body,param,words", [
     ({"prompt": "x", "echo": True}, "echo", "not supported"),
-    ({"prompt": "x", "logprobs": 1}, "logprobs", "not supported"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
     ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
     ({}, "prompt", "required"),

@@ -22,8 +22,8 @@ HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
                  "min_p", "min_tokens"}
 HONOURED_CHAT = HONOURED_BOTH | {"messages", "max_completion_tokens", "add_generation_prompt",
-                                 "continue_final_message"}
-HONOURED_COMPLETION = HONOURED_BOTH | {"prompt", "best_of", "add_special_tokens"}
+                                 "continue_final_message", "logprobs", "top_logprobs"}
+HONOURED_COMPLETION = HONOURED_BOTH | {"prompt", "best_of", "add_special_tokens", "logprobs"}
 
 NO_EFFECT_BOTH = {"user": "u-1"}
 NO_EFFECT_CHAT = {**NO_EFFECT_BOTH, "metadata": {"k": "v"}, "store": True,
@@ -63,8 +63,6 @@ REJECTED_BOTH = {
 }
 REJECTED_CHAT = {
     **REJECTED_BOTH,
-    "logprobs": (True, [False]),
-    "top_logprobs": (3, [0]),
     "tools": ([{"type": "function", "function": {"name": "f"}}], [[]]),
     "tool_choice": ("auto", ["none"]),
     "functions": ([{"name": "f"}], [[]]),
@@ -87,7 +85,6 @@ REJECTED_CHAT = {
 REJECTED_COMPLETION = {
     **REJECTED_BOTH,
     "echo": (True, [False]),
-    "logprobs": (0, []),  # 0 asks for the sampled token's logprob
     "suffix": ("}", [""]),
     "prompt_embeds": ("AAAA", []),
 }
@@ -197,7 +194,7 @@ def test_known_unsupported_field_at_neutral_value_changes_nothing(cls, base, fie
 
 
 @pytest.mark.parametrize("field,value", [("repetition_penalty", True), ("presence_penalty", False),
-                                         ("min_tokens", True), ("top_logprobs", False),
+                                         ("min_tokens", True),
                                          ("priority", False)])
 def test_a_bool_is_not_a_neutral_number(field, value):
     # True == 1 and False == 0 in Python; a bool sent for a number is not the default.
@@ -297,6 +294,17 @@ def test_logit_processing_fields_reach_the_engine(cls, base):
     assert p["min_tokens"] == 3
     off = params_of(cls, base)
     assert (off["presence_penalty"], off["repetition_penalty"], off["logit_bias"], off["min_tokens"]) == (0.0, 1.0, {}, 0)
+
+
+def test_logprobs_fields_reach_the_engine():
+    assert params_of(ChatCompletionRequest, {**CHAT, "logprobs": True, "top_logprobs": 5})["logprobs"] == 5
+    assert params_of(ChatCompletionRequest, {**CHAT, "logprobs": True})["logprobs"] == 0
+    assert params_of(ChatCompletionRequest, {**CHAT, "logprobs": False})["logprobs"] is None
+    assert params_of(CompletionRequest, {**COMPLETION, "logprobs": 0})["logprobs"] == 0
+    assert params_of(CompletionRequest, COMPLETION)["logprobs"] is None
+    for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        assert rejected(ChatCompletionRequest, {**CHAT, **bad})["param"] == "top_logprobs"
+    assert rejected(CompletionRequest, {**COMPLETION, "logprobs": 21})["param"] == "logprobs"
 
 
 @pytest.mark.parametrize("field,value", [
