@@ -141,7 +141,7 @@ class RejectedSamplingFields(RequestModel):
                                      "decoding; omit it")
     _structural_tag = unsupported("structural_tag", "Kestrel has no constrained decoding; "
                                   "omit it")
-    _tokens_as_ids = unsupported("return_tokens_as_token_ids", "Kestrel returns no logprobs; "
+    _tokens_as_ids = unsupported("return_tokens_as_token_ids", "logprobs show tokens as text; "
                                  "omit it or send false", False)
     _token_ids = unsupported("return_token_ids", "omit it or send false", False)
     _priority = unsupported("priority", "requests are served first come, first served; "

@@ -142,3 +142,13 @@ def serve_over_http(app, log_level: str = "warning") -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+@contextlib.contextmanager
+def serve_recorded(tokenizer) -> Iterator[tuple[str, "Recorder"]]:
+    """The real app on a socket, with a Recorder for engine: (base URL, recorder)."""
+    from configs.schema import load_config
+    recorder = Recorder()
+    app = build_api(OpenAIServer(load_config(overrides=["device=cpu"]), FakeEngine(recorder), tokenizer))
+    with serve_over_http(app) as url:
+        yield url, recorder

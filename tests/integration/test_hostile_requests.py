@@ -14,10 +14,8 @@ import time
 import httpx
 import pytest
 from api_answer_contract import assert_api_answer
-from fake_engine import FakeEngine, Recorder, serve_over_http
+from fake_engine import serve_recorded
 
-from configs.schema import load_config
-from serve_app.openai_server import OpenAIServer, build_api
 
 JSON = "application/json"
 CHAT = "/v1/chat/completions"
@@ -95,11 +93,8 @@ CONTENT_TYPES = [  # (content type or None, status) for a valid body
 
 @pytest.fixture(scope="module")
 def served(tokenizer):
-    recorder = Recorder()
-    app = build_api(OpenAIServer(load_config(overrides=["device=cpu"]), FakeEngine(recorder),
-                                 tokenizer))
-    with serve_over_http(app) as url:
-        yield url, recorder
+    with serve_recorded(tokenizer) as served:
+        yield served
 
 
 def send(url: str, path: str, body: str | bytes, content_type: str | None = JSON,

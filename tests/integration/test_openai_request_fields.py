@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import openai
 import pytest
-from fake_engine import BosTokenizer, FakeEngine, Recorder, call, serve_over_http
+from fake_engine import BosTokenizer, FakeEngine, Recorder, call, serve_recorded
 
 from configs.schema import load_config
-from serve_app.openai_server import OpenAIServer, build_api
 from serve_app.tokenizer import apply_chat_template
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -18,11 +17,8 @@ MSGS = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def served(tokenizer):
-    recorder = Recorder()
-    app = build_api(OpenAIServer(load_config(overrides=["device=cpu"]), FakeEngine(recorder),
-                                 tokenizer))
-    with serve_over_http(app) as url:
-        yield url, recorder
+    with serve_recorded(tokenizer) as served:
+        yield served
 
 
 @pytest.fixture
