@@ -113,7 +113,7 @@ def test_no_prompt_or_key_in_the_ray_logs(server):
     assert post(server, "/v1/chat/completions", chat, auth).status_code == 200
     assert post(server, "/v1/chat/completions", {**chat, "stream": True}, auth).status_code == 200
     assert post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 3}, auth).status_code == 200
-    assert post(server, "/v1/completions", {"prompt": prompt, "min_p": 0.5}, auth).status_code == 400
+    assert post(server, "/v1/completions", {"prompt": prompt, "bad_words": ["x"]}, auth).status_code == 400
     assert post(server, "/tokenize", {"prompt": prompt}, auth).status_code == 200
     time.sleep(3)  # the processes flush their log files
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
