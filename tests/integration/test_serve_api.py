@@ -225,9 +225,7 @@ def test_penalized_streams_equal_the_plain_in_process_engine(server, tokenizer, 
     params = SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.4,
                             logit_bias={30: -100.0}, repetition_penalty=1.3, min_tokens=20)
     expected = [r.text for r in engine.generate(prompts, params)]
-    assert served == expected
-    free = [r.text for r in engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
-    assert free != expected  # the processing changed the answers
+    assert served == expected  # (that the processing changes answers: the unit tests)
 
 
 def test_logprobs_over_http_equal_the_plain_in_process_engine(server, tokenizer, fp32_worker):

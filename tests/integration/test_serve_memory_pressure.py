@@ -14,7 +14,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 APP = "pressure"
-REQUESTS, PROMPT, MAX_TOKENS = 12, 48, 64
+REQUESTS, PROMPT, MAX_TOKENS = 8, 48, 48
 
 
 # Speculation on; plain decoding under preemption is checked in process
@@ -33,8 +33,8 @@ def test_more_requests_than_the_kv_holds_all_finish_exactly(server, tmp_path, sp
             "kv_cache.prefix_caching=false", "scheduler.max_running_requests=16",
             f"draft.enabled={str(spec).lower()}", "draft.path=random",
             "draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]
-    # 12 requests of 48 + 64 tokens want ~1350 slots (more with speculation's windows).
-    cfg = load_config(overrides=base + ["kv_cache.num_slots=700"])
+    # 8 requests of 48 + 48 tokens want ~770 slots (more with speculation's windows).
+    cfg = load_config(overrides=base + ["kv_cache.num_slots=420"])
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT)] for _ in range(REQUESTS)]
     ref_engine = LLMEngine(load_config(overrides=base + ["kv_cache.num_slots=8192"]))
