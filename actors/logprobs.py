@@ -46,8 +46,8 @@ def tree_logprobs(asked: list[int] | None, logits: torch.Tensor, accept_index: t
     predict [B, S+1]; emitted token j of request b was predicted at node accept_index[b, j]."""
     if asked is None:
         return None
-    out: list[list[TokenLogprob] | None] = [None] * len(asked)
     want = [b for b, k in enumerate(asked) if k >= 0]
+    out: list[list[TokenLogprob] | None] = [[] if k >= 0 else None for k in asked]
     if not want:
         return out
     pairs = [(b, j) for b in want for j in range(accept_lens[b])]
@@ -56,5 +56,5 @@ def tree_logprobs(asked: list[int] | None, logits: torch.Tensor, accept_index: t
     nodes = accept_index[bi, ji]  # [P] int64
     entries = token_logprobs(logits[bi, nodes], predict[bi, ji], max(asked[b] for b in want))
     for (b, _), (c, ids, lps) in zip(pairs, entries):
-        out[b] = (out[b] or []) + [(c, ids[:asked[b]], lps[:asked[b]])]
+        out[b].append((c, ids[:asked[b]], lps[:asked[b]]))
     return out

@@ -35,13 +35,12 @@ class OutputCounts:
             out = torch.as_tensor(np.asarray(output_ids, dtype=np.int64), device=self.device)
             self.counts[row] = torch.bincount(out, minlength=self.vocab).to(torch.int32)
             self.num_out[row] = out.numel()
+            if prompt_ids is not None and self.prompt is None:
+                self.prompt = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
+            if self.prompt is not None:
+                self.prompt[row] = False
             if prompt_ids is not None:
-                if self.prompt is None:
-                    self.prompt = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
-                self.prompt[row] = False
                 self.prompt[row, torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64), device=self.device)] = True
-            elif self.prompt is not None:
-                self.prompt[row] = False
 
     def process(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor,
                 path_tokens: torch.Tensor | None = None,

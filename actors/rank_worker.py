@@ -122,7 +122,6 @@ class RankWorker:
             from actors.warmup import warm_up_prefill, warm_up_sampled_decode
             warm_up_prefill(self)
             warm_up_sampled_decode(self)
-        if self.device.type == "cuda":
             self.compiles.arm()
 
     def _graph_batch_sizes(self) -> list[int]:

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def coins_per_request(cfg) -> int:
+    """Uniforms a sampled request draws per step (a KestrelConfig): one per tree node and a
+    final one under speculation, else one."""
+    return (cfg.draft.num_draft_tokens + 1) if cfg.draft.enabled else 1
+
+
 @dataclass
 class PlanProcessing:
     """Logit processing for a step's requests, in plan order (kernels/penalties.py); a plan

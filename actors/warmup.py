@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from actors.step_plan import StepPlan
+from actors.step_plan import StepPlan, coins_per_request
 
 log = logging.getLogger("kestrel.worker")
 
@@ -42,11 +42,6 @@ def prefill_shapes(num_rows: int, chunk_budget: int, num_slots: int, page: int) 
     return list(dict.fromkeys(shapes))
 
 
-def _coins(worker) -> int:
-    cfg = worker.cfg
-    return (cfg.draft.num_draft_tokens + 1) if cfg.draft.enabled else 1
-
-
 def warm_up_prefill(worker) -> None:
     """Run the prefill shapes eagerly on `worker` (a RankWorker) and wait for the GPU."""
     graphs, worker.prefill_graphs = worker.prefill_graphs, None  # their kernels: at capture
@@ -60,7 +55,7 @@ def _run_prefill_shapes(worker) -> None:
     import torch
     cfg = worker.cfg
     page = cfg.kv_cache.page_size
-    coins = _coins(worker)
+    coins = coins_per_request(cfg)
     shapes = prefill_shapes(worker.num_rows, cfg.scheduler.chunked_prefill_size, worker.num_slots, page)
     t0 = time.time()
     for step, (batch, n) in enumerate(shapes):
@@ -89,7 +84,7 @@ def warm_up_sampled_decode(worker) -> None:
     if worker.eagle is None:
         return
     import torch
-    page, coins = worker.cfg.kv_cache.page_size, _coins(worker)
+    page, coins = worker.cfg.kv_cache.page_size, coins_per_request(worker.cfg)
     slots = page + np.arange(1 + worker.window, dtype=np.int64)  # the prompt, then the window
     t0 = time.time()
     worker.execute(StepPlan(

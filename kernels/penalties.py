@@ -69,9 +69,8 @@ def apply_processing(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
     x = logits.clone()
     if p.bias_index.numel():
         x[p.bias_index, :, p.bias_token] += p.bias_value[:, None]
-    depth = path_mask.sum(-1) if path_mask is not None else torch.zeros(
-        B, N, dtype=torch.int64, device=x.device)  # [B, N] int64 outputs along the path
     if p.stop_index.numel():
+        depth = path_mask.sum(-1) if path_mask is not None else 0  # [B, N] outputs along the path
         early = (num_out[:, None] + depth) < p.min_tokens[:, None]  # [B, N] bool
         banned = early[p.stop_index]  # [S, N] bool
         cur = x[p.stop_index, :, p.stop_token]  # [S, N]
@@ -99,9 +98,3 @@ def apply_processing(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
     out[b, i, tok] = fixed
     return out
 
-
-def min_p_filter(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Keep the ids whose probability is at least min_p x the row's largest: probs [T, V]
-    float32, min_p [T] float32 (0 = off) -> unnormalised [T, V] float32."""
-    top = probs.max(dim=-1, keepdim=True).values  # [T, 1]
-    return torch.where(probs >= min_p[:, None] * top, probs, torch.zeros_like(probs))

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.penalties import min_p_filter
-
-__all__ = ["process_logits", "sample_from_probs"]
+__all__ = ["process_logits", "sample_from_probs", "min_p_filter"]
 
 
 def process_logits(
@@ -110,3 +108,10 @@ def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     positive = probs > 0  # [T, V] bool
     last_pos = (V - 1) - torch.flip(positive, dims=[1]).to(torch.int64).argmax(dim=-1)  # [T] int64
     return torch.where(over, last_pos, idx).to(torch.int64)
+
+
+def min_p_filter(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep the ids whose probability is at least min_p x the row's largest: probs [T, V]
+    float32, min_p [T] float32 (0 = off) -> unnormalised [T, V] float32."""
+    top = probs.max(dim=-1, keepdim=True).values  # [T, 1]
+    return torch.where(probs >= min_p[:, None] * top, probs, torch.zeros_like(probs))

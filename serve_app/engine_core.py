@@ -18,7 +18,8 @@ Front channel frames (length-prefixed pickles, as the step channel's; the first 
 from the front end must carry the core's token):
   in:  ("add", (rank, rid, prompt_ids, sampling_params)), ("finish", (rid, reason)),
        ("call", (call_id, name))  name: "kv_stats" | "rank_stats" | "stats"
-  out: ("out", [(rid, token_ids, finished, finish_reason, num_output_tokens, accept_lengths)]),
+  out: ("out", [(rid, token_ids, finished, finish_reason, num_output_tokens, accept_lengths,
+                 cached_tokens, logprobs)]),
        ("reply", (call_id, value)), ("reject", (rid, message)), ("failed", (rank, message))
 """
 from __future__ import annotations

@@ -22,6 +22,10 @@ class LogprobFormatter:
             p = self._pieces[token_id] = self.tokenizer.decode([token_id])
         return p
 
+    def of(self, kind: str, ids: list[int], entries: list, offset: int):
+        """Chat's or completions' shape ("chat" | "completion"); `offset` as in completion."""
+        return self.chat(ids, entries) if kind == "chat" else self.completion(ids, entries, offset)
+
     def chat(self, ids: list[int], entries: list) -> ChatLogprobs:
         """ids [n] and their engine entries (logprob, top ids, top logprobs)."""
         out = []

@@ -84,7 +84,8 @@ class _Choice:
         self.chars = 0  # text length before the latest output (completions' text_offset)
 
     def add(self, out: RequestOutput) -> None:
-        self.chars = sum(len(t) for t in self.text)
+        if self.text:  # the text before this output, kept up as it grows
+            self.chars += len(self.text[-1])
         self.text.append(out.new_text)
         self.tokens = out.num_output_tokens
         self.cached = out.cached_tokens
@@ -328,9 +329,7 @@ class OpenAIServer:
         """A whole choice's logprobs for the response, or None when not asked."""
         if c.params.get("logprobs") is None:
             return None
-        if kind == "chat":
-            return self.logprob_format.chat(c.lp_ids, c.lp_entries)
-        return self.logprob_format.completion(c.lp_ids, c.lp_entries, 0)
+        return self.logprob_format.of(kind, c.lp_ids, c.lp_entries, 0)
 
     async def collect(self, choices: list[_Choice], streams: list[Any]) -> None:
         async for i, out in self.outputs(streams):
@@ -355,8 +354,7 @@ class OpenAIServer:
                     lp = None
                     if out.logprobs is not None:
                         ids = out.new_token_ids[:len(out.logprobs)]
-                        lp = (self.logprob_format.chat(ids, out.logprobs) if chunks.kind == "chat"
-                              else self.logprob_format.completion(ids, out.logprobs, c.chars))
+                        lp = self.logprob_format.of(chunks.kind, ids, out.logprobs, c.chars)
                     yield chunks.delta(c.index, out.new_text, out.finish_reason if out.finished else None, lp)
             if include_usage:
                 yield chunks.usage(usage_of(choices, usage_prompt))

@@ -50,15 +50,14 @@ class SamplingParams:
     logprobs: int | None = None  # alternatives listed with each token's logprob; None = none
 
     @property
-    def needs_processing(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_p or self.min_tokens)
-
-    @property
     def needs_counts(self) -> bool:
         """Whether the worker must count this request's outputs (penalties, min_tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.min_tokens)
+
+    @property
+    def needs_processing(self) -> bool:
+        return self.needs_counts or bool(self.logit_bias or self.min_p)
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from actors.kv_cache import RowAllocator, SlotAllocator
-from actors.step_plan import PlanProcessing, StepOutput, StepPlan
+from actors.step_plan import PlanProcessing, StepOutput, StepPlan, coins_per_request
 from configs.schema import KestrelConfig
 from serve_app.radix_cache import RadixCache
 from serve_app.request import CoinStream, Request, RequestOutput
@@ -78,7 +78,7 @@ class Scheduler:
         # whichever it is (an admission can happen in an extend plan that is then dropped).
         self._kv_writes: list[tuple[int, int, torch.Tensor]] = []
         self._count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = []  # the same way
-        self.coins_per_request = (cfg.draft.num_draft_tokens + 1) if self.spec else 1
+        self.coins_per_request = coins_per_request(cfg)
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
         if self.slots.capacity < self.max_model_len + 2 * self.window + self.page:
             raise ValueError(f"kv_cache.num_slots={worker_info['num_slots']} cannot hold one "
