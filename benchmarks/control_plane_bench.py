@@ -68,7 +68,8 @@ def _core_main(conn, cfg_dict: dict, info: dict, address, token: str) -> None:
 
 
 def _client_main(conn, url: str, streams: list[int], max_tokens: int) -> None:
-    from benchmarks.http_bench import DATA, load_questions, run_level
+    from benchmarks.http_bench import DATA, load_questions
+    from benchmarks.http_client import run_level
     qs = load_questions(Path(DATA), 80)
     questions = [qs[i % len(qs)] for i in range(max(streams))]
     out = []

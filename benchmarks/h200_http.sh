@@ -13,7 +13,7 @@ part=$1
 out=${2:-${OUT:-.}}
 cd "$(dirname "$0")/.."
 levels="1 8 32 64"
-bench() { timeout "$1" python3 -m benchmarks.http_bench --concurrency $levels --max-tokens 256 --out "$out" "${@:2}"; }
+bench() { timeout "$1" python3 -m benchmarks.http_bench --concurrency $levels --max-tokens 256 --repeats 3 --out "$out" "${@:2}"; }
 
 vllm_serve() {  # name, extra args: start vllm serve in its own environment, bench it, stop it
   local name=$1; shift

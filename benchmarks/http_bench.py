@@ -1,7 +1,7 @@
 """HTTP load benchmark: Kestrel over HTTP beside the same engine in-process, same prompts.
 
     python -m benchmarks.http_bench [--config configs/h200.yaml] [--set KEY=VALUE ...]
-        [--concurrency 1 8 32 64] [--max-tokens 256] [--c1-prompts 10] [--out DIR]
+        [--concurrency 1 8 32 64] [--max-tokens 256] [--c1-prompts 10] [--repeats 3] [--out DIR]
     python -m benchmarks.http_bench --url http://127.0.0.1:8011 --name vllm   # any server
     python -m benchmarks.http_bench --tiny-model --concurrency 1 4 16 64 256  # CPU, control plane
 
@@ -15,11 +15,14 @@ its own TTFT (from admission), engine steps per second and the per-step phases
 (schedule and process on the engine loop, the worker's execute and recv, and `wait`: the
 worker idle before a step that was already queued, the GPU waiting on the control plane).
 Then, with the server stopped, the same prompts at batch = concurrency through the
-in-process LLMEngine with the same settings, and the ratio HTTP / in-process.
+in-process LLMEngine with the same settings, and the ratio HTTP / in-process. With
+--repeats each level runs that many times on both sides and the median run is reported
+(the in-process figure alone moved by up to 20% between runs on the H200).
 
 --tiny-model serves a random 1-layer model with SmolLM2's tokenizer on the CPU: the
 engine's own work is then small, and what is left is the control plane's cost.
-The client is aiohttp (what Ray ships); JSON under --out, a markdown table last.
+The client (benchmarks/http_client.py) is aiohttp, in one process per
+--streams-per-client streams; JSON under --out, a markdown table last.
 """
 from __future__ import annotations
 
@@ -27,17 +30,16 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.http_client import median_run, pct, run_level
 from benchmarks.offline import DATA, load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,124 +71,6 @@ def make_tiny_model(folder: str) -> str:
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
-
-
-# ---- the client -------------------------------------------------------------------------
-async def one_request(session, url: str, model: str, question: str, max_tokens: int) -> dict:
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "messages": [{"role": "user", "content": question}],
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    arrivals: list[float] = []
-    tokens = 0
-    async with session.post(url + "/v1/chat/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-        async for line in r.content:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            choices = chunk.get("choices")
-            if choices and (choices[0].get("delta") or {}).get("content"):
-                arrivals.append(time.perf_counter())
-    end = time.perf_counter()
-    return {"ttft": (arrivals[0] if arrivals else end) - t0, "e2e": end - t0, "tokens": tokens,
-            "chunks": len(arrivals),
-            "tpot": (arrivals[-1] - arrivals[0]) / max(1, tokens - 1) if arrivals else 0.0,
-            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]}
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
-
-
-def summarize(rows: list[dict], seconds: float) -> dict:
-    ttft = [r["ttft"] for r in rows]
-    gaps = [g for r in rows for g in r["gaps"]]
-    return {"requests": len(rows), "tokens": sum(r["tokens"] for r in rows), "seconds": seconds,
-            "tok_s": sum(r["tokens"] for r in rows) / seconds,
-            "chunks_s": sum(r["chunks"] for r in rows) / seconds,
-            "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99),
-            "ttft_mean_ms": 1000 * statistics.mean(ttft),
-            "tpot_ms": 1000 * statistics.mean(r["tpot"] for r in rows),
-            "gap_p50_ms": 1000 * pct(gaps, 0.5), "gap_p99_ms": 1000 * pct(gaps, 0.99),
-            "e2e_s": statistics.mean(r["e2e"] for r in rows)}
-
-
-# ---- the server's side, from /metrics ---------------------------------------------------------
-_SAMPLE = re.compile(r'^(kestrel_[a-z_]+)(?:\{([^}]*)\})? ([0-9.eE+-]+)$')
-
-
-async def scrape(session, url: str) -> dict[str, float]:
-    """Summed over labels but the one that matters: 'name' or 'name:mode/phase'."""
-    try:
-        async with session.get(url + "/metrics") as r:
-            if r.status != 200:
-                return {}
-            text = await r.text()
-    except Exception:  # noqa: BLE001 - a server without Kestrel's metrics
-        return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        sub = re.search(r'(?:mode|phase)="([a-z]+)"', labels)
-        key = f"{name}:{sub.group(1)}" if sub else name
-        out[key] = out.get(key, 0.0) + value
-    return out
-
-
-def server_side(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    steps = d.get("kestrel_engine_steps_total:extend", 0) + d.get("kestrel_engine_steps_total:decode", 0)
-    if not steps:
-        return {}
-    per_step = {p: 1000 * d.get(f"kestrel_engine_step_seconds_total:{p}", 0.0) / steps
-                for p in ("schedule", "process", "execute", "recv", "compile")}
-    pipelined = d.get("kestrel_engine_steps_total:pipelined", 0)
-    ttft_n = d.get("kestrel_time_to_first_token_seconds_count", 0)
-    accepts = d.get("kestrel_spec_accept_length_count", 0)
-    return {"steps_s": steps / seconds, "step_ms": per_step,
-            "extend_steps": d.get("kestrel_engine_steps_total:extend", 0),
-            "accept_mean": d.get("kestrel_spec_accept_length_sum", 0.0) / accepts if accepts else None,
-            "wait_ms_per_pipelined_step": 1000 * d.get("kestrel_engine_step_seconds_total:wait", 0.0)
-            / pipelined if pipelined else None,
-            "pipelined_share": pipelined / steps,
-            "server_ttft_mean_ms": 1000 * d.get("kestrel_time_to_first_token_seconds_sum", 0.0) / ttft_n
-            if ttft_n else None}
-
-
-async def run_level(url: str, model: str, questions: list[str], concurrency: int,
-                    max_tokens: int, c1_prompts: int) -> dict:
-    import aiohttp
-    conn = aiohttp.TCPConnector(limit=concurrency + 8)
-    timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        # Warm-up at the level's batch, as the in-process run does (kernels compiled for
-        # these shapes, connections open).
-        await asyncio.gather(*(one_request(session, url, model, q, 4)
-                               for q in questions[:max(1, concurrency)]))
-        before = await scrape(session, url)
-        t0 = time.perf_counter()
-        if concurrency == 1:
-            rows = [await one_request(session, url, model, q, max_tokens) for q in questions[:c1_prompts]]
-        else:
-            rows = await asyncio.gather(*(one_request(session, url, model, q, max_tokens)
-                                          for q in questions[:concurrency]))
-        seconds = time.perf_counter() - t0
-        after = await scrape(session, url)
-    return {"concurrency": concurrency, **summarize(rows, seconds),
-            "server": server_side(before, after, seconds)}
 
 
 # ---- the server process ---------------------------------------------------------------------
@@ -232,7 +116,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 # ---- in-process -----------------------------------------------------------------------------
 def in_process(config: str | None, overrides: list[str], questions: list[str], levels: list[int],
-               max_tokens: int, c1_prompts: int) -> dict[int, dict]:
+               max_tokens: int, c1_prompts: int, repeats: int = 1) -> dict[int, dict]:
     from configs.schema import load_config
     from serve_app.llm_engine import LLMEngine
     from serve_app.request import SamplingParams
@@ -244,17 +128,20 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
     for c in levels:
         batches = [[p] for p in prompts[:c1_prompts]] if c == 1 else [prompts[:c]]
         eng.generate(batches[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        reqs, t0, steps0 = [], time.perf_counter(), dict(eng.mode_steps)
-        for b in batches:
-            reqs += eng.generate(b, params)
-        seconds = time.perf_counter() - t0
-        ttft = [r.first_token_time - r.arrival for r in reqs]
-        accepts = [a for r in reqs for a in r.accept_lengths]
-        steps = sum(eng.mode_steps.values()) - sum(steps0.values())
-        out[c] = {"tok_s": sum(len(r.output_ids) for r in reqs) / seconds,
-                  "ttft_p50_ms": 1000 * pct(ttft, 0.5), "steps_s": steps / seconds,
-                  "extend_steps": eng.mode_steps.get("extend", 0) - steps0.get("extend", 0),
-                  "accept_mean": sum(accepts) / len(accepts) if accepts else None}
+        runs = []
+        for _ in range(repeats):
+            reqs, t0, steps0 = [], time.perf_counter(), dict(eng.mode_steps)
+            for b in batches:
+                reqs += eng.generate(b, params)
+            seconds = time.perf_counter() - t0
+            ttft = [r.first_token_time - r.arrival for r in reqs]
+            accepts = [a for r in reqs for a in r.accept_lengths]
+            steps = sum(eng.mode_steps.values()) - sum(steps0.values())
+            runs.append({"tok_s": sum(len(r.output_ids) for r in reqs) / seconds,
+                         "ttft_p50_ms": 1000 * pct(ttft, 0.5), "steps_s": steps / seconds,
+                         "extend_steps": eng.mode_steps.get("extend", 0) - steps0.get("extend", 0),
+                         "accept_mean": sum(accepts) / len(accepts) if accepts else None})
+        out[c] = median_run(runs)
         print(f"in-process batch {c}: {out[c]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return out
 
@@ -298,6 +185,10 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=MODEL, help="the model name sent with --url")
     ap.add_argument("--tiny-model", action="store_true", help="CPU control-plane benchmark")
     ap.add_argument("--no-in-process", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per level, HTTP and in-process alike; the median (by tok/s) is reported")
+    ap.add_argument("--streams-per-client", type=int, default=16,
+                    help="streams per client process (more streams: more processes)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     overrides = list(args.set)
@@ -310,7 +201,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"name": name, "config": args.config, "overrides": args.set, "url": args.url,
-            "max_tokens": args.max_tokens, "c1_prompts": args.c1_prompts, "cpus": os.cpu_count()}
+            "max_tokens": args.max_tokens, "c1_prompts": args.c1_prompts, "cpus": os.cpu_count(),
+            "repeats": args.repeats, "streams_per_client": args.streams_per_client}
     levels: list[dict] = []
 
     def save() -> None:  # after every level: a run stopped at its time limit keeps its figures
@@ -327,8 +219,9 @@ def main(argv=None) -> None:
     try:
         asyncio.run(wait_ready(url, proc))
         for c in args.concurrency:
-            levels.append(asyncio.run(run_level(url, args.model, questions, c, args.max_tokens,
-                                                args.c1_prompts)))
+            levels.append(median_run([asyncio.run(run_level(
+                url, args.model, questions, c, args.max_tokens, args.c1_prompts,
+                args.streams_per_client)) for _ in range(args.repeats)]))
             save()
             lv = levels[-1]
             print(f"{name} c={c}: {lv['tok_s']:.1f} tok/s, TTFT p50 {lv['ttft_p50_ms']:.1f} ms, "
@@ -343,7 +236,7 @@ def main(argv=None) -> None:
             shutil.copy(log, out / f"server_{name}.log")  # compile warnings, step errors
     if args.url is None and not args.no_in_process:
         ip = in_process(args.config, overrides, questions, args.concurrency, args.max_tokens,
-                        args.c1_prompts)
+                        args.c1_prompts, args.repeats)
         for lv in levels:
             lv["in_process"] = ip[lv["concurrency"]]
         save()
