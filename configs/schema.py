@@ -136,6 +136,11 @@ class ServeConfig(_Strict):
     # the environment of its processes: `kestrel serve` sets it when it starts Ray, a
     # cluster must be started with serve_app.app.ray_env(cfg) (ray_cluster.yaml does).
     http_proxy: Literal["haproxy", "serve"] = "haproxy"
+    # The CPU priority (nice value) of the cluster's worker processes: the RankActors that
+    # drive the GPUs, the engine cores, the replicas serving HTTP, HAProxy. Ray's own
+    # default is 15, which yields a shared core to any ordinary process (a load client, a
+    # log shipper) while the GPU waits. A cluster setting, like http_proxy.
+    ray_worker_niceness: int = Field(0, ge=0, le=19)
     # Non-empty: every route but /health (and /metrics, below) needs one of these keys as
     # `Authorization: Bearer <key>`.
     api_keys: list[str] = Field(default_factory=list)

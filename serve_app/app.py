@@ -35,8 +35,12 @@ def ray_env(cfg: KestrelConfig) -> dict[str, str]:
       refuses new connections (HAProxy then retries another replica). HAProxy runs in
       the cluster and is reconfigured within a second, so 2 s instead of 30 s (a default
       meant for external load balancers), which would hold every scale-in that long.
+    - RAY_worker_niceness (serve.ray_worker_niceness, 0): Ray starts its workers at nice
+      15, below every ordinary process; the step loops and the GPU's launch thread live
+      in workers.
     """
-    env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+           "RAY_worker_niceness": str(cfg.serve.ray_worker_niceness)}
     if cfg.serve.http_proxy == "haproxy":
         env.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2")
     return env

@@ -47,6 +47,26 @@ def test_models_health_metrics(server, client):
     assert "kestrel_num_requests_running" in r.text
 
 
+def test_serving_processes_run_at_the_configured_niceness(server):
+    """Ray starts workers at nice 15 unless told otherwise (serve.ray_worker_niceness):
+    the replica, its engine core and the rank actor must run at the configured value."""
+    import pathlib
+    titles = ("ray::RankActor", "ray::EngineCoreActor", "ray::ServeReplica:kestrel:EngineDeployment")
+    seen = set()
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+            stat = (proc / "stat").read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        if title in titles:
+            # The nice value is the 19th field of /proc/<pid>/stat; the name, the 2nd, is
+            # parenthesized and may hold spaces.
+            assert int(stat.rsplit(")", 1)[1].split()[16]) == server.cfg.serve.ray_worker_niceness, title
+            seen.add(title)
+    assert seen == set(titles)
+
+
 def test_chat_usage_and_stream_equals_non_stream(client, tokenizer):
     from serve_app.tokenizer import apply_chat_template
     messages = [{"role": "user", "content": "Name three colours."}]
