@@ -130,7 +130,7 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
         eng.generate(batches[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         runs = []
         for _ in range(repeats):
-            reqs, t0, steps0 = [], time.perf_counter(), dict(eng.mode_steps)
+            reqs, t0, steps0, secs0 = [], time.perf_counter(), dict(eng.mode_steps), dict(eng.seconds)
             for b in batches:
                 reqs += eng.generate(b, params)
             seconds = time.perf_counter() - t0
@@ -140,7 +140,11 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
             runs.append({"tok_s": sum(len(r.output_ids) for r in reqs) / seconds,
                          "ttft_p50_ms": 1000 * pct(ttft, 0.5), "steps_s": steps / seconds,
                          "extend_steps": eng.mode_steps.get("extend", 0) - steps0.get("extend", 0),
-                         "accept_mean": sum(accepts) / len(accepts) if accepts else None})
+                         "accept_mean": sum(accepts) / len(accepts) if accepts else None,
+                         # The same phases as the server's, to tell a slower step from
+                         # a slower loop around it.
+                         "step_ms": {k: 1000 * (eng.seconds[k] - secs0.get(k, 0.0)) / max(1, steps)
+                                     for k in ("schedule", "execute", "process")}})
         out[c] = median_run(runs)
         print(f"in-process batch {c}: {out[c]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return out
@@ -149,7 +153,8 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
 def table(name: str, levels: list[dict]) -> str:
     head = ("| server | c | tok/s | in-process tok/s | HTTP / in-process | TTFT p50 / p99 ms | "
             "server TTFT ms | TPOT ms | chunk gap p50 / p99 ms | steps/s | per step ms: schedule, "
-            "process, execute, recv, compile | wait ms / pipelined step |")
+            "process, execute, recv, compile | wait ms / pipelined step | in-process per step ms: "
+            "schedule, execute, process |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     def num(v, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -160,12 +165,14 @@ def table(name: str, levels: list[dict]) -> str:
         ratio = lv["tok_s"] / ip["tok_s"] if ip.get("tok_s") else None
         st = sv.get("step_ms") or {}
         phases = ", ".join(f"{st[p]:.2f}" for p in ("schedule", "process", "execute", "recv", "compile")) if st else "-"
+        ist = ip.get("step_ms") or {}
+        ip_phases = ", ".join(f"{ist[p]:.2f}" for p in ("schedule", "execute", "process")) if ist else "-"
         lines.append(
             f"| {name} | {lv['concurrency']} | {lv['tok_s']:.0f} | {num(ip.get('tok_s'), '.0f')} | "
             f"{num(ratio, '.2f')} | {lv['ttft_p50_ms']:.0f} / {lv['ttft_p99_ms']:.0f} | "
             f"{num(sv.get('server_ttft_mean_ms'), '.0f')} | {lv['tpot_ms']:.2f} | "
             f"{lv['gap_p50_ms']:.1f} / {lv['gap_p99_ms']:.1f} | {num(sv.get('steps_s'), '.0f')} | "
-            f"{phases} | {num(sv.get('wait_ms_per_pipelined_step'), '.3f')} |")
+            f"{phases} | {num(sv.get('wait_ms_per_pipelined_step'), '.3f')} | {ip_phases} |")
     return "\n".join(lines)
 
 
