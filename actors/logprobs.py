@@ -58,3 +58,39 @@ def tree_logprobs(asked: list[int] | None, logits: torch.Tensor, accept_index: t
     for (b, _), (c, ids, lps) in zip(pairs, entries):
         out[b].append((c, ids[:asked[b]], lps[:asked[b]]))
     return out
+
+
+# Prompt positions whose logits are made at once: a 4096-token chunk's full logits would
+# be ~800 MB of fp32 for a 49k vocabulary.
+PROMPT_SLICE = 256
+
+
+def prompt_logprobs(asked: list[int] | None, hidden: torch.Tensor, compute_logits,
+                    input_ids: torch.Tensor, extend_lens: list[int], next_ids: list[int],
+                    last_chunk: list[bool]) -> list | None:
+    """A prefill chunk's prompt logprobs: position i of a chunk predicts the prompt token
+    at i + 1 (the chunk's last position predicts the next chunk's first token, next_ids;
+    on the last chunk it predicts the first output, which is not a prompt token).
+    hidden [T, H] of the plan's tokens, input_ids [T] int64; per request in plan order,
+    None or a list of (logprob, top ids, top logprobs, rank), raw logits (no processing)."""
+    if asked is None:
+        return None
+    out: list = [None] * len(asked)
+    start = 0
+    for b, n in enumerate(extend_lens):
+        k = asked[b]
+        if k >= 0:
+            targets = input_ids[start + 1:start + n]  # [n - 1] int64
+            if not last_chunk[b]:
+                targets = torch.cat([targets, targets.new_tensor([next_ids[b]])])
+            entries = []
+            for s in range(0, targets.numel(), PROMPT_SLICE):
+                t = targets[s:s + PROMPT_SLICE]
+                lp = torch.log_softmax(compute_logits(hidden[start + s:start + s + t.numel()]).float(), dim=-1)
+                chosen = lp.gather(1, t[:, None])  # [m, 1] fp32
+                rank = (lp > chosen).sum(-1) + 1  # [m] int64, 1 = the most likely
+                top_lp, top_id = lp.topk(k, dim=-1) if k else (lp[:, :0], t[:, None][:, :0])
+                entries += list(zip(chosen[:, 0].tolist(), top_id.tolist(), top_lp.tolist(), rank.tolist()))
+            out[b] = entries
+        start += n
+    return out

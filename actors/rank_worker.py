@@ -17,7 +17,7 @@ from actors.dp.sync import ForwardMode
 from actors.forward_batch import ForwardBatch
 from actors.future_map import FutureMap
 from actors.kv_cache import ReqToTokenPool, TokenToKVPool
-from actors.logprobs import plan_logprobs
+from actors.logprobs import plan_logprobs, prompt_logprobs
 from actors.model_runner import ModelRunner
 from actors.output_counts import OutputCounts
 from actors.models.loader import build_model, default_model_path
@@ -196,6 +196,7 @@ class RankWorker:
             return StepOutput(plan.step_id, [[] for _ in plan.rows])
         t0 = time.perf_counter()
         self.last_logprobs = None  # set by the step's path when the plan asks for logprobs
+        self.last_prompt_logprobs = None
         if plan.mode == "extend":
             tokens = self._extend(plan)
         elif self.eagle is not None and plan.use_spec:
@@ -207,7 +208,7 @@ class RankWorker:
             timings["compile"] = self.compiles.take_seconds()
         if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
             timings.update(self.eagle.last_timings)
-        return StepOutput(plan.step_id, tokens, timings, self.last_logprobs)
+        return StepOutput(plan.step_id, tokens, timings, self.last_logprobs, self.last_prompt_logprobs)
 
     def sample(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor,
                emitted: list[bool]) -> torch.Tensor:
@@ -247,12 +248,15 @@ class RankWorker:
 
     def _extend(self, plan: StepPlan) -> list[list[int]]:
         graphs = self.prefill_graphs
-        shape = graphs.shape_for(plan) if graphs is not None else None
+        shape = graphs.shape_for(plan) if graphs is not None and plan.prompt_logprobs is None else None
         if shape is not None:
             return graphs.run(plan, shape)
         fb = self.extend_batch(plan)
         aux = self.eagle.aux_layers if self.eagle else ()
         hidden, aux_hidden = self.target.forward(fb, aux_layers=aux)
+        self.last_prompt_logprobs = prompt_logprobs(
+            plan.prompt_logprobs, hidden, self.model.compute_logits, fb.input_ids,
+            plan.extend_lens, plan.next_ids, plan.last_chunk)
         last = torch.cumsum(fb.seq_lens - fb.prefix_lens, 0) - 1  # [B] int64 last row per chunk
         logits = self.model.compute_logits(hidden[last])
         tokens = self.sample(plan, fb.req_pool_indices, logits, plan.last_chunk)

@@ -55,6 +55,9 @@ class StepPlan:
     processing: PlanProcessing | None = None
     # Per request, how many alternatives its logprobs list (-1: none asked); None: nobody.
     logprobs: list[int] | None = None
+    # extend only: per request, the alternatives its prompt tokens' logprobs list (-1:
+    # none); None: nobody. A plan with any runs eagerly (the graphs keep the last logits).
+    prompt_logprobs: list[int] | None = None
     # Rows whose output counts restart (a request admitted, or readmitted after preemption):
     # (row, prompt ids or None when no repetition penalty needs them, outputs so far).
     count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = field(default_factory=list)
@@ -74,3 +77,6 @@ class StepOutput:
     # Per request, None or one (logprob, top ids, top logprobs) per emitted token
     # (actors/logprobs.py); None when the plan asked for none.
     logprobs: list | None = None
+    # extend only: per request in plan order, None or one (logprob, top ids, top
+    # logprobs, rank) per prompt token this chunk predicts (the next one's, from each position).
+    prompt_logprobs: list | None = None

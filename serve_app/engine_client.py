@@ -99,12 +99,12 @@ class EngineClient:
                 kind, payload = await read_frame(self.reader)
                 if kind == "out":
                     streams = self.streams
-                    for rid, ids, finished, reason, n_out, accepts, cached, lps in payload:
+                    for rid, ids, finished, reason, n_out, accepts, cached, lps, plps in payload:
                         stream = streams.get(rid)
                         if stream is not None:
                             stream.push(RequestOutput(rid, ids, "", finished, reason,
                                                       stream.num_prompt_tokens, n_out, accepts,
-                                                      cached, lps))
+                                                      cached, lps, plps))
                 elif kind == "reply":
                     call_id, value = payload
                     fut = self._calls.pop(call_id, None)

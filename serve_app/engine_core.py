@@ -19,7 +19,7 @@ from the front end must carry the core's token):
   in:  ("add", (rank, rid, prompt_ids, sampling_params)), ("finish", (rid, reason)),
        ("call", (call_id, name))  name: "kv_stats" | "rank_stats" | "stats"
   out: ("out", [(rid, token_ids, finished, finish_reason, num_output_tokens, accept_lengths,
-                 cached_tokens, logprobs)]),
+                 cached_tokens, logprobs, prompt_logprobs)]),
        ("reply", (call_id, value)), ("reject", (rid, message)), ("failed", (rank, message))
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ class EngineCore:
     def _emit(self, out: RequestOutput) -> None:
         self._outbox.append((out.rid, out.new_token_ids, out.finished, out.finish_reason,
                              out.num_output_tokens, out.accept_lengths, out.cached_tokens,
-                             out.logprobs))
+                             out.logprobs, out.prompt_logprobs))
 
     def _flush(self) -> None:
         if self._outbox:

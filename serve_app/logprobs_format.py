@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.openai_protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from serve_app.openai_protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
+                                      TopLogprob)
 
 
 class LogprobFormatter:
@@ -49,3 +50,33 @@ class LogprobFormatter:
             lp.text_offset.append(offset)
             offset += len(p)
         return lp
+
+    def echoed_prompt(self, ids: list[int], entries: list) -> CompletionLogprobs:
+        """The prompt's part of completions' logprobs under `echo`: its first token has no
+        logprob (None, as OpenAI lists it), the others their prompt-logprob entries
+        (logprob, top ids, top logprobs, rank); offsets from 0."""
+        lp = CompletionLogprobs()
+        offset = 0
+        for t, e in zip(ids, entries):
+            p = self.piece(t)
+            lp.tokens.append(p)
+            lp.token_logprobs.append(None if e is None else e[0])
+            lp.top_logprobs.append(None if e is None else {self.piece(i): x for i, x in zip(e[1], e[2])})
+            lp.text_offset.append(offset)
+            offset += len(p)
+        return lp
+
+    def prompt_logprobs(self, ids: list[int], entries: list, top: int) -> list:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob,
+        rank, decoded_token}} for the token and its `top` most likely alternatives."""
+        out: list = []
+        for t, e in zip(ids, entries):
+            if e is None:
+                out.append(None)
+                continue
+            lp, top_ids, top_lps, rank = e
+            d = {str(i): PromptLogprob(logprob=v, rank=r + 1, decoded_token=self.piece(i))
+                 for r, (i, v) in enumerate(zip(top_ids[:top], top_lps[:top]))}
+            d.setdefault(str(t), PromptLogprob(logprob=lp, rank=rank, decoded_token=self.piece(t)))
+            out.append(d)
+        return out

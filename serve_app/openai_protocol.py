@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (BaseModel, Field, ValidationInfo, field_validator, model_serializer,
+from pydantic import (BaseModel, Field, TypeAdapter, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
 from serve_app.request_field_policy import (NoEffectChatFields, NoEffectFields,
@@ -163,8 +163,12 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
             "min_p": float(self.min_p or 0.0),
             "min_tokens": int(self.min_tokens or 0),
             "logprobs": self._logprobs_top(),
+            "prompt_logprobs": self._prompt_logprobs_top(),
             "n": self.n,
         }
+
+    def _prompt_logprobs_top(self) -> int | None:
+        return None
 
 
 # --------------------------------------------------------------------------- chat
@@ -289,8 +293,22 @@ class CompletionRequest(SamplingFields, RejectedCompletionFields):
     def _no_bool_logprobs(cls, v: Any) -> Any:
         return _no_bool(v)
 
+    echo: bool = False  # the prompt before the completion, in the text and the logprobs
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _no_bool_prompt_logprobs(cls, v: Any) -> Any:
+        return _no_bool(v)
+
     def _logprobs_top(self) -> int | None:
         return self.logprobs
+
+    def _prompt_logprobs_top(self) -> int | None:
+        """What the engine computes: the asked count, and with echo and logprobs the
+        echoed prompt's alternatives too."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
     best_of: int | None = None  # accepted when it equals n: every sample is returned
     add_special_tokens: bool = True  # extension (as vLLM): tokenizer's BOS etc. on text prompts
 
@@ -414,11 +432,26 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+# vLLM's prompt_logprobs: per prompt token, None for the first, then {token id: entry} for
+# the token itself and the top alternatives.
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+_PROMPT_LOGPROBS = TypeAdapter(PromptLogprobs)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None = None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -556,15 +589,17 @@ class StreamChunks:
             index=index, delta=DeltaMessage(role="assistant", content=""))]))
 
     def delta(self, index: int, text: str, finish_reason: str | None,
-              logprobs: BaseModel | None = None) -> str:
+              logprobs: BaseModel | None = None, prompt_logprobs: list | None = None) -> str:
         reason = "null" if finish_reason is None else f'"{finish_reason}"'
         lp = "null" if logprobs is None else logprobs.model_dump_json()
         if self.kind == "chat":
             delta = f'{{"content":{json.dumps(text, ensure_ascii=False)}}}' if text else "{}"
             choice = f'{{"index":{index},"delta":{delta},"finish_reason":{reason},"logprobs":{lp}}}'
         else:
+            plp = "" if prompt_logprobs is None else (
+                ',"prompt_logprobs":' + _PROMPT_LOGPROBS.dump_json(prompt_logprobs).decode())
             choice = (f'{{"index":{index},"text":{json.dumps(text, ensure_ascii=False)},'
-                      f'"finish_reason":{reason},"logprobs":{lp}}}')
+                      f'"finish_reason":{reason},"logprobs":{lp}{plp}}}')
         return f"{self._head}{choice}]}}\n\n"
 
     def usage(self, usage: UsageInfo) -> str:

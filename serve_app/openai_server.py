@@ -66,7 +66,7 @@ class _Choice:
     """One generation of a request: what to run, and what came back."""
 
     __slots__ = ("index", "prompt_ids", "params", "rid", "text", "finish_reason", "tokens",
-                 "cached", "tracker", "lp_ids", "lp_entries", "chars")
+                 "cached", "tracker", "lp_ids", "lp_entries", "chars", "echo", "prompt_lps")
 
     def __init__(self, index: int, prompt_ids: list[int], params: dict[str, Any], rid: str,
                  tracker: RequestTracker):
@@ -82,6 +82,8 @@ class _Choice:
         self.lp_ids: list[int] = []  # the listed tokens and their logprob entries, when asked
         self.lp_entries: list = []
         self.chars = 0  # text length before the latest output (completions' text_offset)
+        self.echo: str | None = None  # completions' echo: the prompt's text, put first
+        self.prompt_lps: list | None = None  # the engine's prompt logprob entries, when asked
 
     def add(self, out: RequestOutput) -> None:
         if self.text:  # the text before this output, kept up as it grows
@@ -89,6 +91,8 @@ class _Choice:
         self.text.append(out.new_text)
         self.tokens = out.num_output_tokens
         self.cached = out.cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_lps = out.prompt_logprobs
         if out.logprobs is not None:
             self.lp_ids += out.new_token_ids[:len(out.logprobs)]
             self.lp_entries += out.logprobs
@@ -311,17 +315,25 @@ class OpenAIServer:
             prompts.append(ids)
         request_id = make_id("cmpl")
         choices = self.make_choices(body, prompts, request_id)
+        if body.echo:
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(ids)
+                     for p, ids in zip(body.prompts(), prompts)]
+            n = len(choices) // len(prompts)
+            for c in choices:
+                c.echo = texts[c.index // n]
         streams = self.start(choices)
         usage_prompt = sum(len(p) for p in prompts)
         if body.stream:
             chunks = StreamChunks("completion", request_id, self.model_name)
             return self.sse(self.stream(chunks, choices, streams, usage_prompt,
-                                        body.include_usage_in_stream))
+                                        body.include_usage_in_stream, body.prompt_logprobs))
         await self.collect(choices, streams)
         return JSONResponse(CompletionResponse(
             id=request_id, model=self.model_name,
-            choices=[CompletionChoice(index=c.index, text="".join(c.text), finish_reason=c.finish_reason,
-                                      logprobs=self.choice_logprobs("completion", c))
+            choices=[CompletionChoice(index=c.index, text=(c.echo or "") + "".join(c.text),
+                                      finish_reason=c.finish_reason,
+                                      logprobs=self.choice_logprobs("completion", c),
+                                      prompt_logprobs=self.prompt_logprobs(c, body.prompt_logprobs))
                      for c in choices],
             usage=usage_of(choices, usage_prompt)).model_dump())
 
@@ -329,7 +341,20 @@ class OpenAIServer:
         """A whole choice's logprobs for the response, or None when not asked."""
         if c.params.get("logprobs") is None:
             return None
-        return self.logprob_format.of(kind, c.lp_ids, c.lp_entries, 0)
+        lp = self.logprob_format.of(kind, c.lp_ids, c.lp_entries, len(c.echo or ""))
+        return lp if c.echo is None else self.join_echo(c, lp)
+
+    def join_echo(self, c: _Choice, lp: Any) -> Any:
+        """The echoed prompt's logprobs before the completion's."""
+        head = self.logprob_format.echoed_prompt(c.prompt_ids, c.prompt_lps or [])
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(head, name).extend(getattr(lp, name))
+        return head
+
+    def prompt_logprobs(self, c: _Choice, asked: int | None):
+        if asked is None or c.prompt_lps is None:
+            return None
+        return self.logprob_format.prompt_logprobs(c.prompt_ids, c.prompt_lps, asked)
 
     async def collect(self, choices: list[_Choice], streams: list[Any]) -> None:
         async for i, out in self.outputs(streams):
@@ -340,8 +365,11 @@ class OpenAIServer:
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
 
     async def stream(self, chunks: StreamChunks, choices: list[_Choice], streams: list[Any],
-                     usage_prompt: int, include_usage: bool) -> AsyncIterator[str]:
-        """The SSE body: a chunk per batch of text each choice's stream hands over."""
+                     usage_prompt: int, include_usage: bool,
+                     prompt_logprobs: int | None = None) -> AsyncIterator[str]:
+        """The SSE body: a chunk per batch of text each choice's stream hands over. With
+        echo, a choice's first chunk is its prompt (with its logprobs and, as vLLM sends
+        them, its prompt_logprobs), sent when the engine's first output brings them."""
         try:
             for c in choices:
                 first = chunks.first(c.index)
@@ -350,11 +378,20 @@ class OpenAIServer:
             async for i, out in self.outputs(streams):
                 c = choices[i]
                 c.add(out)
+                offset = c.chars + len(c.echo or "")
+                if out.prompt_logprobs is not None and (c.echo is not None or prompt_logprobs is not None):
+                    lp = None
+                    if c.echo is not None and c.params.get("logprobs") is not None:
+                        lp = self.logprob_format.echoed_prompt(c.prompt_ids, out.prompt_logprobs)
+                    yield chunks.delta(c.index, c.echo or "", None, lp,
+                                       self.prompt_logprobs(c, prompt_logprobs))
+                elif c.echo is not None and len(c.text) == 1:  # no logprobs asked: the prompt now
+                    yield chunks.delta(c.index, c.echo, None)
                 if out.new_text or out.finished:
                     lp = None
                     if out.logprobs is not None:
                         ids = out.new_token_ids[:len(out.logprobs)]
-                        lp = self.logprob_format.of(chunks.kind, ids, out.logprobs, c.chars)
+                        lp = self.logprob_format.of(chunks.kind, ids, out.logprobs, offset)
                     yield chunks.delta(c.index, out.new_text, out.finish_reason if out.finished else None, lp)
             if include_usage:
                 yield chunks.usage(usage_of(choices, usage_prompt))

@@ -32,9 +32,18 @@ def responses(model: type[BaseModel] | None = None, stream: bool = False,
     ok: dict[str, Any] = {"description": "Success"}
     if model is not None:
         ok["model"] = model
-    if stream or text:
-        ok["content"] = {"text/event-stream" if stream else "text/plain": {"schema": {"type": "string"}}}
+    if stream:
+        ok["content"] = {"text/event-stream": {"schema": _SSE_EVENT}}
+    elif text:
+        ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
     return {200: ok, **_ERRORS}
+
+
+# One server-sent event as OpenAPI 3.2 describes a text/event-stream item: its data is a
+# JSON chunk, an in-band error body, or the final "[DONE]".
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                             "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def install_openapi(app: FastAPI, bodies: dict[str, Any], keyed_paths: set[str]) -> None:

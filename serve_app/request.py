@@ -48,6 +48,10 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logprobs: int | None = None  # alternatives listed with each token's logprob; None = none
+    # The prompt's own tokens' logprobs (vLLM's prompt_logprobs), with this many
+    # alternatives each; None = none. Taken from the raw logits (no processing applies
+    # to a prompt), so a request asking for them is not served from the prefix cache.
+    prompt_logprobs: int | None = None
 
     @property
     def needs_counts(self) -> bool:
@@ -72,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be within [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be within [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be within [0, 20], got {self.prompt_logprobs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
@@ -88,6 +94,9 @@ class RequestOutput:
     accept_lengths: list[int] = field(default_factory=list)  # new ones since the last output
     cached_tokens: int = 0  # prompt tokens the prefix cache held at the request's admission
     logprobs: list | None = None  # per new token: (logprob, top ids, top logprobs), if asked
+    # With the first output of a request that asked: per prompt token, None for the first,
+    # then (logprob, top ids, top logprobs, rank) (actors/logprobs.py).
+    prompt_logprobs: list | None = None
 
 
 @dataclass(eq=False)  # a request is itself: queue lookups compare identity, not fields
@@ -111,6 +120,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (all prefills)
     prompt_cached: int = 0  # of the prompt, at its first admission (usage reports it)
     token_logprobs: list = field(default_factory=list)  # per output token, when asked
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token after the first, when asked
+    prompt_logprobs_sent: bool = False
     computed_prompt_tokens: int = 0  # prompt tokens the model actually ran
     num_preemptions: int = 0
     # outcome

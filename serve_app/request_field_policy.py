@@ -94,7 +94,6 @@ class RejectedSamplingFields(RequestModel):
     spaces_between_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None
-    prompt_logprobs: int | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -128,7 +127,6 @@ class RejectedSamplingFields(RequestModel):
                             "a 400; omit it and shorten the prompt yourself")
     _truncation_side = unsupported("truncation_side", "Kestrel does not truncate prompts; "
                                    "omit it")
-    _prompt_logprobs = unsupported("prompt_logprobs", "omit it")
     _structured = unsupported("structured_outputs", "Kestrel has no constrained decoding; omit it")
     _guided_json = unsupported("guided_json", "Kestrel has no constrained decoding; omit it")
     _guided_regex = unsupported("guided_regex", "Kestrel has no constrained decoding; omit it")
@@ -189,6 +187,7 @@ class RejectedChatFields(RejectedTemplateFields):
     verbosity: str | None = None
     moderation: dict[str, Any] | None = None
     echo: bool | None = None
+    prompt_logprobs: int | None = None
 
     _tool_choice = unsupported("tool_choice", "Kestrel has no tool calling; omit it or send "
                                "\"none\"", "none")
@@ -204,16 +203,15 @@ class RejectedChatFields(RejectedTemplateFields):
     _verbosity = unsupported("verbosity", "omit it")
     _moderation = unsupported("moderation", "Kestrel runs no moderation; omit it")
     _echo = unsupported("echo", "omit it or send false", False)
+    _prompt_logprobs = unsupported("prompt_logprobs", "it is served on /v1/completions; omit it")
 
 
 class RejectedCompletionFields(RequestModel):
     """Completions only (OpenAI's, then vLLM's)."""
 
-    echo: bool | None = None
     suffix: str | None = None
     prompt_embeds: Any = None
 
-    _echo = unsupported("echo", "omit it or send false", False)
     _suffix = unsupported("suffix", "Kestrel does not fill in the middle; omit it", "")
     _prompt_embeds = unsupported("prompt_embeds", "send the prompt as text or token ids")
 

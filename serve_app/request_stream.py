@@ -107,7 +107,8 @@ class RequestStream:
             self.finished = True
             self._end(self.rid, "stop" if ended_here else None)
         return RequestOutput(self.rid, ids, text, finished, reason, self.num_prompt_tokens,
-                             self.num_output_tokens, accepts, last.cached_tokens, logprobs)
+                             self.num_output_tokens, accepts, last.cached_tokens, logprobs,
+                             outs[0].prompt_logprobs)  # only a request's first output has them
 
     def cancel(self) -> None:
         """The consumer went away: the request ends now and its KV is freed."""

@@ -209,7 +209,8 @@ class Scheduler:
             return False
         req.row = row
         req.fill_ids = req.all_ids
-        m = self.cache.match_prefix(req.fill_ids)
+        # Prompt logprobs come from running every prompt position: no cached prefix then.
+        m = self.cache.match_prefix([] if self._needs_prompt_logprobs(req) else req.fill_ids)
         self.cache.lock(m.node)
         req.cache_node = m.node
         req.slots = m.slots.clone()
@@ -227,6 +228,10 @@ class Scheduler:
             prompt = np.asarray(req.prompt_ids, dtype=np.int64) if p.repetition_penalty != 1.0 else None
             self._count_resets.append((row, prompt, np.asarray(req.output_ids, dtype=np.int64)))
         return True
+
+    @staticmethod
+    def _needs_prompt_logprobs(req: Request) -> bool:
+        return req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_ids) - 1
 
     def _prefill_due(self) -> bool:
         """Whether new requests should be admitted now (scheduler.prefill_min_batch)."""
@@ -286,6 +291,9 @@ class Scheduler:
             plan.last_chunk.append(last)
             plan.next_ids.append(-1 if last else req.fill_ids[start + chunk])
         self._add_sampling(chosen, plan)
+        if any(self._needs_prompt_logprobs(r) for r in chosen):
+            plan.prompt_logprobs = [r.params.prompt_logprobs if self._needs_prompt_logprobs(r) else -1
+                                    for r in chosen]
         return chosen
 
     def _schedule_decode(self) -> StepPlan | None:
@@ -365,6 +373,11 @@ class Scheduler:
             if req.finished or req.row != plan.rows[i]:
                 continue  # aborted or preempted since the plan was made
             if extend:
+                if out.prompt_logprobs is not None and out.prompt_logprobs[i] is not None:
+                    # Entry j is prompt token j + 1's; a chunk from position p predicts
+                    # tokens p + 1 on (a recomputed prefill rewrites what it covers).
+                    p = plan.prefix_lens[i]
+                    req.prompt_logprobs[p:] = out.prompt_logprobs[i][:max(0, len(req.prompt_ids) - 1 - p)]
                 req.prefilled += plan.extend_lens[i]
                 req.kv_committed_len = req.prefilled
                 computed = plan.extend_lens[i]
@@ -427,6 +440,9 @@ class Scheduler:
         out = RequestOutput(req.rid, new_ids, text, reason is not None, reason,
                             len(req.prompt_ids), len(req.output_ids), accepted, req.prompt_cached,
                             logprobs)
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            out.prompt_logprobs = [None] + req.prompt_logprobs
+            req.prompt_logprobs_sent = True
         if req.on_output is not None:
             req.on_output(out)
         return out

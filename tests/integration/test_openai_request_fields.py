@@ -63,6 +63,8 @@ CHAT_REJECTED = [  # (param, the client's own keyword arguments)
     ("web_search_options", {"web_search_options": {}}),
     ("reasoning_effort", {"reasoning_effort": "low"}),
     ("verbosity", {"verbosity": "low"}),
+    ("echo", {"extra_body": {"echo": True}}),
+    ("prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}}),  # served on completions
 ]
 VLLM_REJECTED = [  # (param, extra_body), both endpoints
     ("length_penalty", {"length_penalty": 0.5}),
@@ -73,7 +75,6 @@ VLLM_REJECTED = [  # (param, extra_body), both endpoints
     ("skip_special_tokens", {"skip_special_tokens": False}),
     ("spaces_between_special_tokens", {"spaces_between_special_tokens": False}),
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": 8}),
-    ("prompt_logprobs", {"prompt_logprobs": 1}),
     ("structured_outputs", {"structured_outputs": {"choice": ["a", "b"]}}),
     ("guided_json", {"guided_json": {"type": "object"}}),
     ("guided_regex", {"guided_regex": "[ab]"}),
@@ -103,7 +104,6 @@ def test_vllm_fields_kestrel_cannot_honour_are_400(client, engine_asked, endpoin
 
 
 @pytest.mark.parametrize("param,kwargs", [
-    ("echo", {"echo": True}),
     ("suffix", {"suffix": "}"}),
     ("best_of", {"best_of": 2}),
 ])

@@ -271,6 +271,52 @@ def test_logprobs_over_http_equal_the_plain_in_process_engine(server, tokenizer,
         assert all(abs(t.logprob - v) < 1e-4 for t, v in zip(c.top_logprobs, lps))
 
 
+def test_echo_and_prompt_logprobs_over_http(server, tokenizer, fp32_worker):
+    """Completions' echo (the prompt first in the text and in the logprobs, its first token
+    without one) and vLLM's prompt_logprobs, streamed and not, with the official client:
+    the values equal the plain in-process engine's, and a second request finds the same
+    prompt in the prefix cache yet still gets every prompt logprob."""
+    from serve_app.llm_engine import LLMEngine
+    from serve_app.request import SamplingParams
+    server.wait_idle()
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = tokenizer.encode(prompt)
+    client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=180)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=4, logprobs=2, echo=True,
+              extra_body={**IGNORE_EOS, "prompt_logprobs": 1}, **GREEDY)
+    full = client.completions.create(**kw).choices[0]
+    engine = LLMEngine(server.cfg, tokenizer=tokenizer, workers=[fp32_worker])
+    ref = engine.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2,
+                                                prompt_logprobs=2))[0]
+    assert full.text == prompt + tokenizer.decode(ref.output_ids)
+    lp = full.logprobs
+    assert len(lp.tokens) == len(ids) + 4 and lp.tokens[:len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [e[0] for e in ref.prompt_logprobs] + [e[0] for e in ref.token_logprobs]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[1:], want)), (lp.token_logprobs, want)
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[len(ids)] == len(prompt)  # the completion's first token, after the prompt
+    plp = full.model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for t, entry, (v, top_ids, _, rank) in zip(ids[1:], plp[1:], ref.prompt_logprobs):
+        assert abs(entry[str(t)]["logprob"] - v) < 1e-4 and entry[str(t)]["rank"] == rank
+        assert str(top_ids[0]) in entry and entry[str(top_ids[0])]["rank"] == 1
+    # Streamed: the prompt comes first, with its logprobs; the whole equals the above.
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert chunks[0].text == prompt
+    assert "".join(c.text for c in chunks) == full.text
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed[0] is None and all(abs(a - b) < 1e-4 for a, b in zip(streamed[1:], lp.token_logprobs[1:]))
+    assert chunks[0].model_extra["prompt_logprobs"] == plp
+    # Bad values are 400s that name the field; chat does not serve prompt_logprobs.
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": True}):
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=bad)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=1, extra_body={"prompt_logprobs": 1})
+
+
 # ---------------------------------------------------------------------------- robustness
 
 

@@ -38,7 +38,8 @@ def test_minimal_chat_request_and_defaults():
     sp = req.to_sampling_params(default_max_tokens=128)
     assert sp == {"max_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None,
                   "stop": [], "stop_token_ids": [], "ignore_eos": False, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                  "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "logprobs": None, "n": 1}
+                  "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "logprobs": None,
+                  "prompt_logprobs": None, "n": 1}
 
 
 def test_full_chat_request():
@@ -50,7 +51,8 @@ def test_full_chat_request():
     sp = req.to_sampling_params(default_max_tokens=16)
     assert sp == {"max_tokens": 50, "temperature": 0.0, "top_p": 0.9, "top_k": 40, "seed": 3,
                   "stop": ["###"], "stop_token_ids": [2, 7], "ignore_eos": True, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                  "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "logprobs": None, "n": 3}
+                  "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "logprobs": None,
+                  "prompt_logprobs": None, "n": 3}
 
 
 def test_content_parts_and_roles():
@@ -144,7 +146,8 @@ def test_unsupported_chat_fields(field, value):
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+    ({"prompt": "x", "prompt_logprobs": True}, "prompt_logprobs", "boolean"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
     ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
