@@ -17,17 +17,23 @@ from actors.step_plan import StepPlan
 from kernels.penalties import Processing, apply_processing
 
 
+# Emitted ids kept per row for bad words: a bad word has at most TAIL + 1 tokens.
+TAIL = 15
+
+
 class OutputCounts:
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device):
         self.num_rows, self.vocab, self.device = num_rows, vocab_size, device
         self.counts: torch.Tensor | None = None  # [R, V] int32
         self.num_out: torch.Tensor | None = None  # [R] int64
         self.prompt: torch.Tensor | None = None  # [R, V] bool, for the repetition penalty
+        self.tail: torch.Tensor | None = None  # [R, TAIL] int64, the last ids emitted (-1: none)
 
     def _ensure(self) -> None:
         if self.counts is None:
             self.counts = torch.zeros(self.num_rows, self.vocab, dtype=torch.int32, device=self.device)
             self.num_out = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
+            self.tail = torch.full((self.num_rows, TAIL), -1, dtype=torch.int64, device=self.device)
 
     def reset(self, resets) -> None:
         self._ensure()
@@ -35,6 +41,10 @@ class OutputCounts:
             out = torch.as_tensor(np.asarray(output_ids, dtype=np.int64), device=self.device)
             self.counts[row] = torch.bincount(out, minlength=self.vocab).to(torch.int32)
             self.num_out[row] = out.numel()
+            last = out[-TAIL:]
+            self.tail[row] = -1
+            if last.numel():
+                self.tail[row, TAIL - last.numel():] = last
             if prompt_ids is not None and self.prompt is None:
                 self.prompt = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
             if self.prompt is not None:
@@ -49,16 +59,20 @@ class OutputCounts:
         self._ensure()
         pp, dev = plan.processing, self.device
         B, M, S = len(pp.presence), len(pp.bias_value), len(pp.stops)
+        W, P = pp.bad_words.shape[0], pp.bad_words.shape[1] - 2
         # Two host-to-device copies, not nine: the floats, then the integers.
         f = torch.from_numpy(np.concatenate([pp.presence, pp.frequency, pp.repetition,
                                              pp.bias_value]).astype(np.float32)).to(dev)  # [3B+M]
         i = torch.from_numpy(np.concatenate([pp.min_tokens, pp.bias[:, 0], pp.bias[:, 1], pp.stops[:, 0],
-                                             pp.stops[:, 1]]).astype(np.int64)).to(dev)  # [B+2M+2S]
+                                             pp.stops[:, 1], pp.bad_words.reshape(-1)]
+                                            ).astype(np.int64)).to(dev)  # [B+2M+2S+W(P+2)]
+        bad = i[B + 2 * M + 2 * S:].view(W, P + 2)
         p = Processing(f[:B], f[B:2 * B], f[2 * B:3 * B], i[:B], i[B:B + M], i[B + M:B + 2 * M],
-                       f[3 * B:], i[B + 2 * M:B + 2 * M + S], i[B + 2 * M + S:])
+                       f[3 * B:], i[B + 2 * M:B + 2 * M + S], i[B + 2 * M + S:B + 2 * M + 2 * S],
+                       bad[:, 0], bad[:, 1], bad[:, 2:])
         prompt = self.prompt[rows] if self.prompt is not None and bool((pp.repetition != 1).any()) else None
         return apply_processing(logits, p, self.counts[rows], self.num_out[rows], prompt,
-                                path_tokens, path_mask)
+                                path_tokens, path_mask, self.tail[rows] if W else None)
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
         """Emitted tokens [B, L] int64 of rows [B], the first lens[b] of each."""
@@ -70,3 +84,7 @@ class OutputCounts:
         t = torch.where(keep, tokens, torch.zeros_like(tokens)).reshape(-1)
         self.counts.index_put_((r, t), keep.reshape(-1).to(torch.int32), accumulate=True)
         self.num_out[rows] += lens.to(torch.int64)
+        # The tail slides by each row's emitted count: the last TAIL of tail ++ emitted.
+        joined = torch.cat([self.tail[rows], tokens], 1)  # [B, TAIL + L]
+        at = lens.to(torch.int64)[:, None] + torch.arange(TAIL, device=tokens.device)  # [B, TAIL]
+        self.tail[rows] = joined.gather(1, at)

@@ -31,6 +31,9 @@ class PlanProcessing:
     bias: np.ndarray  # [M, 2] int64 (request, token id), with bias_value [M] float32
     bias_value: np.ndarray
     stops: np.ndarray  # [S, 2] int64 (request, id banned while under min_tokens)
+    # [W, 2 + P] int64 per bad word token sequence: (request, last id, the P ids before it
+    # right-aligned, -1 padded); P = the longest such prefix in the plan.
+    bad_words: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
 
 
 @dataclass

@@ -2,7 +2,8 @@
 and presence penalties, for plain rows and for the nodes of a speculative tree.
 
 The order is vLLM's: the bias is added, stop ids are banned while a request has fewer than
-min_tokens outputs, then the penalties act on the counts of the ids emitted so far:
+min_tokens outputs, bad words' last tokens are banned where the tokens before them were
+just emitted (on a tree node: emitted, then the node's path), then the penalties act on the counts of the ids emitted so far:
 repetition (HF's: a seen id's logit divided by r when positive, multiplied by it when
 not; "seen" includes the prompt), then frequency (minus f x count) and presence (minus p
 if count > 0), as OpenAI defines them.
@@ -38,6 +39,11 @@ class Processing:
     bias_value: torch.Tensor  # [M] float32
     stop_index: torch.Tensor  # [S] int64, request of each (b, stop id) banned under min_tokens
     stop_token: torch.Tensor  # [S] int64
+    # vLLM's bad_words as token sequences: word w's last token is banned for request
+    # bad_index[w] wherever the tokens before match bad_prefix[w] (right-aligned, -1 pads).
+    bad_index: torch.Tensor | None = None  # [W] int64
+    bad_last: torch.Tensor | None = None  # [W] int64
+    bad_prefix: torch.Tensor | None = None  # [W, P] int64
 
 
 def _penalize(x: torch.Tensor, count: torch.Tensor, in_prompt: torch.Tensor | None,
@@ -50,10 +56,50 @@ def _penalize(x: torch.Tensor, count: torch.Tensor, in_prompt: torch.Tensor | No
     return x - freq * count - pres * (count > 0).to(x.dtype)
 
 
+def node_context(tail: torch.Tensor, path_tokens: torch.Tensor | None,
+                 path_mask: torch.Tensor | None, P: int) -> torch.Tensor:
+    """The last P tokens before each node's prediction -> [B, N, P] int64 (-1 = none):
+    the request's emitted tail [B, T] (-1 padded on the left), then, under speculation,
+    the tokens on the node's path from the root's child down to the node itself."""
+    B, T = tail.shape
+    if path_mask is None:
+        return tail[:, None, T - P:] if P <= T else torch.cat([tail.new_full((B, 1, P - T), -1), tail[:, None]], -1)
+    N = path_mask.shape[1]
+    depth = path_mask.sum(-1)  # [B, N] int64: path length of each node
+    # ordered[b, i, q]: the token of i's path node at depth q + 1 (-1 past i's depth).
+    level = (depth[:, None, :, None] == torch.arange(1, N + 1, device=tail.device)) & path_mask[..., None]
+    ordered = torch.where(level.any(2), (level * path_tokens[:, None, :, None]).sum(2), -1)  # [B, N, N]
+    m = torch.arange(P, 0, -1, device=tail.device)  # [P]: m-th token from the end
+    from_path = m[None, None, :] <= depth[:, :, None]  # [B, N, P] bool
+    pi = (depth[:, :, None] - m).clamp(min=0)
+    ti = (T - (m - depth[:, :, None])).clamp(0, T - 1)
+    on_tail = (m - depth[:, :, None]) <= T
+    got_path = ordered.gather(2, pi.clamp(max=N - 1))
+    got_tail = tail[:, None, :].expand(B, N, T).gather(2, ti)
+    return torch.where(from_path, got_path, torch.where(on_tail, got_tail, -1))
+
+
+def _ban_bad_words(x: torch.Tensor, p: Processing, tail: torch.Tensor,
+                   path_tokens: torch.Tensor | None, path_mask: torch.Tensor | None) -> None:
+    """In place on x [B, N, V]: -inf at each bad word's last token where its prefix ends
+    the node's context (the accumulated writes keep duplicates of one id banned)."""
+    W, P = p.bad_prefix.shape
+    ctx = node_context(tail, path_tokens, path_mask, P)[p.bad_index]  # [W, N, P]
+    pre = p.bad_prefix[:, None, :]
+    match = ((pre < 0) | (ctx == pre)).all(-1)  # [W, N] bool
+    N = x.shape[1]
+    rows = p.bad_index[:, None].expand(W, N)
+    nodes = torch.arange(N, device=x.device)[None, :].expand(W, N)
+    last = p.bad_last[:, None].expand(W, N)
+    ban = torch.where(match, torch.full_like(match, float("-inf"), dtype=x.dtype), torch.zeros_like(match, dtype=x.dtype))
+    x.index_put_((rows, nodes, last), ban, accumulate=True)
+
+
 def apply_processing(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
                      num_out: torch.Tensor, prompt_mask: torch.Tensor | None = None,
                      path_tokens: torch.Tensor | None = None,
-                     path_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     path_mask: torch.Tensor | None = None,
+                     tail: torch.Tensor | None = None) -> torch.Tensor:
     """Processed logits, a new tensor.
 
     Args:
@@ -64,6 +110,8 @@ def apply_processing(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
         path_tokens: [B, N] int64 node tokens, path_mask [B, N, N] bool: node j is on the
             path of node i below the root (an ancestor or i itself, not the root), or None
             for plain rows (N = 1, no path).
+        tail: [B, T] int64, each request's last T emitted ids (-1 before the first), when
+            the plan has bad words.
     """
     B, N, V = logits.shape
     x = logits.clone()
@@ -75,6 +123,8 @@ def apply_processing(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
         banned = early[p.stop_index]  # [S, N] bool
         cur = x[p.stop_index, :, p.stop_token]  # [S, N]
         x[p.stop_index, :, p.stop_token] = torch.where(banned, torch.full_like(cur, float("-inf")), cur)
+    if p.bad_index is not None and p.bad_index.numel():
+        _ban_bad_words(x, p, tail, path_tokens, path_mask)
     rep = p.repetition.view(B, 1, 1)
     freq = p.frequency.view(B, 1, 1)
     pres = p.presence.view(B, 1, 1)

@@ -74,6 +74,7 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(None, ge=0)
+    bad_words: list[str] | None = None  # vLLM's: tokenized by the server (openai_server.py)
 
     @field_validator("logit_bias")
     @classmethod
@@ -162,6 +163,7 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
             "logit_bias": {int(k): float(b) for k, b in (self.logit_bias or {}).items()},
             "min_p": float(self.min_p or 0.0),
             "min_tokens": int(self.min_tokens or 0),
+            "bad_words": [],  # token sequences, filled in where the tokenizer is
             "logprobs": self._logprobs_top(),
             "prompt_logprobs": self._prompt_logprobs_top(),
             "n": self.n,

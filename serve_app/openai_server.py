@@ -32,7 +32,7 @@ from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompl
                                        ModelCard, ModelList, StreamChunks, UsageInfo, make_id,
                                        sse_event)
 from serve_app.openapi_document import install_openapi, responses
-from serve_app.request import RequestOutput
+from serve_app.request import MAX_BAD_WORD_TOKENS, RequestOutput
 from serve_app.request_body import read_json_object
 from serve_app.request_stream import StreamFailed
 from serve_app.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
@@ -194,8 +194,10 @@ class OpenAIServer:
         """n choices per prompt, indexed prompt-major as OpenAI does; seeded requests get
         seed, seed+1, ... so the n samples differ but stay reproducible."""
         choices = []
+        bad_words = self.bad_word_ids(body.bad_words or [])
         for p, ids in enumerate(prompts):
             params = body.to_sampling_params(self.max_model_len - len(ids))
+            params["bad_words"] = bad_words
             self.check_vocab(list(params["logit_bias"]), "logit_bias")
             if params["min_tokens"] > params["max_tokens"]:
                 raise KestrelAPIError.bad_request(
@@ -210,6 +212,21 @@ class OpenAIServer:
                 choices.append(_Choice(index, ids, sp, f"{request_id}-{index}",
                                        self.metrics.tracker()))
         return choices
+
+    def bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's bad_words as token sequences: each word with and without a leading space,
+        so it is banned at the start of the text and inside it."""
+        out: list[list[int]] = []
+        for w in words:
+            for text in (w.lstrip(), " " + w.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False) if w.strip() else []
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise KestrelAPIError.bad_request(
+                        f"a bad_words entry ({w[:40]!r}) is {len(ids)} tokens; at most {MAX_BAD_WORD_TOKENS}",
+                        param="bad_words")
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def api_error(self, exc: BaseException) -> KestrelAPIError:
         """Any failure on the way to the engine as the error a client should see."""

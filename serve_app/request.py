@@ -30,6 +30,8 @@ class CoinStream:
         return self.block[self.pos - 1]
 
 
+MAX_BAD_WORD_TOKENS = 16  # = actors.output_counts.TAIL + 1
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 128
@@ -47,6 +49,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_p: float = 0.0
     min_tokens: int = 0
+    # vLLM's bad_words, tokenized: a sequence's last id is never emitted right after the
+    # ids before it (a one-id sequence never at all). At most 16 ids each (the worker
+    # keeps the last 15 emitted: actors/output_counts.py).
+    bad_words: list[list[int]] = field(default_factory=list)
     logprobs: int | None = None  # alternatives listed with each token's logprob; None = none
     # The prompt's own tokens' logprobs (vLLM's prompt_logprobs), with this many
     # alternatives each; None = none. Taken from the raw logits (no processing applies
@@ -57,7 +63,7 @@ class SamplingParams:
     def needs_counts(self) -> bool:
         """Whether the worker must count this request's outputs (penalties, min_tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens)
+                    or self.min_tokens or self.bad_words)
 
     @property
     def needs_processing(self) -> bool:
@@ -80,6 +86,8 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be within [0, 20], got {self.prompt_logprobs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if any(not 1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
+            raise ValueError(f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
 
 
 @dataclass

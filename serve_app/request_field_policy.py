@@ -86,7 +86,6 @@ class RejectedSamplingFields(RequestModel):
     response_format: dict[str, Any] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     logits_processors: list[Any] | None = None
     include_stop_str_in_output: bool | None = None
@@ -115,7 +114,6 @@ class RejectedSamplingFields(RequestModel):
     _beam = unsupported("use_beam_search", "Kestrel samples; omit it or send false", False)
     _length_penalty = unsupported("length_penalty", "it applies to beam search only; "
                                   "omit it or send 1", 1)
-    _bad_words = unsupported("bad_words", "omit it", [])
     _allowed = unsupported("allowed_token_ids", "omit it")
     _processors = unsupported("logits_processors", "omit it", [])
     _stop_str = unsupported("include_stop_str_in_output", "the stop string is never part "

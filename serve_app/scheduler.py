@@ -44,13 +44,20 @@ def plan_processing(reqs: list[Request]) -> PlanProcessing:
     bias = [(b, t, v) for b, p in enumerate(params) for t, v in p.logit_bias.items()]
     stops = [(b, t) for b, (r, p) in enumerate(zip(reqs, params)) if p.min_tokens
              for t in sorted(r.stop_ids)]
+    words = [(b, w) for b, p in enumerate(params) for w in p.bad_words]
+    P = max((len(w) - 1 for _, w in words), default=0)
+    bad = np.full((len(words), 2 + P), -1, dtype=np.int64)  # [W, 2 + P]
+    for k, (b, w) in enumerate(words):
+        bad[k, 0], bad[k, 1] = b, w[-1]
+        if len(w) > 1:
+            bad[k, 2 + P - (len(w) - 1):] = w[:-1]
     return PlanProcessing(
         f32([p.presence_penalty for p in params]), f32([p.frequency_penalty for p in params]),
         f32([p.repetition_penalty for p in params]), f32([p.min_p for p in params]),
         np.asarray([p.min_tokens for p in params], dtype=np.int64),
         np.asarray([(b, t) for b, t, _ in bias], dtype=np.int64).reshape(-1, 2),
         f32([v for _, _, v in bias]),
-        np.asarray(stops, dtype=np.int64).reshape(-1, 2))
+        np.asarray(stops, dtype=np.int64).reshape(-1, 2), bad)
 
 
 class Scheduler:

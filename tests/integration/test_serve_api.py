@@ -317,6 +317,33 @@ def test_echo_and_prompt_logprobs_over_http(server, tokenizer, fp32_worker):
                                        max_tokens=1, extra_body={"prompt_logprobs": 1})
 
 
+def test_bad_words_over_http_equal_the_plain_in_process_engine(server, tokenizer, fp32_worker):
+    """vLLM's bad_words through the served (speculating) app: a word of the free answer is
+    gone from the answer, which equals the plain in-process engine's with the same token
+    sequences (the word with and without a leading space), streamed and not."""
+    from serve_app.llm_engine import LLMEngine
+    from serve_app.request import SamplingParams
+    server.wait_idle()
+    prompt = "List the days of the week: Monday, Tuesday,"
+    client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=180)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY)
+    free = client.completions.create(extra_body=IGNORE_EOS, **kw).choices[0].text
+    word = next(w for w in free.replace(",", " ").split() if len(w) > 3)
+    got = client.completions.create(extra_body={**IGNORE_EOS, "bad_words": [word]}, **kw).choices[0].text
+    assert word in free and word not in got, (free, got)
+    seqs = [tokenizer.encode(t, add_special_tokens=False) for t in (word, " " + word)]
+    engine = LLMEngine(server.cfg, tokenizer=tokenizer, workers=[fp32_worker])
+    ref = engine.generate([tokenizer.encode(prompt)],
+                          SamplingParams(max_tokens=16, ignore_eos=True, bad_words=seqs))[0]
+    assert got == tokenizer.decode(ref.output_ids)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        stream=True, extra_body={**IGNORE_EOS, "bad_words": [word]}, **kw) if c.choices)
+    assert streamed == got
+    with pytest.raises(openai.BadRequestError, match="bad_words"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                  extra_body={"bad_words": ["word " * 40]})
+
+
 # ---------------------------------------------------------------------------- robustness
 
 
