@@ -23,3 +23,24 @@ def test_penalties_on_gpu_keep_speculation_lossless(tokenizer, chat_prompts):
     spec = [r.output_ids for r in engine(tokenizer, fp32).generate(chat_prompts, params)]
     same = sum(a == b for a, b in zip(spec, plain))
     assert same >= len(chat_prompts) - 1, f"only {same} of {len(chat_prompts)} prompts identical"
+
+
+def test_bad_words_and_prompt_logprobs_on_gpu(tokenizer, chat_prompts):
+    """bad_words cut from the free answers: gone from the processed ones, and speculative
+    output equals plain; prompt logprobs equal with speculation on and off (the prefill is
+    the target's either way), fp32."""
+    fp32 = "model.dtype=float32"
+    free = [r.output_ids for r in engine(tokenizer, fp32, "draft.enabled=false").generate(
+        chat_prompts, SamplingParams(max_tokens=MAX, ignore_eos=True))]
+    words = [w for out in free for w in (out[5:6], out[10:12], out[20:23])]
+    params = SamplingParams(max_tokens=MAX, ignore_eos=True, bad_words=words, prompt_logprobs=2)
+    plain = engine(tokenizer, fp32, "draft.enabled=false").generate(chat_prompts, params)
+    spec = engine(tokenizer, fp32).generate(chat_prompts, params)
+    for r in plain:
+        assert not any(r.output_ids[k:k + len(w)] == w for w in words
+                       for k in range(len(r.output_ids) - len(w) + 1))
+    same = sum(a.output_ids == b.output_ids for a, b in zip(spec, plain))
+    assert same >= len(chat_prompts) - 1, f"only {same} of {len(chat_prompts)} prompts identical"
+    for a, b in zip(spec, plain):
+        assert len(a.prompt_logprobs) == len(a.prompt_ids) - 1
+        assert max(abs(x[0] - y[0]) for x, y in zip(a.prompt_logprobs, b.prompt_logprobs)) < 1e-4
