@@ -20,6 +20,17 @@ import statistics
 import time
 
 
+async def sse_chunks(response):
+    """The JSON chunks of a streamed response, up to [DONE] (an error event included)."""
+    async for line in response.content:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def one_request(session, url: str, model: str, question: str, max_tokens: int) -> dict:
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "messages": [{"role": "user", "content": question}],
@@ -30,13 +41,7 @@ async def one_request(session, url: str, model: str, question: str, max_tokens: 
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-        async for line in r.content:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
+        async for chunk in sse_chunks(r):
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
             if chunk.get("usage"):

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.http_client import pct
+from benchmarks.http_client import pct, sse_chunks
 
 MODEL = "SmolLM2-135M-Instruct"
 PROCESS_TITLES = ("ray::ServeReplica:kestrel:EngineDeployment", "ray::EngineCoreActor", "ray::RankActor")
@@ -116,13 +116,7 @@ async def _stream_chat(session, url: str, rng: random.Random, max_tokens: int, a
                 acct.add("failed", f"stream: HTTP {r.status}: {(await r.text())[:200]}")
                 return
             chunks = 0
-            async for line in r.content:
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(r):
                 if "error" in chunk:
                     acct.add("failed", f"stream error event: {chunk['error']}")
                     return

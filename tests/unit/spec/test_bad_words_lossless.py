@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
-from test_c22_greedy_lossless import OracleDraft
+from test_penalties_lossless import speculate_and_compare
 
 from actors.output_counts import TAIL
 from kernels.penalties import Processing, apply_processing, node_context
@@ -104,18 +104,7 @@ def test_greedy_bad_words_speculative_equals_plain(tiny_llama_dir, shape, draft,
     assert plain != free  # the words change the answers
     for out in plain:
         assert not any(holds(out, w) for w in params.bad_words)
-    eng = tiny_engine(tiny_llama_dir, *shape)
-    reqs = [eng.add_request(p, params) for p in prompts]
-    eng.step()  # the prefill: rows are assigned now
-    if draft == "oracle":
-        eagle = eng.workers[0].eagle
-        refs = {r.row: r.prompt_ids + ref for r, ref in zip(reqs, plain)}
-        monkeypatch.setattr(eagle, "_draft", OracleDraft(eagle, refs, 128))
-    while eng.has_work:
-        eng.step()
-    assert [r.output_ids for r in reqs] == plain
-    if draft == "oracle":
-        assert max(a for r in reqs for a in r.accept_lengths) >= 3
+    speculate_and_compare(tiny_engine(tiny_llama_dir, *shape), prompts, params, plain, draft, monkeypatch)
 
 
 def test_preempted_requests_keep_their_tail(tiny_llama_dir):

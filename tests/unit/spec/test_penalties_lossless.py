@@ -75,7 +75,12 @@ def test_greedy_penalties_speculative_equals_plain(tiny_llama_dir, shape, draft,
     plain = [r.output_ids for r in tiny_engine(tiny_llama_dir, spec=False).generate(prompts, params)]
     unpenalized = [r.output_ids for r in tiny_engine(tiny_llama_dir, spec=False).generate(prompts, greedy())]
     assert plain != unpenalized  # the processing changes the answer
-    eng = tiny_engine(tiny_llama_dir, *shape)
+    speculate_and_compare(tiny_engine(tiny_llama_dir, *shape), prompts, params, plain, draft, monkeypatch)
+
+
+def speculate_and_compare(eng, prompts, params, plain, draft, monkeypatch) -> None:
+    """Run `eng` (speculative) on the prompts, with its own random head or ("oracle") a draft
+    proposing the plain answers among decoys, and check it emits the plain answers."""
     reqs = [eng.add_request(p, params) for p in prompts]
     eng.step()  # the prefill: rows are assigned now
     if draft == "oracle":
