@@ -18,6 +18,9 @@ import pytest
 
 SERVER_OVERRIDES = [
     "device=cpu",
+    # Below the driver (nice 0) on a 2-core CI box, as Ray's own 15 would be, but not 15:
+    # the niceness test must see the setting take effect.
+    "serve.ray_worker_niceness=10",
     "draft.enabled=false",  # plain: the served default (speculation on) has its own test
     "model.dtype=float32",  # token-for-token comparisons need fp32 (DESIGN.md section 10)
     "kv_cache.num_slots=4096",
