@@ -32,6 +32,22 @@ def assert_same_or_near_tie(hf_model, prompt, ours, theirs, tol=1e-4):
     assert gap < tol, f"diverged at output {d} where the top-2 logit gap is {gap:.2e} (not a tie)"
 
 
+def assert_greedy_under_reference(hf_model, prompt, ours, tol=1e-4):
+    """Every token of `ours` is the reference's greedy choice given the same prefix (its
+    top logit there), or within tol of it (a near-tie, where fp32 rounding may pick
+    either). One teacher-forced forward over prompt + ours checks every position at once,
+    where comparing with the reference's own greedy generation costs a decode step per
+    token and stops checking at the first tie."""
+    assert ours, "no output tokens to check"
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + ours[:-1]])).logits[0, len(prompt) - 1:]
+    assert logits.shape[0] == len(ours)
+    gaps = logits.max(-1).values - logits.gather(1, torch.tensor(ours)[:, None])[:, 0]
+    bad = (gaps >= tol).nonzero().flatten().tolist()
+    assert not bad, (f"output {bad[0]} (token {ours[bad[0]]}) is {float(gaps[bad[0]]):.2e} below the "
+                     f"reference's top logit (not a tie); {len(bad)} such positions")
+
+
 def random_tree_mask(n: int, rng) -> torch.Tensor:
     """[n, n] bool: node i sees its ancestors and itself (parent[i] < i, node 0 the root)."""
     m = torch.eye(n, dtype=torch.bool)
