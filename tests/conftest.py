@@ -18,6 +18,31 @@ import triton_interpreter  # noqa: E402,F401
 from kestrel_testing import mt_bench_first_turns  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gguf_read_once():
+    """Dequantize each GGUF file once per test session (~5 s for SmolLM2 on 2 cores): the
+    shared fp32 worker, the spec workers of the losslessness tests, the warm-up test's
+    worker and test_llama_model each build a model from it. Each caller still gets its
+    own arch and dict (the tensors are only read: load_weights copies them into the
+    model's parameters), and the first read per file is the real reader."""
+    import copy
+
+    from actors.models import gguf_loader
+    real = gguf_loader.read_gguf
+    cache: dict = {}
+
+    def read_gguf(path):
+        key = (os.path.realpath(path), os.path.getmtime(path))
+        if key not in cache:
+            cache[key] = real(path)
+        arch, state = cache[key]
+        return copy.deepcopy(arch), dict(state)
+
+    gguf_loader.read_gguf = read_gguf
+    yield
+    gguf_loader.read_gguf = real
+
+
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
     from actors.models.loader import default_model_path
@@ -66,10 +91,38 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A random 1-layer Llama (hidden 32) with SmolLM2's vocabulary and tokenizer
+    (benchmarks/http_bench.py), for tests about plumbing rather than the model: it loads
+    in a second where SmolLM2 takes 8 s (in a Ray replica or a CLI subprocess, more)."""
+    from benchmarks.http_bench import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="session")
 def hf_model(smollm_path):
-    """transformers' own SmolLM2 from the same GGUF: the reference and the tie oracle."""
+    """transformers' own SmolLM2 from the same GGUF: the reference and the tie oracle.
+
+    Its GGUF loader parses the file twice (config, then weights) and rebuilds gguf's
+    tensor-name table once per module (~400 times): memoized while it loads, the same
+    load takes half the time (27 -> 14 s on 2 cores), weights bit for bit the same."""
+    import functools
+
+    import gguf
     import torch
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path),
-        dtype=torch.float32).eval()
+    readers: dict = {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+
+    real_reader = gguf.GGUFReader
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        return AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path),
+            dtype=torch.float32).eval()

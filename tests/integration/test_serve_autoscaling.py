@@ -1,12 +1,16 @@
 """Engine autoscaling: 1 -> 2 replicas under a burst, back to 1 while requests still run on
 the replica being removed (Serve drains it: the requests must finish whole).
 
-A second app on the session's Ray cluster (route prefix /as), so it costs one more model
-load per replica but no new cluster. Slow: replicas load a model each on a small CPU box.
+A second app on the session's Ray cluster (route prefix /as), so it costs no new cluster.
+It serves the 1-layer random model with SmolLM2's tokenizer (the tiny_model fixture): what
+is under test is Serve's scaling and the replica's drain, not the model, and a replica
+that loads SmolLM2 takes 10-20 s longer to start (twice here, the second time beside a
+burst). Slow all the same: each replica starts three processes on a small CPU box.
 """
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +32,11 @@ def replica_states(app: str = APP) -> dict[str, int]:
     return {str(k): v for k, v in status.deployments["EngineDeployment"].replica_states.items()}
 
 
-def stream(url: str, prompt: str, max_tokens: int, stop: threading.Event | None = None):
+def stream(url: str, prompt: str, max_tokens: int, stop: threading.Event | None = None,
+           first: threading.Event | None = None):
     """One streamed completion: (completion tokens from the usage chunk, finish reason), or
-    "left" if `stop` was set first (the client hangs up)."""
+    "left" if `stop` was set first (the client hangs up). `first` is set at the first chunk
+    (the request is in an engine)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     tokens, finish = 0, None
@@ -43,6 +49,8 @@ def stream(url: str, prompt: str, max_tokens: int, stop: threading.Event | None 
                 continue
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
+            if first is not None:
+                first.set()
             for ch in chunk["choices"]:
                 finish = ch["finish_reason"] or finish
             if chunk.get("usage"):
@@ -60,55 +68,123 @@ def wait_for(pred, timeout: float, what: str, period: float = 0.5):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}: {replica_states()}")
 
 
-def test_engine_scales_out_under_burst_and_back_without_cutting_requests(server):
+def serving_replica(base_url: str) -> str:
+    """The replica that HAProxy sends a new connection to: the app's /metrics names it."""
+    text = httpx.get(base_url + "/as/metrics", timeout=30).text
+    m = re.search(r'^kestrel_num_requests_running\{[^}]*replica="([^"]+)"', text, re.M)
+    assert m, text[-2000:]
+    return m.group(1)
+
+
+def running_by_replica(engine, replicas: int = 2) -> dict[str, int]:
+    """{replica id: requests running there}, from stats calls that Serve's router spreads
+    over the replicas."""
+    seen: dict[str, int] = {}
+    for _ in range(50):
+        st = engine.stats.remote().result(timeout_s=30)
+        seen[st["replica"]] = st["running"] + st["waiting"]
+        if len(seen) == replicas:
+            break
+    return seen
+
+
+# The tiny model decodes fast, so the probes' length is measured, not fixed: a probe is
+# as many tokens as one request alone makes in PROBE_S, and the scale-in starts 3-4 s after
+# the burst's clients hang up (look-back 1.5 s, downscale delay 1 s, metrics each second);
+# with the load of two replicas on the machine a probe runs longer than alone.
+PROBE_S = 8.0
+MAX_MODEL_LEN = 16384
+BURST_TOKENS = 8000
+
+
+def test_engine_scales_out_under_burst_and_back_without_cutting_requests(server, tiny_model):
     from ray import serve
 
     from configs.schema import load_config
     from serve_app.app import build_app
     cfg = load_config(overrides=server.overrides + [
+        f"model.path={tiny_model}", f"model.max_model_len={MAX_MODEL_LEN}", "kv_cache.num_slots=131072",
+        # Lighter on the CPU while the second replica starts beside the burst: one torch
+        # thread, tokens sent in batches.
+        "cpu_threads=1", "serve.stream_interval_ms=100",
         "serve.engine_autoscaling.min_replicas=1", "serve.engine_autoscaling.max_replicas=2",
         "serve.engine_autoscaling.target_ongoing_requests=2",
-        "serve.engine_autoscaling.upscale_delay_s=0", "serve.engine_autoscaling.downscale_delay_s=3",
+        "serve.engine_autoscaling.upscale_delay_s=0", "serve.engine_autoscaling.downscale_delay_s=1",
         "scheduler.max_queued_requests=16"])
-    app = build_app(cfg, engine_options={"autoscaling_config": {"look_back_period_s": 2.0,
+    app = build_app(cfg, engine_options={"autoscaling_config": {"look_back_period_s": 1.5,
                                                                 "metrics_interval_s": 1.0},
                                          "graceful_shutdown_timeout_s": 300})
     t0 = time.monotonic()
     serve.run(app, name=APP, route_prefix="/as")
     url = server.base_url + "/as/v1/completions"
     assert replica_states() == {"RUNNING": 1}
+    first = serving_replica(server.base_url)
+    engine = serve.get_deployment_handle("EngineDeployment", app_name=APP)
     log = [f"app up in {time.monotonic() - t0:.0f}s"]
+    tc = time.monotonic()
+    assert stream(url, "Calibrate:", 500) == (500, "length")
+    probe_tokens = min(MAX_MODEL_LEN - 64, int(500 / (time.monotonic() - tc) * PROBE_S))
+    log.append(f"probes of {probe_tokens} tokens")
 
     pool = ThreadPoolExecutor(max_workers=16)
-    hang_up = threading.Event()
+    hang_up, scaled_out = threading.Event(), threading.Event()
+
+    def burst_client(i: int):
+        """Long requests one after another until the second replica is up (the tiny model
+        may finish one before), then the last one until the clients hang up."""
+        while True:
+            got = stream(url, f"Story number {i}:", BURST_TOKENS, hang_up)
+            if got == "left":
+                return got
+            assert got == (BURST_TOKENS, "length"), got
+            if scaled_out.is_set():  # none sent now: only the probes go to the new replica
+                hang_up.wait()
+                return "done"
+
     try:
         # A burst: 8 ongoing against a target of 2 per replica asks for 2 replicas. It runs
         # until the second replica is up, then its clients hang up.
         t1 = time.monotonic()
-        burst = [pool.submit(stream, url, f"Story number {i}:", 2000, hang_up) for i in range(8)]
+        burst = [pool.submit(burst_client, i) for i in range(8)]
         wait_for(lambda: replica_states().get("RUNNING") == 2, 240, "a second replica")
+        scaled_out.set()
         log.append(f"2 replicas {time.monotonic() - t1:.0f}s after the burst")
-        # Long requests routed now land on the idle new replica, which is also the one
-        # Serve removes first when scaling in (newest first): they must survive it.
-        probes = [pool.submit(stream, url, f"Probe {i}:", 200) for i in range(2)]
-        time.sleep(1.0)  # let the probes reach the engine before the load drops
+        # HAProxy routes to the new replica a moment after Serve reports it running.
+        wait_for(lambda: serving_replica(server.base_url) != first, 60,
+                 "HAProxy to route to the new replica", period=0.2)
+        # Long requests routed now land on the idle new replica (at least one of the two:
+        # HAProxy restarted with the new server counts no connections on either), which is
+        # also the one Serve removes first when scaling in (newest first): they must
+        # survive it.
+        t2 = time.monotonic()
+        started = [threading.Event() for _ in range(2)]
+        probes = [pool.submit(stream, url, f"Probe {i}:", probe_tokens, None, started[i])
+                  for i in range(2)]
+        # The probes in their engines before the load drops, one at least on the new
+        # replica (no burst request is sent after scale-out).
+        wait_for(lambda: all(e.is_set() for e in started), 60, "the probes' first tokens",
+                 period=0.05)
+        running = running_by_replica(engine)
+        new = next((r for r in running if r != first), None)
+        assert new is not None and running[new] >= 1, (first, running)
         hang_up.set()
-        assert [f.result(timeout=60) for f in burst] == ["left"] * 8
+        assert set(f.result(timeout=60) for f in burst) <= {"left", "done"}
 
         seen_stopping = threading.Event()
 
         def scaled_in():
             states = replica_states()
-            if states.get("STOPPING") and not all(p.done() for p in probes):
+            # Neither probe done yet: the one on the stopping replica (alone there, so the
+            # faster of the two) still runs.
+            if states.get("STOPPING") and not any(p.done() for p in probes):
                 seen_stopping.set()
             return states == {"RUNNING": 1}
         wait_for(scaled_in, 300, "scale-in to 1 replica", period=0.25)
         log.append(f"back to 1 replica {time.monotonic() - t1:.0f}s after the burst")
-        assert seen_stopping.is_set(), "no replica was stopping while the probes ran"
-        assert [f.result(timeout=300) for f in probes] == [(200, "length")] * 2
-        log.append(f"probes whole after {time.monotonic() - t1:.0f}s")
-        server_engine = serve.get_deployment_handle("EngineDeployment", app_name=APP)
-        assert server_engine.num_running.remote().result(timeout_s=30) == 0
+        assert seen_stopping.is_set(), "no replica was stopping while both probes ran"
+        assert [f.result(timeout=300) for f in probes] == [(probe_tokens, "length")] * 2
+        log.append(f"probes whole after {time.monotonic() - t1:.0f}s ({time.monotonic() - t2:.1f}s)")
+        assert running_by_replica(engine, 1) == {first: 0}  # the new one, with a probe, went
     finally:
         hang_up.set()
         pool.shutdown(wait=False, cancel_futures=True)

@@ -17,64 +17,79 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 APP = "faults"
 
 
+@pytest.fixture(scope="module")
+def faults_url(server, tiny_model):
+    """One app for both faults: each test ends on the replacement replica it waited for,
+    which the next test kills in its turn (a new app would start the same replica again,
+    20-30 s on 2 cores)."""
+    from ray import serve
+
+    from configs.schema import load_config
+    from serve_app.app import build_app
+    cfg = load_config(overrides=["device=cpu", "draft.enabled=false", "model.dtype=float32",
+                                 "kv_cache.num_slots=4096", f"model.path={tiny_model}"])
+    # A health check each second instead of each 10: the replacement starts sooner.
+    serve.run(build_app(cfg, engine_options={"health_check_period_s": 1.0}), name=APP,
+              route_prefix="/faults")
+    try:
+        yield server.base_url + "/faults/v1/completions"
+    finally:
+        serve.delete(APP)
+
+
 @pytest.mark.parametrize("victim,message", [
     ("rank0", "rank 0"),  # its step channel closes under the engine core
     ("core", "engine core closed its channel"),  # the front channel closes under the replica
 ])
-def test_killed_actor_fails_its_streams_fast_and_the_replica_comes_back(server, tmp_path, victim, message):
+def test_killed_actor_fails_its_streams_fast_and_the_replica_comes_back(faults_url, victim, message):
     import ray
     from ray import serve
 
-    from benchmarks.http_bench import make_tiny_model
-    from configs.schema import load_config
-    from serve_app.app import build_app
-    cfg = load_config(overrides=["device=cpu", "draft.enabled=false", "model.dtype=float32",
-                                 "kv_cache.num_slots=4096", f"model.path={make_tiny_model(str(tmp_path))}"])
-    # A health check each second instead of each 10: the replacement starts sooner.
-    serve.run(build_app(cfg, engine_options={"health_check_period_s": 1.0}), name=APP,
-              route_prefix="/faults")
-    url = server.base_url + "/faults/v1/completions"
-    try:
-        engine = serve.get_deployment_handle("EngineDeployment", app_name=APP)
-        replica = engine.stats.remote().result(timeout_s=30)["replica"]
-        events: list[dict] = []
-        started, ended = threading.Event(), threading.Event()
-        ended_at: list[float] = []
-
-        def long_stream():
-            body = {"prompt": "Once upon a time", "max_tokens": 1000000, "ignore_eos": True,
-                    "stream": True}
-            with httpx.stream("POST", url, json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        events.append(json.loads(line[6:]))
-                        started.set()
-            ended_at.append(time.monotonic())
-            ended.set()
-
-        t = threading.Thread(target=long_stream, daemon=True)
-        t.start()
-        assert started.wait(60), "the stream never started"
+    url = faults_url
+    # The app serves: after the other fault, its replacement replica (which that test
+    # waited for, unless it failed first).
+    deadline = time.monotonic() + 180
+    while httpx.post(url, json={"prompt": "Hello", "max_tokens": 4}, timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "the app does not serve"
         time.sleep(0.5)
-        killed_at = time.monotonic()
-        ray.kill(ray.get_actor(f"kestrel-{replica}-{victim}", namespace="kestrel"))
-        assert ended.wait(30), "the stream did not end within 30 s of the kill"
-        assert ended_at[0] - killed_at < 10
-        err = events[-1].get("error")
-        assert err is not None, events[-1]  # in-band: the 200 status line had gone out
-        assert message in err["message"] and "closed its" in err["message"], err
+    engine = serve.get_deployment_handle("EngineDeployment", app_name=APP)
+    replica = engine.stats.remote().result(timeout_s=30)["replica"]
+    events: list[dict] = []
+    started, ended = threading.Event(), threading.Event()
+    ended_at: list[float] = []
 
-        # The replica is replaced; until then new requests are refused with a clear status.
-        deadline = time.monotonic() + 180
-        statuses = []
-        while time.monotonic() < deadline:
-            r = httpx.post(url, json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
-            statuses.append(r.status_code)
-            if r.status_code == 200:
-                break
-            assert r.status_code in (500, 502, 503), r.text[:300]
-            time.sleep(2)
-        assert statuses[-1] == 200, statuses
-        assert engine.stats.remote().result(timeout_s=30)["replica"] != replica
-    finally:
-        serve.delete(APP)
+    def long_stream():
+        body = {"prompt": "Once upon a time", "max_tokens": 1000000, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    started.set()
+        ended_at.append(time.monotonic())
+        ended.set()
+
+    t = threading.Thread(target=long_stream, daemon=True)
+    t.start()
+    assert started.wait(60), "the stream never started"
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor(f"kestrel-{replica}-{victim}", namespace="kestrel"))
+    assert ended.wait(30), "the stream did not end within 30 s of the kill"
+    assert ended_at[0] - killed_at < 10
+    err = events[-1].get("error")
+    assert err is not None, events[-1]  # in-band: the 200 status line had gone out
+    assert message in err["message"] and "closed its" in err["message"], err
+
+    # The replica is replaced; until then new requests are refused with a clear status.
+    deadline = time.monotonic() + 180
+    statuses = []
+    while time.monotonic() < deadline:
+        r = httpx.post(url, json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+        statuses.append(r.status_code)
+        if r.status_code == 200:
+            break
+        assert r.status_code in (500, 502, 503), r.text[:300]
+        time.sleep(0.5)
+    assert statuses[-1] == 200, statuses
+    assert engine.stats.remote().result(timeout_s=30)["replica"] != replica

@@ -20,15 +20,14 @@ REQUESTS, PROMPT, MAX_TOKENS = 8, 48, 48
 # Speculation on; plain decoding under preemption is checked in process
 # (tests/unit/test_engine.py, tests/unit/spec/test_penalties_lossless.py).
 @pytest.mark.parametrize("spec", [True], ids=["tree"])
-def test_more_requests_than_the_kv_holds_all_finish_exactly(server, tmp_path, spec):
+def test_more_requests_than_the_kv_holds_all_finish_exactly(server, tiny_model, spec):
     from ray import serve
 
-    from benchmarks.http_bench import make_tiny_model
     from configs.schema import load_config
     from serve_app.app import build_app
     from serve_app.llm_engine import LLMEngine
     from serve_app.request import SamplingParams
-    model = make_tiny_model(str(tmp_path))
+    model = tiny_model
     base = ["device=cpu", "model.dtype=float32", f"model.path={model}", "model.max_model_len=256",
             "kv_cache.prefix_caching=false", "scheduler.max_running_requests=16",
             f"draft.enabled={str(spec).lower()}", "draft.path=random",

@@ -14,13 +14,16 @@ def run(*args, **kw):
                           text=True, env=env, cwd=ROOT, timeout=600, **kw)
 
 
-def test_generate_jsonl(tmp_path):
+def test_generate_jsonl(tmp_path, tiny_model):
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": "a", "prompt": "Hello there"}) + "\n"
                    + json.dumps({"id": "b", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
     out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    # The tiny random model with SmolLM2's tokenizer and chat template: what is under test
+    # is the command's JSONL and stats, and the subprocess would spend 8 s loading SmolLM2.
     p = run("generate", "--input", str(inp), "--output", str(out), "--max-tokens", "6",
-            "--ignore-eos", "--stats", str(stats), "--set", "kv_cache.num_slots=4096",
+            "--ignore-eos", "--stats", str(stats), "--set", f"model.path={tiny_model}",
+            "--set", "kv_cache.num_slots=4096",
             "--set", "draft.enabled=true", "--set", "draft.path=random",
             "--set", "draft.topk=1", "--set", "draft.num_steps=2", "--set", "draft.num_draft_tokens=3")
     assert p.returncode == 0, p.stderr[-2000:]

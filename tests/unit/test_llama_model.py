@@ -1,7 +1,5 @@
 """Our Llama forward on the real SmolLM2 GGUF against transformers' own GGUF load."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,12 +46,8 @@ def ours(gguf_path):
     return model
 
 
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
-    ).eval()
+# hf_model: transformers' own fp32 load of the same GGUF, the session fixture of
+# tests/conftest.py (test_engine.py and the spec tests use it as their reference too).
 
 
 @pytest.fixture(scope="module")
