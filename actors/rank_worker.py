@@ -16,6 +16,7 @@ from actors.attention.torch_native import TorchNativeBackend
 from actors.dp.sync import ForwardMode
 from actors.forward_batch import ForwardBatch
 from actors.future_map import FutureMap
+from actors.grammar_rows import GrammarRows
 from actors.kv_cache import ReqToTokenPool, TokenToKVPool
 from actors.logprobs import plan_logprobs, prompt_logprobs
 from actors.model_runner import ModelRunner
@@ -26,6 +27,7 @@ from actors.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
 from kernels import layer_ops
 from kernels.compile_watch import CompileWatch
+from kernels.token_bitmask import apply_token_bitmask
 
 log = logging.getLogger("kestrel.worker")
 
@@ -105,6 +107,7 @@ class RankWorker:
             from actors.spec.eagle_worker import EagleWorker
             self.eagle = EagleWorker(cfg, self)
         self.counts = OutputCounts(self.num_rows, a.vocab_size, self.device)
+        self.grammars = GrammarRows()
         self.future = FutureMap(self.num_rows, cfg.draft.topk,
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,
                                 self.dtype, self.device, spec)
@@ -192,6 +195,10 @@ class RankWorker:
             self.req_to_token.write_many(plan.kv_writes)
         if plan.count_resets:
             self.counts.reset(plan.count_resets)
+        if plan.grammar_vocab is not None:
+            self.grammars.set_vocab(plan.grammar_vocab)
+        for row, compiled, outputs in plan.grammar_resets:
+            self.grammars.reset(row, compiled, outputs)
         if plan.mode == "idle" or not plan.rows:
             return StepOutput(plan.step_id, [[] for _ in plan.rows])
         t0 = time.perf_counter()
@@ -203,6 +210,7 @@ class RankWorker:
             tokens = self.eagle.decode(plan)
         else:
             tokens = self._decode(plan)
+        self.grammars.advance(plan.rows, tokens)
         timings = {plan.mode: time.perf_counter() - t0}
         if self.compiles.seconds:
             timings["compile"] = self.compiles.take_seconds()
@@ -213,11 +221,14 @@ class RankWorker:
     def sample(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor,
                emitted: list[bool]) -> torch.Tensor:
         """One token per request from logits [B, V] of rows [B], after the plan's logit
-        processing (penalties, bias, min_tokens, min_p) when it has any -> [B] int64;
+        processing (penalties, bias, min_tokens, min_p) when it has any and the rows' grammars -> [B] int64;
         the logprobs of the `emitted` ones too, when the plan asks."""
         pp = plan.processing
         if pp is not None:
             logits = self.counts.process(plan, rows, logits[:, None])[:, 0]
+        masks = self.grammars.next_masks(plan.rows, logits.device)  # [B, W] int32 or None
+        if masks is not None:
+            logits = apply_token_bitmask(logits, masks)
         tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins,
                                None if pp is None else pp.min_p)
         self.last_logprobs = plan_logprobs(plan.logprobs, logits, tokens, emitted)

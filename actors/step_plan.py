@@ -64,6 +64,11 @@ class StepPlan:
     # Rows whose output counts restart (a request admitted, or readmitted after preemption):
     # (row, prompt ids or None when no repetition penalty needs them, outputs so far).
     count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = field(default_factory=list)
+    # Rows that start a request with a grammar, or after one (actors/grammar_rows.py):
+    # (row, serialized compiled grammar or None, outputs so far [n] int64).
+    grammar_resets: list[tuple[int, str | None, np.ndarray]] = field(default_factory=list)
+    # xgrammar's TokenizerInfo, serialized: on the first plan with a grammar only.
+    grammar_vocab: str | None = None
 
     @property
     def batch_size(self) -> int:

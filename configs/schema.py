@@ -71,9 +71,9 @@ class SchedulerConfig(_Strict):
     chunked_prefill_size: int = Field(512, ge=16)  # prompt tokens per prefill step
     max_queued_requests: int = Field(512, ge=1)
     # Batch admissions (for throughput, at some first-token latency): while requests are
-    # decoding, new ones are prefilled only once this many can be admitted together (or
-    # all that wait, if fewer), or after prefill_max_delay_steps decode steps of waiting.
-    # An eager prefill step costs several graphed decode steps; 1 prefills at once.
+    # decoding, new ones are prefilled only once this many can be admitted together, or
+    # after prefill_max_delay_steps decode steps of waiting. A prefill step pauses every
+    # decoding request; 1 prefills at once.
     prefill_min_batch: int = Field(1, ge=1)
     prefill_max_delay_steps: int = Field(32, ge=0)
 

@@ -21,6 +21,7 @@ from actors.step_channel import HELLO, OK, encode
 from configs.schema import KestrelConfig
 from serve_app.detokenizer import TextStream
 from serve_app.engine_core import read_frame
+from serve_app.grammar import compiler_for
 from serve_app.request import RequestOutput, SamplingParams
 from serve_app.request_stream import RequestStream
 from serve_app.scheduler import check_prompt
@@ -68,6 +69,7 @@ class EngineClient:
         self.held = [0] * num_ranks  # streams per rank that have not ended
         self.closing = False
         self.failed: str | None = None
+        self._vocab_sent = False  # the grammar vocabulary (serve_app/grammar.py), sent once
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.reading = asyncio.create_task(self._read(), name="kestrel-front-channel")
@@ -155,6 +157,9 @@ class EngineClient:
         rank = min(range(len(self.held)), key=self.held.__getitem__)
         if self.held[rank] >= self.capacity:
             raise QueueFull(f"the engine queue is full ({self.held[rank]} requests)")
+        if params.grammar is not None and not self._vocab_sent:  # once: the core keeps it
+            self._send("vocab", compiler_for(self.tokenizer).vocab_json)
+            self._vocab_sent = True
         text = TextStream(self.tokenizer, prompt, params.stop) if self.tokenizer is not None else None
         stream = RequestStream(rid, rank, len(prompt), text, self._end, self.interval_s)
         self._send("add", (rank, rid, prompt, sampling_params))

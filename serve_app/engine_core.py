@@ -17,6 +17,7 @@ plan goes out before this one returns) -> receive the output -> process_output -
 Front channel frames (length-prefixed pickles, as the step channel's; the first frame
 from the front end must carry the core's token):
   in:  ("add", (rank, rid, prompt_ids, sampling_params)), ("finish", (rid, reason)),
+       ("vocab", grammar vocabulary json: once, before the first add with a grammar),
        ("call", (call_id, name))  name: "kv_stats" | "rank_stats" | "stats"
   out: ("out", [(rid, token_ids, finished, finish_reason, num_output_tokens, accept_lengths,
                  cached_tokens, logprobs, prompt_logprobs)]),
@@ -110,6 +111,9 @@ class EngineCore:
                     for rank, s in enumerate(self.schedulers):
                         if s.finish(rid, reason):
                             self._wake[rank].set()
+                elif kind == "vocab":  # before the first request with a grammar
+                    for s in self.schedulers:
+                        s.set_grammar_vocab(payload)
                 elif kind == "call":
                     call_id, name = payload
                     writer.write(encode("reply", (call_id, getattr(self, name)())))

@@ -50,6 +50,10 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                     on_output=None) -> Request:
+        if params.grammar is not None and self.schedulers[0].grammar_vocab is None:
+            from serve_app.grammar import compiler_for
+            for s in self.schedulers:
+                s.set_grammar_vocab(compiler_for(self.tokenizer).vocab_json)
         req = Request(rid or f"req-{next(self._ids)}", list(prompt_ids), params, on_output)
         min(self.schedulers, key=lambda s: s.num_requests).add_request(req)
         return req

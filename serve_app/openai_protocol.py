@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import (BaseModel, Field, TypeAdapter, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
+from serve_app.grammar import GrammarSpec, check_spec
 from serve_app.request_field_policy import (NoEffectChatFields, NoEffectFields,
                                             RejectedChatFields, RejectedCompletionFields,
                                             RejectedMessageFields, RejectedSamplingFields,
@@ -24,7 +25,7 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 # infinite, and the sampler's distribution NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 def make_id(prefix: str) -> str:
@@ -51,8 +52,115 @@ class StreamOptions(RequestModel):
                                   "obfuscation field; omit it or send false", False)
 
 
+class JsonSchemaFormat(RequestModel):
+    """OpenAI's response_format.json_schema. The output validates against `schema` with or
+    without `strict` (xgrammar's strict mode: no properties beyond those listed)."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+    def spec(self) -> GrammarSpec | None:
+        if self.type == "json_object":
+            return ("json_object", "")
+        if self.type == "json_schema":
+            return ("json_schema", json.dumps(self.json_schema.json_schema))
+        return None
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def spec(self) -> GrammarSpec | None:
+        set_ = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) > 1:
+            raise ValueError(f"set one constraint, not {len(set_)} ({', '.join(k.rstrip('_') for k in set_)})")
+        if not set_:
+            return None
+        return _spec_of(set_[0].rstrip("_"), getattr(self, set_[0]))
+
+
+def _spec_of(kind: str, value: Any) -> GrammarSpec:
+    """A structured_outputs / guided_* value as a grammar spec."""
+    if kind == "json":
+        return ("json_schema", value if isinstance(value, str) else json.dumps(value))
+    if kind == "json_object":
+        return ("json_object", "")
+    if kind == "choice":
+        return ("choice", json.dumps(value))
+    return (kind, value)  # regex, grammar
+
+
+# vLLM's older guided_* fields, honoured as the structured_outputs they name.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
 class SamplingFields(NoEffectFields, RejectedSamplingFields):
     """Fields shared by chat and text completions that Kestrel honours."""
+
+    # Structured outputs (serve_app/grammar.py): at most one of these.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+
+    @field_validator("response_format", "structured_outputs")
+    @classmethod
+    def _constraint_compiles(cls, v: Any) -> Any:
+        spec = v.spec() if v is not None else None
+        if spec is not None:
+            check_spec(spec)
+        return v
+
+    @field_validator(*_GUIDED)
+    @classmethod
+    def _guided_compiles(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            check_spec(_spec_of(_GUIDED[info.field_name], v))
+        return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "SamplingFields":
+        named = [f for f in ("response_format", "structured_outputs", *_GUIDED)
+                 if getattr(self, f) is not None
+                 and (f not in ("response_format", "structured_outputs") or getattr(self, f).spec())]
+        if len(named) > 1:
+            raise ValueError(f"at most one output constraint per request; this one sets {', '.join(named)}")
+        return self
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The request's output constraint, or None."""
+        for f in ("response_format", "structured_outputs"):
+            v = getattr(self, f)
+            if v is not None and v.spec() is not None:
+                return v.spec()
+        for f, kind in _GUIDED.items():
+            if getattr(self, f) is not None:
+                return _spec_of(kind, getattr(self, f))
+        return None
 
     model: str | None = None  # None = the served model
     max_tokens: int | None = Field(None, ge=1)
@@ -166,6 +274,7 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
             "bad_words": [],  # token sequences, filled in where the tokenizer is
             "logprobs": self._logprobs_top(),
             "prompt_logprobs": self._prompt_logprobs_top(),
+            "grammar": None,  # compiled where the tokenizer is (openai_server.py)
             "n": self.n,
         }
 
@@ -180,9 +289,11 @@ class ChatMessage(RejectedMessageFields):
     """One input message. `content` is normalized to plain text: OpenAI also allows a list
     of parts, of which Kestrel accepts only {"type": "text", "text": ...}."""
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     @field_validator("role", mode="before")
     @classmethod
@@ -193,10 +304,18 @@ class ChatMessage(RejectedMessageFields):
     @model_validator(mode="before")
     @classmethod
     def _assistant_may_omit_content(cls, data: Any) -> Any:
-        # OpenAI lets an assistant turn carry content null (e.g. echoed history).
-        if isinstance(data, dict) and data.get("role") == "assistant" and data.get("content", "") is None:
+        # OpenAI lets an assistant turn carry content null or none (a turn of tool calls).
+        if isinstance(data, dict) and data.get("role") == "assistant" and data.get("content") is None:
             data = {**data, "content": ""}
         return data
+
+    @model_validator(mode="after")
+    def _tool_fields_in_their_turns(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to an assistant message")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -222,7 +341,51 @@ class ChatMessage(RejectedMessageFields):
 
     def for_template(self) -> dict[str, Any]:
         """What the chat template sees (the rejected fields are null or empty)."""
-        return self.model_dump(include={"role", "content", "name"}, exclude_none=True)
+        out = self.model_dump(include={"role", "content", "name", "tool_calls", "tool_call_id"},
+                              exclude_none=True)
+        if not out.get("tool_calls", True):
+            del out["tool_calls"]  # [] is no call
+        return out
+
+
+class ToolCallFunction(RequestModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(RequestModel):
+    """An earlier call in the history (an assistant message's tool_calls)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class FunctionDef(RequestModel):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the arguments validate against parameters either way
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_compile(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            check_spec(("json_schema", json.dumps(v)))
+        return v
+
+
+class ToolDef(RequestModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(RequestModel):
+    class _Name(RequestModel):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
 
 
 class ChatTemplateFields(RequestModel):
@@ -230,6 +393,18 @@ class ChatTemplateFields(RequestModel):
 
     add_generation_prompt: bool = True  # end with the assistant turn's header
     continue_final_message: bool = False  # end inside the last message, which generation extends
+    tools: list[ToolDef] | None = None  # rendered into the prompt (serve_app/tools.py)
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have one name")
+        return v
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
 
     @field_validator("continue_final_message")
     @classmethod
@@ -244,7 +419,36 @@ class ChatTemplateFields(RequestModel):
 class ChatCompletionRequest(SamplingFields, NoEffectChatFields, RejectedChatFields,
                             ChatTemplateFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (required, named)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name of max_tokens
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not self.tools:
+                raise ValueError("tool_choice required or a named function needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if self.tool_constraint() is not None and SamplingFields.grammar_spec(self) is not None:
+            raise ValueError("at most one output constraint per request; tool_choice "
+                             f"{self.tool_choice_value()!r} is one, and so is response_format "
+                             "or structured_outputs")
+        return self
+
+    def tool_choice_value(self) -> Any:
+        c = self.tool_choice
+        return c.model_dump() if isinstance(c, NamedToolChoice) else c
+
+    def tool_constraint(self) -> GrammarSpec | None:
+        from serve_app.tools import constraint
+        return None if not self.tools else constraint(
+            self.tool_dicts(), self.tool_choice_value(), self.parallel_tool_calls is not False)
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        return self.tool_constraint() or super().grammar_spec()
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -295,7 +499,7 @@ class CompletionRequest(SamplingFields, RejectedCompletionFields):
     def _no_bool_logprobs(cls, v: Any) -> Any:
         return _no_bool(v)
 
-    echo: bool = False  # the prompt before the completion, in the text and the logprobs
+    echo: bool | None = False  # the prompt before the completion, in the text and the logprobs
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's
 
     @field_validator("prompt_logprobs", mode="before")
@@ -394,6 +598,14 @@ class UsageInfo(BaseModel):
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {"id", "type": "function", "function": {name, arguments}}
+
+    @model_serializer(mode="wrap")
+    def _calls_when_there_are(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class TopLogprob(BaseModel):
@@ -469,6 +681,7 @@ class CompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # each with its "index" among the choice's calls
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: Any) -> dict[str, Any]:
@@ -589,6 +802,11 @@ class StreamChunks:
             return None
         return sse_event(self._model([ChatCompletionStreamChoice(
             index=index, delta=DeltaMessage(role="assistant", content=""))]))
+
+    def tool_calls(self, index: int, calls: list[dict[str, Any]]) -> str:
+        """A chat delta carrying whole tool calls (each with its index among the choice's)."""
+        choice = ChatCompletionStreamChoice(index=index, delta=DeltaMessage(tool_calls=calls))
+        return f"{self._head}{choice.model_dump_json()}]}}\n\n"
 
     def delta(self, index: int, text: str, finish_reason: str | None,
               logprobs: BaseModel | None = None, prompt_logprobs: list | None = None) -> str:

@@ -22,8 +22,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from configs.schema import KestrelConfig
+from serve_app.client_disconnect import ClientDisconnected, unless_disconnected
 from serve_app.engine_client import EngineError, EngineUnavailable, QueueFull, RequestRejected
 from serve_app.errors import KestrelAPIError, error_body, validation_error_body
+from serve_app.grammar import compiler_for
 from serve_app.logprobs_format import LogprobFormatter
 from serve_app.metrics import RequestTracker, ServerMetrics
 from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionMessage,
@@ -39,6 +41,7 @@ from serve_app.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, 
                                          TokenizePromptRequest, TokenizeResponse,
                                          tokenize_request_model)
 from serve_app.tokenizer import apply_chat_template
+from serve_app.tools import ToolOutput, template_messages
 
 log = logging.getLogger("kestrel.http")
 
@@ -111,6 +114,9 @@ class OpenAIServer:
         self.model_name = cfg.model.name
         self.max_model_len = cfg.model.max_model_len
         self.vocab_size = len(tokenizer)
+        # A template with its own tool format gets the tools; for one without, Kestrel
+        # writes them into the system message (serve_app/tools.py).
+        self.template_renders_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         # Digests, not the keys: compare_digest then always compares 32 bytes, so the time
         # taken says nothing about a key's length either.
         self.key_digests = [_digest(k) for k in cfg.serve.api_keys]
@@ -162,6 +168,12 @@ class OpenAIServer:
         messages = [m.for_template() for m in body.messages]
         kw = dict(add_generation_prompt=body.add_generation_prompt,
                   continue_final_message=body.continue_final_message)
+        tools = body.tool_dicts()
+        if self.template_renders_tools:
+            if tools:
+                kw["tools"] = tools
+        elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages = template_messages(messages, tools)
         try:
             if sum(len(m["content"]) for m in messages) <= INLINE_TOKENIZE_CHARS:
                 return apply_chat_template(self.tokenizer, messages, **kw)
@@ -190,7 +202,19 @@ class OpenAIServer:
                 param=param)
         self.check_vocab(ids, param)
 
-    def make_choices(self, body: Any, prompts: list[list[int]], request_id: str) -> list[_Choice]:
+    async def compiled_grammar(self, body: Any) -> str | None:
+        """The request's output constraint compiled (serve_app/grammar.py), in a thread:
+        a new JSON schema takes tens of ms, a cached one nothing."""
+        spec = body.grammar_spec()
+        if spec is None:
+            return None
+        try:
+            return await asyncio.to_thread(compiler_for(self.tokenizer).compile, spec)
+        except RuntimeError as e:  # parsed, yet the compiler refused it
+            raise KestrelAPIError.bad_request(f"The output constraint does not compile: {e}") from None
+
+    def make_choices(self, body: Any, prompts: list[list[int]], request_id: str,
+                     grammar: str | None = None) -> list[_Choice]:
         """n choices per prompt, indexed prompt-major as OpenAI does; seeded requests get
         seed, seed+1, ... so the n samples differ but stay reproducible."""
         choices = []
@@ -198,6 +222,7 @@ class OpenAIServer:
         for p, ids in enumerate(prompts):
             params = body.to_sampling_params(self.max_model_len - len(ids))
             params["bad_words"] = bad_words
+            params["grammar"] = grammar
             self.check_vocab(list(params["logit_bias"]), "logit_bias")
             if params["min_tokens"] > params["max_tokens"]:
                 raise KestrelAPIError.bad_request(
@@ -249,6 +274,12 @@ class OpenAIServer:
     def start(self, choices: list[_Choice]) -> list[Any]:
         """Admit every choice, so admission errors (queue full, bad params) are answered
         with a status, not mid-stream; on an error the ones admitted are cancelled."""
+        sc = self.cfg.scheduler
+        most = (sc.max_running_requests + sc.max_queued_requests) * self.cfg.parallel.dp_size
+        if len(choices) > most:  # never admitted, however long the client waits: not a 503
+            raise KestrelAPIError.bad_request(
+                f"this request asks for {len(choices)} sequences (prompts times n); an engine "
+                f"replica runs and queues at most {most} at once", param="n")
         streams: list[Any] = []
         try:
             for c in choices:
@@ -306,20 +337,28 @@ class OpenAIServer:
         ids = await self.chat_prompt(body)
         self.check_prompt(ids, "messages")
         request_id = make_id("chatcmpl")
-        choices = self.make_choices(body, [ids], request_id)
+        choices = self.make_choices(body, [ids], request_id, await self.compiled_grammar(body))
+        tools, tool_choice = body.tool_dicts(), body.tool_choice_value()
         streams = self.start(choices)
         usage_prompt = len(ids)
         if body.stream:
             chunks = StreamChunks("chat", request_id, self.model_name)
             return self.sse(self.stream(chunks, choices, streams, usage_prompt,
-                                        body.include_usage_in_stream))
-        await self.collect(choices, streams)
+                                        body.include_usage_in_stream, tools=(tools, tool_choice)))
+        await self.collect(request, choices, streams)
+        answers = []
+        for c in choices:
+            out = ToolOutput(tools, tool_choice)
+            content, calls = out.feed("".join(c.text))
+            rest, more = out.finish(c.finish_reason)
+            content, calls = content + rest, calls + more
+            answers.append(ChatCompletionChoice(
+                index=c.index, finish_reason=out.finish_reason(c.finish_reason),
+                message=ChatCompletionMessage(content=content or (None if calls else ""),
+                                              tool_calls=[t.to_openai() for t in calls] or None),
+                logprobs=self.choice_logprobs("chat", c)))
         return JSONResponse(ChatCompletionResponse(
-            id=request_id, model=self.model_name,
-            choices=[ChatCompletionChoice(index=c.index, message=ChatCompletionMessage(content="".join(c.text)),
-                                          finish_reason=c.finish_reason,
-                                          logprobs=self.choice_logprobs("chat", c))
-                     for c in choices],
+            id=request_id, model=self.model_name, choices=answers,
             usage=usage_of(choices, usage_prompt)).model_dump())
 
     async def completions(self, request: Request) -> Response:
@@ -331,7 +370,7 @@ class OpenAIServer:
             self.check_prompt(ids, "prompt" if len(body.prompts()) == 1 else f"prompt.{i}")
             prompts.append(ids)
         request_id = make_id("cmpl")
-        choices = self.make_choices(body, prompts, request_id)
+        choices = self.make_choices(body, prompts, request_id, await self.compiled_grammar(body))
         if body.echo:
             texts = [p if isinstance(p, str) else self.tokenizer.decode(ids)
                      for p, ids in zip(body.prompts(), prompts)]
@@ -344,7 +383,7 @@ class OpenAIServer:
             chunks = StreamChunks("completion", request_id, self.model_name)
             return self.sse(self.stream(chunks, choices, streams, usage_prompt,
                                         body.include_usage_in_stream, body.prompt_logprobs))
-        await self.collect(choices, streams)
+        await self.collect(request, choices, streams)
         return JSONResponse(CompletionResponse(
             id=request_id, model=self.model_name,
             choices=[CompletionChoice(index=c.index, text=(c.echo or "") + "".join(c.text),
@@ -373,9 +412,18 @@ class OpenAIServer:
             return None
         return self.logprob_format.prompt_logprobs(c.prompt_ids, c.prompt_lps, asked)
 
-    async def collect(self, choices: list[_Choice], streams: list[Any]) -> None:
-        async for i, out in self.outputs(streams):
-            choices[i].add(out)
+    async def collect(self, request: Request, choices: list[_Choice], streams: list[Any]) -> None:
+        """Every output into its choice, until the last; a client that hangs up first
+        aborts them all (ClientDisconnected)."""
+        async def gather() -> None:
+            async for i, out in self.outputs(streams):
+                choices[i].add(out)
+        try:
+            await unless_disconnected(request, gather())
+        except ClientDisconnected:
+            for st in streams:  # `outputs` may not have started
+                st.cancel()
+            raise
 
     @staticmethod
     def sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -383,10 +431,15 @@ class OpenAIServer:
 
     async def stream(self, chunks: StreamChunks, choices: list[_Choice], streams: list[Any],
                      usage_prompt: int, include_usage: bool,
-                     prompt_logprobs: int | None = None) -> AsyncIterator[str]:
+                     prompt_logprobs: int | None = None,
+                     tools: tuple[Any, Any] = (None, None)) -> AsyncIterator[str]:
         """The SSE body: a chunk per batch of text each choice's stream hands over. With
         echo, a choice's first chunk is its prompt (with its logprobs and, as vLLM sends
-        them, its prompt_logprobs), sent when the engine's first output brings them."""
+        them, its prompt_logprobs), sent when the engine's first output brings them. With
+        tools, a choice's text goes through its ToolOutput: content as it is known to be
+        content, each tool call whole once it is."""
+        views = [ToolOutput(*tools) for _ in choices]
+        called = [0] * len(choices)  # tool calls sent per choice (their delta index)
         try:
             for c in choices:
                 first = chunks.first(c.index)
@@ -409,7 +462,21 @@ class OpenAIServer:
                     if out.logprobs is not None:
                         ids = out.new_token_ids[:len(out.logprobs)]
                         lp = self.logprob_format.of(chunks.kind, ids, out.logprobs, offset)
-                    yield chunks.delta(c.index, out.new_text, out.finish_reason if out.finished else None, lp)
+                    view = views[i]
+                    if view.mode == "none":
+                        yield chunks.delta(c.index, out.new_text, out.finish_reason if out.finished else None, lp)
+                        continue
+                    text, calls = view.feed(out.new_text)
+                    if out.finished:
+                        rest, more = view.finish(out.finish_reason)
+                        text, calls = text + rest, calls + more
+                    if text or lp is not None:
+                        yield chunks.delta(c.index, text, None, lp)
+                    if calls:
+                        yield chunks.tool_calls(c.index, [t.to_openai(called[i] + k) for k, t in enumerate(calls)])
+                        called[i] += len(calls)
+                    if out.finished:
+                        yield chunks.delta(c.index, "", view.finish_reason(out.finish_reason))
             if include_usage:
                 yield chunks.usage(usage_of(choices, usage_prompt))
             yield SSE_DONE
@@ -510,6 +577,10 @@ def build_api(server: OpenAIServer) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
         return JSONResponse(error_body(400, f"Invalid request: {e.errors()}"), status_code=400)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, e: ClientDisconnected):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception):

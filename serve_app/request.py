@@ -58,6 +58,9 @@ class SamplingParams:
     # alternatives each; None = none. Taken from the raw logits (no processing applies
     # to a prompt), so a request asking for them is not served from the prefix cache.
     prompt_logprobs: int | None = None
+    # Structured outputs: the compiled grammar, serialized (serve_app/grammar.py); every
+    # output token is one the grammar allows, on every decoding path.
+    grammar: str | None = None
 
     @property
     def needs_counts(self) -> bool:

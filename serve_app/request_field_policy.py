@@ -4,7 +4,7 @@ Every field a client may send is one of three kinds: honoured (declared in
 serve_app/openai_protocol.py), accepted here because it changes nothing about the output,
 or declared here and rejected with a 400 naming it unless it carries its neutral value.
 Any other field is a 400 too (`extra="forbid"`). Nothing is dropped silently: a client
-that asks for a JSON schema or tools must learn that it did not get them.
+that asks for beam search must learn that it did not get it.
 The lists follow OpenAI's Chat Completions and Completions references and vLLM's "Extra
 Parameters" of its OpenAI-compatible server; docs/serve.md repeats them.
 """
@@ -64,13 +64,11 @@ class NoEffectFields(RequestModel):
 
 class NoEffectChatFields(RequestModel):
     """Chat only: bookkeeping and routing hints of OpenAI's service; the output is the same
-    with or without them. `parallel_tool_calls` only matters with tools, which are
-    rejected; the prompt cache hints are moot as Kestrel's prefix cache is automatic."""
+    with or without them; the prompt cache hints are moot as Kestrel's prefix cache is automatic."""
 
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
@@ -83,7 +81,6 @@ class NoEffectChatFields(RequestModel):
 class RejectedSamplingFields(RequestModel):
     """Both endpoints (OpenAI's, then vLLM's extra sampling and request fields)."""
 
-    response_format: dict[str, Any] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     allowed_token_ids: list[int] | None = None
@@ -93,11 +90,6 @@ class RejectedSamplingFields(RequestModel):
     spaces_between_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: Any = None
@@ -109,8 +101,6 @@ class RejectedSamplingFields(RequestModel):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
 
-    _format = unsupported("response_format", "Kestrel has no constrained decoding; "
-                          "omit it or send {\"type\": \"text\"}", {"type": "text"})
     _beam = unsupported("use_beam_search", "Kestrel samples; omit it or send false", False)
     _length_penalty = unsupported("length_penalty", "it applies to beam search only; "
                                   "omit it or send 1", 1)
@@ -125,18 +115,12 @@ class RejectedSamplingFields(RequestModel):
                             "a 400; omit it and shorten the prompt yourself")
     _truncation_side = unsupported("truncation_side", "Kestrel does not truncate prompts; "
                                    "omit it")
-    _structured = unsupported("structured_outputs", "Kestrel has no constrained decoding; omit it")
-    _guided_json = unsupported("guided_json", "Kestrel has no constrained decoding; omit it")
-    _guided_regex = unsupported("guided_regex", "Kestrel has no constrained decoding; omit it")
-    _guided_choice = unsupported("guided_choice", "Kestrel has no constrained decoding; omit it")
-    _guided_grammar = unsupported("guided_grammar", "Kestrel has no constrained decoding; "
-                                  "omit it")
-    _guided_backend = unsupported("guided_decoding_backend", "Kestrel has no constrained "
-                                  "decoding; omit it")
-    _guided_whitespace = unsupported("guided_whitespace_pattern", "Kestrel has no constrained "
-                                     "decoding; omit it")
-    _structural_tag = unsupported("structural_tag", "Kestrel has no constrained decoding; "
-                                  "omit it")
+    _guided_backend = unsupported("guided_decoding_backend", "Kestrel's grammar engine is "
+                                  "xgrammar; omit it or send \"xgrammar\"", "xgrammar")
+    _guided_whitespace = unsupported("guided_whitespace_pattern", "JSON outputs allow any "
+                                     "whitespace; omit it")
+    _structural_tag = unsupported("structural_tag", "omit it; use response_format or "
+                                  "structured_outputs")
     _tokens_as_ids = unsupported("return_tokens_as_token_ids", "logprobs show tokens as text; "
                                  "omit it or send false", False)
     _token_ids = unsupported("return_token_ids", "omit it or send false", False)
@@ -153,7 +137,6 @@ class RejectedSamplingFields(RequestModel):
 class RejectedTemplateFields(RequestModel):
     """vLLM's chat-template inputs (chat and /tokenize with messages)."""
 
-    tools: list[Any] | None = None
     add_special_tokens: bool | None = None
     documents: list[Any] | None = None
     chat_template: str | None = None
@@ -161,7 +144,6 @@ class RejectedTemplateFields(RequestModel):
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None
 
-    _tools = unsupported("tools", "Kestrel has no tool calling; omit it", [])
     _special = unsupported("add_special_tokens", "the chat template adds the special tokens; "
                            "omit it or send false", False)
     _documents = unsupported("documents", "put the documents in a message; omit it")
@@ -174,7 +156,6 @@ class RejectedTemplateFields(RequestModel):
 class RejectedChatFields(RejectedTemplateFields):
     """Chat only (OpenAI's, then vLLM's)."""
 
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -187,11 +168,10 @@ class RejectedChatFields(RejectedTemplateFields):
     echo: bool | None = None
     prompt_logprobs: int | None = None
 
-    _tool_choice = unsupported("tool_choice", "Kestrel has no tool calling; omit it or send "
-                               "\"none\"", "none")
-    _functions = unsupported("functions", "Kestrel has no function calling; omit it", [])
-    _function_call = unsupported("function_call", "Kestrel has no function calling; omit it "
-                                 "or send \"none\"", "none")
+    _functions = unsupported("functions", "the functions API is OpenAI's old one; send "
+                             "tools", [])
+    _function_call = unsupported("function_call", "the functions API is OpenAI's old one; "
+                                 "send tool_choice", "none")
     _modalities = unsupported("modalities", "Kestrel generates text only; omit it or send "
                               "[\"text\"]", ["text"])
     _audio = unsupported("audio", "Kestrel generates text only; omit it")
@@ -217,14 +197,11 @@ class RejectedCompletionFields(RequestModel):
 class RejectedMessageFields(RequestModel):
     """Fields of a chat message beyond role, content and name: tool and audio turns."""
 
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
     function_call: Any = None
     refusal: str | None = None
     audio: Any = None
 
-    _tool_calls = unsupported("tool_calls", "Kestrel has no tool calling; omit it", [])
-    _tool_call_id = unsupported("tool_call_id", "Kestrel has no tool calling; omit it")
-    _function_call = unsupported("function_call", "Kestrel has no function calling; omit it")
+    _function_call = unsupported("function_call", "the functions API is OpenAI's old one; "
+                                 "send tool_calls")
     _refusal = unsupported("refusal", "put the text in content; omit it")
     _audio = unsupported("audio", "Kestrel serves text models; omit it")

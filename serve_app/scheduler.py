@@ -85,6 +85,10 @@ class Scheduler:
         # whichever it is (an admission can happen in an extend plan that is then dropped).
         self._kv_writes: list[tuple[int, int, torch.Tensor]] = []
         self._count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = []  # the same way
+        self._grammar_resets: list[tuple[int, str | None, np.ndarray]] = []  # the same way
+        self._grammar_rows: set[int] = set()  # rows whose worker holds a grammar matcher
+        self.grammar_vocab: str | None = None  # set_grammar_vocab; the worker gets it once
+        self._vocab_sent = False
         self.coins_per_request = coins_per_request(cfg)
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
         if self.slots.capacity < self.max_model_len + 2 * self.window + self.page:
@@ -92,9 +96,17 @@ class Scheduler:
                              f"request of model.max_model_len={self.max_model_len}")
 
     # ---- requests in and out ------------------------------------------------------------
+    def set_grammar_vocab(self, vocab_json: str) -> None:
+        """The tokenizer as xgrammar knows it (serve_app/grammar.py): needed before any
+        request with a grammar; the next plan carries it to the worker."""
+        if self.grammar_vocab is None:
+            self.grammar_vocab = vocab_json
+
     def add_request(self, req: Request) -> None:
         check_prompt(req.prompt_ids, self.max_model_len)
         p = req.params
+        if p.grammar is not None and self.grammar_vocab is None:
+            raise ValueError("a grammar needs the grammar vocabulary (set_grammar_vocab) first")
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
         req.max_output = min(p.max_tokens, self.max_model_len - len(req.prompt_ids))
         if p.temperature > 0:
@@ -208,6 +220,9 @@ class Scheduler:
             plan.kv_writes = [(row, start, slots.numpy()) for row, start, slots in self._kv_writes]
             self._kv_writes = []
             plan.count_resets, self._count_resets = self._count_resets, []
+            plan.grammar_resets, self._grammar_resets = self._grammar_resets, []
+            if plan.grammar_resets and not self._vocab_sent:
+                plan.grammar_vocab, self._vocab_sent = self.grammar_vocab, True
         return plan
 
     def _admit(self, req: Request) -> bool:
@@ -234,6 +249,12 @@ class Scheduler:
         if p.needs_counts:  # from its outputs so far: a preempted request brings them back
             prompt = np.asarray(req.prompt_ids, dtype=np.int64) if p.repetition_penalty != 1.0 else None
             self._count_resets.append((row, prompt, np.asarray(req.output_ids, dtype=np.int64)))
+        if p.grammar is not None or row in self._grammar_rows:
+            self._grammar_resets.append((row, p.grammar, np.asarray(req.output_ids, dtype=np.int64)))
+            if p.grammar is not None:
+                self._grammar_rows.add(row)
+            else:
+                self._grammar_rows.discard(row)
         return True
 
     @staticmethod
@@ -241,12 +262,16 @@ class Scheduler:
         return req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_ids) - 1
 
     def _prefill_due(self) -> bool:
-        """Whether new requests should be admitted now (scheduler.prefill_min_batch)."""
+        """Whether new requests should be admitted now (scheduler.prefill_min_batch): once
+        that many can be, or the delay has passed. Requests that arrive one by one while
+        others decode (a burst of clients over HTTP) are prefilled in a few steps, not one
+        each, every one of which pauses all decoding."""
         sc = self.cfg.scheduler
-        if not self.running or self.prefilling or self._held_steps >= sc.prefill_max_delay_steps:
-            return True
+        if not self.waiting or not self.running or self.prefilling \
+                or self._held_steps >= sc.prefill_max_delay_steps:
+            return True  # (with nobody waiting, no delay accrues)
         free = sc.max_running_requests - len(self.running)
-        return min(len(self.waiting), free) >= min(sc.prefill_min_batch, len(self.waiting))
+        return min(len(self.waiting), free) >= sc.prefill_min_batch
 
     def _schedule_extend(self) -> StepPlan | None:
         if not self._prefill_due():

@@ -43,6 +43,7 @@ from configs.schema import KestrelConfig
 from kernels.sampling import process_logits
 from kernels.spec_ops import (assign_cache_locs, build_tree, expand_level, greedy_verify,
                               organize_draft, tree_sampling_verify)
+from kernels.token_bitmask import apply_token_bitmask
 from kernels.verify import select_last_index
 
 log = logging.getLogger("kestrel.worker")
@@ -161,7 +162,8 @@ class EagleWorker:
         clock = PhaseClock(self.cfg.profile_steps, w.device)
         g = self.step_graph
         if g is not None and g.pad_size(len(plan.rows)) is not None and plan.processing is None \
-                and plan.logprobs is None and not any(t > 0 for t in plan.temperature):
+                and plan.logprobs is None and not any(t > 0 for t in plan.temperature) \
+                and not w.grammars.any(plan.rows):
             out = g.run(list(plan.rows)).tolist()  # the iteration's one host sync
             clock.mark("step_graph")
             self.last_timings = clock.times
@@ -376,6 +378,10 @@ class EagleWorker:
             path = tree.tree_mask.clone()
             path[:, :, 0] = False  # the root is the last emitted token: counted already
             logits = self.w.counts.process(plan, rows, logits, tree.tokens, path)
+        # Each node's grammar state after its path (a host walk of the tree: eager steps only).
+        masks = self.w.grammars.tree_masks(plan.rows, tree.tokens, tree.first_child, tree.next_sibling)
+        if masks is not None:  # [B, N, W] int32
+            logits = apply_token_bitmask(logits, masks)
         accept_index, accept_length, predict = greedy_verify(
             tree.tokens, logits.argmax(-1), tree.first_child, tree.next_sibling, S)
         hot = [i for i, t in enumerate(plan.temperature) if t > 0]

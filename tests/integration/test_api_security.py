@@ -85,7 +85,7 @@ def test_no_prompt_or_key_in_the_logs(tokenizer, caplog):
             ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
             ("/v1/completions", {"prompt": PROMPT, "max_tokens": FAILING_MAX_TOKENS}),  # 500
             ("/v1/completions", {"prompt": PROMPT, "stream": True}),
-            ("/v1/completions", {"prompt": PROMPT, "bad_words": ["x"]}),  # 400
+            ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True}),  # 400
             ("/v1/completions", {"prompt": PROMPT * 500}),  # 400: beyond the context
             ("/tokenize", {"prompt": PROMPT}),
         ]:

@@ -52,11 +52,7 @@ def assert_rejected(err: openai.BadRequestError, param: str) -> None:
 
 
 CHAT_REJECTED = [  # (param, the client's own keyword arguments)
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-    ("tool_choice", {"tool_choice": "required"}),
     ("functions", {"functions": [{"name": "f"}]}),
-    ("response_format", {"response_format": {"type": "json_object"}}),
-    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}),
     ("modalities", {"modalities": ["text", "audio"]}),
     ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
     ("prediction", {"prediction": {"type": "content", "content": "Hello"}}),
@@ -74,11 +70,6 @@ VLLM_REJECTED = [  # (param, extra_body), both endpoints
     ("skip_special_tokens", {"skip_special_tokens": False}),
     ("spaces_between_special_tokens", {"spaces_between_special_tokens": False}),
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": 8}),
-    ("structured_outputs", {"structured_outputs": {"choice": ["a", "b"]}}),
-    ("guided_json", {"guided_json": {"type": "object"}}),
-    ("guided_regex", {"guided_regex": "[ab]"}),
-    ("guided_choice", {"guided_choice": ["a", "b"]}),
-    ("guided_grammar", {"guided_grammar": "root ::= 'a'"}),
     ("priority", {"priority": 1}),
     ("cache_salt", {"cache_salt": "tenant"}),
     ("foo", {"foo": 1}),  # no API has it
@@ -136,14 +127,18 @@ def test_non_text_content_parts_are_400(client, engine_asked, part):
     assert engine_asked == []
 
 
-def test_tool_turns_are_400(client):
-    with pytest.raises(openai.BadRequestError) as ei:
-        chat(client, messages=[*MSGS, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
-    assert ei.value.param == "messages.1.tool_calls"
-    with pytest.raises(openai.BadRequestError) as ei:
-        chat(client, messages=[*MSGS, {"role": "tool", "content": "42", "tool_call_id": "c1"}])
-    assert ei.value.param.startswith("messages.1.")
+def test_tool_turns_reach_the_prompt(client, engine_asked, tokenizer):
+    """An assistant turn of tool calls and the tool's result, in the Hermes format the
+    app writes for a template without a tool format (serve_app/tools.py)."""
+    chat(client, messages=[*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}])
+    text = tokenizer.decode(engine_asked[0][0])
+    assert '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>' in text
+    assert "<tool_response>\n42\n</tool_response>" in text
+    with pytest.raises(openai.BadRequestError) as ei:  # a result without the call it answers
+        chat(client, messages=[*MSGS, {"role": "tool", "content": "42"}])
+    assert ei.value.param.startswith("messages.1")
 
 
 # ----------------------------------------------------------------- accepted, honoured
@@ -157,6 +152,21 @@ def test_no_effect_fields_change_nothing(client, engine_asked):
          extra_body={"repetition_penalty": 1.0, "min_p": 0, "skip_special_tokens": True})
     plain, decorated = engine_asked
     assert decorated == plain
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}},
+    {"extra_body": {"structured_outputs": {"choice": ["a", "b"]}}},
+    {"extra_body": {"structured_outputs": {"json": {"type": "integer"}}}},
+    {"extra_body": {"guided_regex": "[ab]+"}},
+    {"extra_body": {"guided_grammar": "root ::= \"a\" | \"b\""}},
+], ids=["json_object", "json_schema", "choice", "json", "regex", "grammar"])
+def test_output_constraints_reach_the_engine_compiled(client, engine_asked, kwargs):
+    chat(client, **kwargs)
+    complete(client, extra_body=kwargs.get("extra_body", kwargs))  # the client's completions lack response_format
+    assert all(isinstance(p["grammar"], str) and p["grammar"] for _, p in engine_asked)
+    assert len(engine_asked) == 2
 
 
 def test_logit_processing_reaches_the_engine(client, engine_asked):

@@ -388,6 +388,8 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": "hi"}], "temperature": 10}, 400, "temperature"),
     ("top_p 0", "/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("n too large", "/completions", {"prompt": "x", "n": 1000}, 400, "n"),
+    # 21 sequences, beyond the test server's 16 running + 4 queued: no wait would admit it.
+    ("prompts x n beyond the engine", "/completions", {"prompt": ["x"] * 3, "n": 7}, 400, "n"),
     ("bad role", "/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
     ("unknown model", "/chat/completions",
      {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
@@ -476,3 +478,105 @@ def test_metrics_after_traffic(server):
         return float(line.rsplit(" ", 1)[1])
     assert value("kestrel_generation_tokens_total") > 0
     assert value("kestrel_num_requests_running") == 0
+
+
+# ---------------------------------------------------------------------------- structured outputs
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+
+
+def test_structured_outputs_over_http(server):
+    """response_format (json_schema, json_object) on chat, vLLM's structured_outputs and
+    guided_* on completions; streamed equals not; n > 1 sampled; every finished output
+    valid; bad constraints are 400s naming the field."""
+    import json
+
+    import jsonschema
+    server.wait_idle()
+    client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=180)
+    msgs = [{"role": "user", "content": "Invent a person. Reply with JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kw = dict(model=MODEL, messages=msgs, max_tokens=48, response_format=fmt)
+    whole = client.chat.completions.create(**kw, **GREEDY).choices[0]
+    assert whole.finish_reason == "stop", whole
+    jsonschema.validate(json.loads(whole.message.content), PERSON)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        stream=True, **kw, **GREEDY) if c.choices)
+    assert streamed == whole.message.content
+    sampled = client.chat.completions.create(**kw, n=2, temperature=1.0, seed=5).choices
+    for c in sampled:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), PERSON)
+    assert any(c.finish_reason == "stop" for c in sampled)
+    obj = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, **GREEDY,
+                                         response_format={"type": "json_object"}).choices[0]
+    assert obj.finish_reason != "stop" or isinstance(json.loads(obj.message.content), dict)
+
+    def completion(extra, **more):
+        return client.completions.create(model=MODEL, prompt="The answer is", max_tokens=16,
+                                         extra_body=extra, **GREEDY, **more).choices[0]
+    assert completion({"structured_outputs": {"choice": ["yes", "no", "maybe"]}}).text in {"yes", "no", "maybe"}
+    assert completion({"guided_choice": ["red", "blue"]}).text in {"red", "blue"}
+    digits = completion({"structured_outputs": {"regex": "[0-9]{3}-[0-9]{2}"}})
+    assert digits.finish_reason == "stop" and len(digits.text) == 6 and digits.text[3] == "-", digits
+    age = completion({"guided_json": {"type": "integer", "minimum": 1, "maximum": 99}})
+    assert age.finish_reason != "stop" or 1 <= json.loads(age.text) <= 99
+
+    for extra, param in [({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "objectx"}}}}, "response_format"),
+            ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+            ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+            ({"guided_grammar": "root ::= "}, "guided_grammar")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.BadRequestError, match="at most one output constraint"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={
+            "guided_regex": "a", "structured_outputs": {"choice": ["b"]}})
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 30}}}}}
+
+
+def test_tool_calls_over_http(server):
+    """tool_choice required and named through the real model: the answer is a call of the
+    tool with arguments valid for its schema, streamed and not (streamed: the call whole in
+    one delta, then finish_reason tool_calls); a history with the call and its result is
+    served; bad tool_choice values are 400s."""
+    import json
+
+    import jsonschema
+    server.wait_idle()
+    client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=180)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    params = WEATHER_TOOL["function"]["parameters"]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        kw = dict(model=MODEL, messages=msgs, max_tokens=48, tools=[WEATHER_TOOL], tool_choice=choice, **GREEDY)
+        got = client.chat.completions.create(**kw).choices[0]
+        assert got.finish_reason == "tool_calls", got
+        call = got.message.tool_calls[0]
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), params)
+        if choice != "required":
+            continue  # streamed once: the two share the stream's code
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        deltas = [tc for c in chunks for tc in (c.delta.tool_calls or [])]
+        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+            (0, "get_weather", call.function.arguments)]
+        assert chunks[-1].finish_reason == "tool_calls"
+    history = [*msgs, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4,
+                                            tools=[WEATHER_TOOL], **GREEDY).choices[0]
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
+    for bad in ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER_TOOL]},
+                {"tool_choice": "required"},
+                {"tool_choice": "required", "tools": [WEATHER_TOOL], "response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, **bad)

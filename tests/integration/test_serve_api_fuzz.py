@@ -35,8 +35,8 @@ def short_and_served(case, model: str) -> None:
         return
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
-        # 1e10 is an integer to pydantic too.
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_TOKENS:
+        # 1e10 is an integer to pydantic too; null is the rest of the context.
+        if v is None or isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_TOKENS:
             body[key] = MAX_TOKENS
     if "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS
@@ -113,7 +113,7 @@ def test_no_prompt_or_key_in_the_ray_logs(server):
     assert post(server, "/v1/chat/completions", chat, auth).status_code == 200
     assert post(server, "/v1/chat/completions", {**chat, "stream": True}, auth).status_code == 200
     assert post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 3}, auth).status_code == 200
-    assert post(server, "/v1/completions", {"prompt": prompt, "bad_words": ["x"]}, auth).status_code == 400
+    assert post(server, "/v1/completions", {"prompt": prompt, "use_beam_search": True}, auth).status_code == 400
     assert post(server, "/tokenize", {"prompt": prompt}, auth).status_code == 200
     time.sleep(3)  # the processes flush their log files
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"

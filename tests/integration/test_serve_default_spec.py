@@ -1,6 +1,8 @@
 """The served default configuration speculates with the shipped head, and stays lossless:
 greedy chat completions through Ray Serve and the official client equal the in-process
-plain engine's, and the app's /metrics counts speculative accept lengths."""
+plain engine's, with a JSON schema too, and the app's /metrics counts speculative accept
+lengths."""
+import json
 import re
 
 import httpx
@@ -11,6 +13,9 @@ pytestmark = pytest.mark.timeout(300)
 
 APP = "kestrel-default-spec"
 MODEL = "SmolLM2-135M-Instruct"
+PERSON_ASK = "Invent a person. Reply with JSON."
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}}}
 
 
 def test_default_config_speculates_losslessly_through_serve(server, tokenizer, fp32_worker):
@@ -19,6 +24,7 @@ def test_default_config_speculates_losslessly_through_serve(server, tokenizer, f
     from configs.schema import load_config
     from serve_app.app import build_app
     from serve_app.llm_engine import LLMEngine
+    from serve_app.grammar import compiler_for
     from serve_app.request import SamplingParams
     from serve_app.tokenizer import apply_chat_template
 
@@ -34,6 +40,11 @@ def test_default_config_speculates_losslessly_through_serve(server, tokenizer, f
             served = [client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=32,
                 temperature=0).choices[0].message.content for q in questions]
+            # A JSON schema: each tree node masked by the grammar state along its path.
+            person = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": PERSON_ASK}], max_tokens=48,
+                temperature=0, response_format={"type": "json_schema", "json_schema": {
+                    "name": "person", "schema": PERSON}}).choices[0].message.content
         metrics = httpx.get(server.base_url + "/spec/metrics", timeout=30).text
         count = re.search(r"^kestrel_spec_accept_length_count\{[^}]*\} (\S+)", metrics, re.M)
         assert count and float(count.group(1)) > 0, "no speculative iterations were counted"
@@ -43,5 +54,10 @@ def test_default_config_speculates_losslessly_through_serve(server, tokenizer, f
         prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in questions]
         reqs = plain.generate(prompts, SamplingParams(max_tokens=32, temperature=0))
         assert served == [r.text for r in reqs]
+        grammar = compiler_for(tokenizer).compile(("json_schema", json.dumps(PERSON)))
+        ref = plain.generate([apply_chat_template(tokenizer, [{"role": "user", "content": PERSON_ASK}])],
+                             SamplingParams(max_tokens=48, temperature=0, grammar=grammar))[0]
+        assert person == ref.text
+        assert set(json.loads(person)) == {"name", "age"}
     finally:
         serve.delete(APP)

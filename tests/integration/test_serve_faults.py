@@ -40,6 +40,9 @@ def faults_url(server, tiny_model):
 @pytest.mark.parametrize("victim,message", [
     ("rank0", "rank 0"),  # its step channel closes under the engine core
     ("core", "engine core closed its channel"),  # the front channel closes under the replica
+    # The replica itself (the HTTP server of the stream): the connection drops mid-body,
+    # which the client sees as an error, not as a finished answer.
+    ("replica", None),
 ])
 def test_killed_actor_fails_its_streams_fast_and_the_replica_comes_back(faults_url, victim, message):
     import ray
@@ -57,15 +60,19 @@ def test_killed_actor_fails_its_streams_fast_and_the_replica_comes_back(faults_u
     events: list[dict] = []
     started, ended = threading.Event(), threading.Event()
     ended_at: list[float] = []
+    broken: list[Exception] = []  # the connection's error, if it dropped
 
     def long_stream():
         body = {"prompt": "Once upon a time", "max_tokens": 1000000, "ignore_eos": True,
                 "stream": True}
-        with httpx.stream("POST", url, json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    events.append(json.loads(line[6:]))
-                    started.set()
+        try:
+            with httpx.stream("POST", url, json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        started.set()
+        except httpx.HTTPError as e:
+            broken.append(e)
         ended_at.append(time.monotonic())
         ended.set()
 
@@ -74,12 +81,19 @@ def test_killed_actor_fails_its_streams_fast_and_the_replica_comes_back(faults_u
     assert started.wait(60), "the stream never started"
     time.sleep(0.5)
     killed_at = time.monotonic()
-    ray.kill(ray.get_actor(f"kestrel-{replica}-{victim}", namespace="kestrel"))
+    if victim == "replica":
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#EngineDeployment#{replica}", namespace="serve"))
+    else:
+        ray.kill(ray.get_actor(f"kestrel-{replica}-{victim}", namespace="kestrel"))
     assert ended.wait(30), "the stream did not end within 30 s of the kill"
     assert ended_at[0] - killed_at < 10
-    err = events[-1].get("error")
-    assert err is not None, events[-1]  # in-band: the 200 status line had gone out
-    assert message in err["message"] and "closed its" in err["message"], err
+    if message is None:
+        assert broken, events[-1]  # dropped mid-body: never a clean end
+    else:
+        assert not broken, broken
+        err = events[-1].get("error")
+        assert err is not None, events[-1]  # in-band: the 200 status line had gone out
+        assert message in err["message"] and "closed its" in err["message"], err
 
     # The replica is replaced; until then new requests are refused with a clear status.
     deadline = time.monotonic() + 180
@@ -93,3 +107,19 @@ def test_killed_actor_fails_its_streams_fast_and_the_replica_comes_back(faults_u
         time.sleep(0.5)
     assert statuses[-1] == 200, statuses
     assert engine.stats.remote().result(timeout_s=30)["replica"] != replica
+    # Nothing of the old replica lives on (its actors would hold a GPU each).
+    deadline = time.monotonic() + 30
+    left = ["rank0", "core"]
+    while left and time.monotonic() < deadline:
+        left = [a for a in left if _alive(f"kestrel-{replica}-{a}")]
+        time.sleep(0.5)
+    assert not left, f"the old replica's {left} outlived it"
+
+
+def _alive(name: str) -> bool:
+    import ray
+    try:
+        ray.get_actor(name, namespace="kestrel")
+        return True
+    except ValueError:
+        return False

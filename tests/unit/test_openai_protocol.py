@@ -39,7 +39,7 @@ def test_minimal_chat_request_and_defaults():
     assert sp == {"max_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None,
                   "stop": [], "stop_token_ids": [], "ignore_eos": False, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                   "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "bad_words": [],
-                  "logprobs": None, "prompt_logprobs": None, "n": 1}
+                  "logprobs": None, "prompt_logprobs": None, "grammar": None, "n": 1}
 
 
 def test_full_chat_request():
@@ -52,7 +52,7 @@ def test_full_chat_request():
     assert sp == {"max_tokens": 50, "temperature": 0.0, "top_p": 0.9, "top_k": 40, "seed": 3,
                   "stop": ["###"], "stop_token_ids": [2, 7], "ignore_eos": True, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                   "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "bad_words": [],
-                  "logprobs": None, "prompt_logprobs": None, "n": 3}
+                  "logprobs": None, "prompt_logprobs": None, "grammar": None, "n": 3}
 
 
 def test_content_parts_and_roles():
@@ -137,7 +137,7 @@ def test_bad_chat_requests_name_the_field(body, param):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("functions", [{"name": "f"}]),
 ])
 def test_unsupported_chat_fields(field, value):
     status, err = bad(ChatCompletionRequest, {"messages": MSGS, field: value})

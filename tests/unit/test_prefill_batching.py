@@ -40,3 +40,24 @@ def test_admission_waits_at_most_the_delay(tiny_llama_dir):
         sched.process_output(plan, worker.execute(plan))
     assert decodes == 5
     assert not any(r.finished for r in long)
+
+
+def test_requests_arriving_one_by_one_are_prefilled_together(tiny_llama_dir):
+    """A burst of clients over HTTP: requests arrive a step apart while others decode.
+    With prefill_min_batch=4 they wait for each other (up to the delay) and take one
+    prefill step, not one each; with 1 each is prefilled as it comes."""
+    def extends(min_batch: int) -> int:
+        eng = tiny_engine(tiny_llama_dir, "scheduler.max_running_requests=8",
+                          f"scheduler.prefill_min_batch={min_batch}",
+                          "scheduler.prefill_max_delay_steps=8", spec=False)
+        eng.add_request(random_prompts(1, seed=1)[0], greedy(40))
+        eng.step()
+        before = eng.mode_steps["extend"]
+        for p in random_prompts(4, seed=2):
+            eng.add_request(p, greedy(4))
+            eng.step()
+        while eng.has_work:
+            eng.step()
+        return eng.mode_steps["extend"] - before
+    assert extends(1) == 4
+    assert extends(4) == 1

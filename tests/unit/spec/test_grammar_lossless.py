@@ -1,0 +1,112 @@
+"""Structured outputs under speculation (actors/grammar_rows.py): each tree node's target
+logits are masked by the grammar state after the node's path, so greedy speculative
+output equals greedy plain output under the same grammar, token for token, on chain and
+tree shapes, with the random head and with an oracle draft (long accepts, so masks deep
+in the tree decide), and every output the grammar lets end is one it accepts.
+
+The target is a small random Llama with SmolLM2's vocabulary and tokenizer (wide init,
+so greedy ties are rare): the grammar engine needs a real tokenizer, and a random model
+shows the grammar, not the model, shapes the output."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from spec_helpers import CHAIN, TREE, random_prompts, tiny_config
+from test_penalties_lossless import speculate_and_compare
+
+from serve_app.grammar import GrammarCompiler
+from serve_app.llm_engine import LLMEngine
+from serve_app.request import SamplingParams
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer"}},
+          "required": ["name", "n"]}
+REGEX = r"[a-z]{2,6}(-[0-9]{2})?"
+CHOICES = ["alpha", "beta gamma", "delta"]
+SPECS = {"json_schema": ("json_schema", json.dumps(SCHEMA)), "json_object": ("json_object", ""),
+         "regex": ("regex", REGEX), "choice": ("choice", json.dumps(CHOICES))}
+
+
+@pytest.fixture(scope="module")
+def grammar_model(tmp_path_factory, tokenizer) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
+                      initializer_range=0.3, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("grammar_model")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def compiled(tokenizer) -> dict[str, str]:
+    c = GrammarCompiler(tokenizer)
+    return {k: c.compile(spec) for k, spec in SPECS.items()}
+
+
+@pytest.fixture(scope="module")
+def plain_engine(grammar_model, tokenizer):
+    return LLMEngine(tiny_config(grammar_model, spec=False), tokenizer=tokenizer)
+
+
+def valid(kind: str, text: str) -> bool:
+    if kind == "choice":
+        return text in CHOICES
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    value = json.loads(text)  # raises if not JSON
+    if kind == "json_object":
+        return isinstance(value, dict)
+    return set(value) == {"name", "n"} and isinstance(value["name"], str) \
+        and len(value["name"]) <= 6 and isinstance(value["n"], int)
+
+
+def params(grammar: str, max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, grammar=grammar)
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_plain_outputs_follow_the_grammar(plain_engine, tokenizer, compiled, kind):
+    prompts = random_prompts(6, vocab=len(tokenizer), seed=3)
+    reqs = plain_engine.generate(prompts, params(compiled[kind], 40))
+    ended = [r for r in reqs if r.finish_reason == "stop"]
+    assert ended, [(r.finish_reason, tokenizer.decode(r.output_ids)) for r in reqs]
+    for r in ended:
+        text = tokenizer.decode(r.output_ids[:-1])  # without the stop token
+        assert valid(kind, text), text
+    free = plain_engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    assert not any(valid("regex", tokenizer.decode(r.output_ids)) for r in free)  # a random model
+
+
+@pytest.mark.parametrize("draft", ["random", "oracle"])
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "choice"])
+def test_speculative_equals_plain_under_a_grammar(grammar_model, tokenizer, plain_engine, compiled,
+                                                  kind, shape, draft, monkeypatch):
+    prompts = random_prompts(4, vocab=len(tokenizer), seed=7)
+    p = params(compiled[kind])
+    plain = [r.output_ids for r in plain_engine.generate(prompts, p)]
+    eng = LLMEngine(tiny_config(grammar_model, *shape), tokenizer=tokenizer)
+    speculate_and_compare(eng, prompts, p, plain, draft, monkeypatch)
+
+
+def test_a_preempted_request_keeps_its_grammar_state(grammar_model, tokenizer, compiled):
+    """Out of KV, requests are preempted and re-prefilled with their outputs as prompt: the
+    rank's matcher restarts from those outputs, so the constrained answer is unchanged."""
+    prompts = random_prompts(8, vocab=len(tokenizer), seed=5)
+    p = params(compiled["json_schema"], 40)
+    over = ["model.max_model_len=128", *TREE]
+    roomy = LLMEngine(tiny_config(grammar_model, *over), tokenizer=tokenizer)
+    want = [r.output_ids for r in roomy.generate(prompts, p)]
+    tight = LLMEngine(tiny_config(grammar_model, *over), tokenizer=tokenizer,
+                      workers=roomy.workers, worker_info={"num_slots": 360})
+    got = [r.output_ids for r in tight.generate(prompts, p)]
+    assert tight.schedulers[0].stats["preemptions"] > 0
+    assert got == want
