@@ -70,23 +70,40 @@ class GrammarRows:
                 m.fill_next_token_bitmask(masks, i)
         return masks.to(device)
 
-    def tree_masks(self, rows: list[int], tokens: torch.Tensor, first_child: torch.Tensor,
-                   next_sibling: torch.Tensor) -> torch.Tensor | None:
-        """Per tree node, the bitmask of the token after the node's path -> [B, N, W] int32,
-        from the tree's tokens / first_child / next_sibling [B, N] int64 (node 0 is the
-        root: the request's last emitted token, which its matcher has accepted). Nodes the
-        walk does not reach (a forbidden token on their path) stay all ones: verify never
-        accepts them."""
+    def copy_tree(self, rows: list[int], tokens: torch.Tensor, first_child: torch.Tensor,
+                  next_sibling: torch.Tensor):
+        """Start moving the tree of the rows with a live grammar to the host (tokens /
+        first_child / next_sibling [B, N] int64; node 0 is the root: the request's last
+        emitted token, which its matcher has accepted), or None when no row has one. The
+        copy is queued behind the draft, so the walk (tree_masks) can run on the host
+        while the target's verify forward runs on the device."""
         if not self.any(rows):
             return None
-        xgr = _xgrammar()
-        B, N = tokens.shape
-        masks = xgr.allocate_token_bitmask(B * N, self.info.vocab_size).view(B, N, -1)  # int32
         idx = [i for i, row in enumerate(rows) if self._live(row) is not None]
-        host = torch.stack([tokens[idx], first_child[idx], next_sibling[idx]]).cpu()  # [3, b, N] int64
+        sel = torch.tensor(idx, dtype=torch.int64, device=tokens.device)
+        stacked = torch.stack([tokens[sel], first_child[sel], next_sibling[sel]])  # [3, b, N] int64
+        if stacked.is_cuda:
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = stacked, None
+        return rows, idx, tokens.shape, host, done, tokens.device
+
+    def tree_masks(self, copied) -> torch.Tensor | None:
+        """Per tree node, the bitmask of the token after the node's path -> [B, N, W]
+        int32 on the device (copy_tree's handle; None -> None). Nodes the walk does not
+        reach (a forbidden token on their path) stay all ones: verify never accepts them."""
+        if copied is None:
+            return None
+        rows, idx, (B, N), host, done, device = copied
+        if done is not None:
+            done.synchronize()
+        masks = _xgrammar().allocate_token_bitmask(B * N, self.info.vocab_size).view(B, N, -1)  # int32
         for j, i in enumerate(idx):
             self._live(rows[i]).traverse_draft_tree(host[1, j], host[2, j], host[0, j], masks[i])
-        return masks.to(tokens.device)
+        return masks.to(device, non_blocking=True)
 
     def advance(self, rows: list[int], emitted: list[list[int]]) -> None:
         """The tokens each row emitted this step, in order."""

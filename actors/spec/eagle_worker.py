@@ -185,11 +185,15 @@ class EagleWorker:
                               tree.retrieve_index, tree.first_child, tree.next_sibling)
         prepared = self.verify_path.prepare_verify(batch, self._fits(self.verify_path.runner, B),
                                                    verify, build=self._verify_inputs)
+        # Rows with a grammar: the tree goes to the host behind the draft, and is walked
+        # there while verify runs (the masks apply to verify's logits, not its inputs).
+        tree_copy = w.grammars.copy_tree(plan.rows, tree.tokens, tree.first_child, tree.next_sibling)
         logits, feats = self.verify_path.forward_verify(prepared)
+        grammar_masks = w.grammars.tree_masks(tree_copy)  # [B, N, W] int32 or None
         logits = logits.view(B, N, -1)  # [B, N, V] fp32
         loc = batch.out_cache_loc.view(B, N)  # [B, N] int64 verify slots
         clock.mark("verify")
-        accept_index, accept_length, predict, logits = self._accept(plan, rows, tree, logits)
+        accept_index, accept_length, predict, logits = self._accept(plan, rows, tree, logits, grammar_masks)
         w.record(plan, rows, predict, accept_length)
         if plan.logprobs is not None:  # before draft extend, which may reuse the logits' buffer
             w.last_logprobs = tree_logprobs(plan.logprobs, logits, accept_index, predict,
@@ -370,7 +374,7 @@ class EagleWorker:
         topk_p, topk_index = self.head.topk(last, self.K)
         return topk_p, topk_index, last
 
-    def _accept(self, plan: StepPlan, rows, tree, logits):
+    def _accept(self, plan: StepPlan, rows, tree, logits, grammar_masks=None):
         S = self.S
         B, N = tree.tokens.shape
         pp = plan.processing
@@ -378,10 +382,8 @@ class EagleWorker:
             path = tree.tree_mask.clone()
             path[:, :, 0] = False  # the root is the last emitted token: counted already
             logits = self.w.counts.process(plan, rows, logits, tree.tokens, path)
-        # Each node's grammar state after its path (a host walk of the tree: eager steps only).
-        masks = self.w.grammars.tree_masks(plan.rows, tree.tokens, tree.first_child, tree.next_sibling)
-        if masks is not None:  # [B, N, W] int32
-            logits = apply_token_bitmask(logits, masks)
+        if grammar_masks is not None:  # each node's grammar state after its path
+            logits = apply_token_bitmask(logits, grammar_masks)
         accept_index, accept_length, predict = greedy_verify(
             tree.tokens, logits.argmax(-1), tree.first_child, tree.next_sibling, S)
         hot = [i for i, t in enumerate(plan.temperature) if t > 0]
