@@ -110,3 +110,22 @@ def test_a_preempted_request_keeps_its_grammar_state(grammar_model, tokenizer, c
     got = [r.output_ids for r in tight.generate(prompts, p)]
     assert tight.schedulers[0].stats["preemptions"] > 0
     assert got == want
+
+
+@pytest.mark.parametrize("kind", ["choice", "regex", "json_schema"])
+def test_sampled_tree_outputs_follow_the_grammar(grammar_model, tokenizer, compiled, kind):
+    """Temperature 1 under the tree: verify's rejection sampling sees the masked target
+    distribution, so no node the grammar forbids is ever accepted."""
+    prompts = random_prompts(8, vocab=len(tokenizer), seed=11)
+    eng = LLMEngine(tiny_config(grammar_model, *TREE), tokenizer=tokenizer)
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, grammar=compiled[kind])
+              for s in range(len(prompts))]
+    reqs = eng.generate(prompts, params)
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    for r in reqs:  # finished or cut, every token is one the grammar allows there
+        m = xgr.GrammarMatcher(xgr.CompiledGrammar.deserialize_json(compiled[kind], info))
+        assert all(m.accept_token(t) for t in r.output_ids), tokenizer.decode(r.output_ids)
+        if r.finish_reason == "stop":
+            assert m.is_terminated() and valid(kind, tokenizer.decode(r.output_ids[:-1]))
+    assert kind == "json_schema" or any(r.finish_reason == "stop" for r in reqs)
