@@ -77,6 +77,11 @@ class SchedulerConfig(_Strict):
     prefill_min_batch: int = Field(1, ge=1)
     prefill_max_delay_steps: int = Field(32, ge=0)
 
+    @property
+    def held_per_rank(self) -> int:
+        """Requests one rank runs and queues at once; beyond, the replica answers QueueFull."""
+        return self.max_running_requests + self.max_queued_requests
+
 
 class AttentionConfig(_Strict):
     backend: Literal["torch_native", "triton", "flashinfer"] = "torch_native"

@@ -111,7 +111,7 @@ def build_app(cfg: KestrelConfig, engine_options: dict[str, Any] | None = None):
     cfg.device = resolve_device(cfg)
     cfg_dict = cfg.model_dump(mode="json")
     sc = cfg.scheduler
-    per_rank = sc.max_running_requests + sc.max_queued_requests
+    per_rank = sc.held_per_rank
     return EngineDeployment.options(**_merge_options(dict(
         placement_group_bundles=engine_bundles(cfg),
         placement_group_strategy="STRICT_PACK",

@@ -63,7 +63,7 @@ class EngineClient:
         self.ping = ping
         self.replica = replica
         sc = cfg.scheduler
-        self.capacity = sc.max_running_requests + sc.max_queued_requests  # per rank
+        self.capacity = sc.held_per_rank
         self.interval_s = cfg.serve.stream_interval_ms / 1000.0
         self.streams: dict[str, RequestStream] = {}
         self.held = [0] * num_ranks  # streams per rank that have not ended

@@ -10,6 +10,7 @@ from pydantic import (BaseModel, Field, TypeAdapter, ValidationInfo, field_valid
                       model_validator)
 
 from serve_app.grammar import GrammarSpec, check_spec
+from serve_app.tools import constraint as tool_constraint
 from serve_app.request_field_policy import (NoEffectChatFields, NoEffectFields,
                                             RejectedChatFields, RejectedCompletionFields,
                                             RejectedMessageFields, RejectedSamplingFields,
@@ -142,25 +143,28 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
             check_spec(_spec_of(_GUIDED[info.field_name], v))
         return v
 
+    def _constraints(self) -> list[tuple[str, GrammarSpec]]:
+        """(field, spec) for each field that constrains the output."""
+        found = []
+        for f in ("response_format", "structured_outputs"):
+            v = getattr(self, f)
+            spec = v.spec() if v is not None else None
+            if spec is not None:
+                found.append((f, spec))
+        return found + [(f, _spec_of(kind, getattr(self, f))) for f, kind in _GUIDED.items()
+                        if getattr(self, f) is not None]
+
     @model_validator(mode="after")
     def _one_constraint(self) -> "SamplingFields":
-        named = [f for f in ("response_format", "structured_outputs", *_GUIDED)
-                 if getattr(self, f) is not None
-                 and (f not in ("response_format", "structured_outputs") or getattr(self, f).spec())]
+        named = [f for f, _ in self._constraints()]
         if len(named) > 1:
             raise ValueError(f"at most one output constraint per request; this one sets {', '.join(named)}")
         return self
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The request's output constraint, or None."""
-        for f in ("response_format", "structured_outputs"):
-            v = getattr(self, f)
-            if v is not None and v.spec() is not None:
-                return v.spec()
-        for f, kind in _GUIDED.items():
-            if getattr(self, f) is not None:
-                return _spec_of(kind, getattr(self, f))
-        return None
+        found = self._constraints()
+        return found[0][1] if found else None
 
     model: str | None = None  # None = the served model
     max_tokens: int | None = Field(None, ge=1)
@@ -423,32 +427,6 @@ class ChatCompletionRequest(SamplingFields, NoEffectChatFields, RejectedChatFiel
     parallel_tool_calls: bool | None = None  # false: at most one call (required, named)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name of max_tokens
 
-    @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
-        choice = self.tool_choice
-        if choice in ("required",) or isinstance(choice, NamedToolChoice):
-            if not self.tools:
-                raise ValueError("tool_choice required or a named function needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
-                t.function.name for t in self.tools}:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
-        if self.tool_constraint() is not None and SamplingFields.grammar_spec(self) is not None:
-            raise ValueError("at most one output constraint per request; tool_choice "
-                             f"{self.tool_choice_value()!r} is one, and so is response_format "
-                             "or structured_outputs")
-        return self
-
-    def tool_choice_value(self) -> Any:
-        c = self.tool_choice
-        return c.model_dump() if isinstance(c, NamedToolChoice) else c
-
-    def tool_constraint(self) -> GrammarSpec | None:
-        from serve_app.tools import constraint
-        return None if not self.tools else constraint(
-            self.tool_dicts(), self.tool_choice_value(), self.parallel_tool_calls is not False)
-
-    def grammar_spec(self) -> GrammarSpec | None:
-        return self.tool_constraint() or super().grammar_spec()
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -484,6 +462,32 @@ class ChatCompletionRequest(SamplingFields, NoEffectChatFields, RejectedChatFiel
 
     def _requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            if not self.tools:
+                raise ValueError("tool_choice required or a named function needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if self.tool_constraint() is not None and self._constraints():
+            raise ValueError("at most one output constraint per request; tool_choice "
+                             f"{self.tool_choice_value()!r} is one, and so is response_format "
+                             "or structured_outputs")
+        return self
+
+    def tool_choice_value(self) -> Any:
+        c = self.tool_choice
+        return c.model_dump() if isinstance(c, NamedToolChoice) else c
+
+    def tool_constraint(self) -> GrammarSpec | None:
+        return None if not self.tools else tool_constraint(
+            self.tool_dicts(), self.tool_choice_value(), self.parallel_tool_calls is not False)
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        return self.tool_constraint() or super().grammar_spec()
 
 
 # --------------------------------------------------------------------------- completions

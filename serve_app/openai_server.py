@@ -274,8 +274,7 @@ class OpenAIServer:
     def start(self, choices: list[_Choice]) -> list[Any]:
         """Admit every choice, so admission errors (queue full, bad params) are answered
         with a status, not mid-stream; on an error the ones admitted are cancelled."""
-        sc = self.cfg.scheduler
-        most = (sc.max_running_requests + sc.max_queued_requests) * self.cfg.parallel.dp_size
+        most = self.cfg.scheduler.held_per_rank * self.cfg.parallel.dp_size
         if len(choices) > most:  # never admitted, however long the client waits: not a 503
             raise KestrelAPIError.bad_request(
                 f"this request asks for {len(choices)} sequences (prompts times n); an engine "
@@ -349,9 +348,7 @@ class OpenAIServer:
         answers = []
         for c in choices:
             out = ToolOutput(tools, tool_choice)
-            content, calls = out.feed("".join(c.text))
-            rest, more = out.finish(c.finish_reason)
-            content, calls = content + rest, calls + more
+            content, calls = out.last("".join(c.text), c.finish_reason)
             answers.append(ChatCompletionChoice(
                 index=c.index, finish_reason=out.finish_reason(c.finish_reason),
                 message=ChatCompletionMessage(content=content or (None if calls else ""),
@@ -466,10 +463,8 @@ class OpenAIServer:
                     if view.mode == "none":
                         yield chunks.delta(c.index, out.new_text, out.finish_reason if out.finished else None, lp)
                         continue
-                    text, calls = view.feed(out.new_text)
-                    if out.finished:
-                        rest, more = view.finish(out.finish_reason)
-                        text, calls = text + rest, calls + more
+                    text, calls = (view.last(out.new_text, out.finish_reason) if out.finished
+                                   else view.feed(out.new_text))
                     if text or lp is not None:
                         yield chunks.delta(c.index, text, None, lp)
                     if calls:

@@ -180,6 +180,12 @@ class ToolOutput:
         return "", [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
                     for c in json.loads(text)]
 
+    def last(self, text: str, finish_reason: str | None) -> tuple[str, list[ToolCall]]:
+        """`feed` of the output's last text, then `finish`, together."""
+        content, calls = self.feed(text)
+        rest, more = self.finish(finish_reason)
+        return content + rest, calls + more
+
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the model called tools and stopped by itself."""
         return "tool_calls" if self.called and reason == "stop" else reason
