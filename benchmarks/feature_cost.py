@@ -4,9 +4,11 @@
         [--max-tokens 256] [--out DIR]
 
 MT-bench first turns with the chat template, greedy, `ignore_eos`, at each batch size:
-tokens/s plain and speculative (the preset's tree), without processing and with the
-penalties and a logit bias (which take the per-phase speculative path instead of the
-one-graph greedy iteration). Prints a markdown table; JSON under --out.
+tokens/s plain and speculative (the preset's tree), without any feature, then with each:
+the penalties and a logit bias, 5 logprobs per token, and a grammar (a regex that allows
+nearly any text, so acceptance stays comparable and the figure is the masking's own cost).
+Features that change the logits take the per-phase speculative path instead of the
+one-graph greedy iteration. Prints a markdown table; JSON under --out.
 """
 from __future__ import annotations
 
@@ -22,12 +24,15 @@ FEATURES = {
     "none": {},
     "penalties": dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1,
                       logit_bias={13: -2.0}),
+    "logprobs": dict(logprobs=5),
+    "grammar": ("regex", r"[^\x00]*"),  # compiled for the engine's tokenizer in run()
 }
 
 
 def run(config: str, overrides: list[str], prompts_text: list[str], batches: list[int],
         max_tokens: int) -> dict:
     from configs.schema import load_config
+    from serve_app.grammar import compiler_for
     from serve_app.llm_engine import LLMEngine
     from serve_app.request import SamplingParams
     from serve_app.tokenizer import apply_chat_template
@@ -35,6 +40,8 @@ def run(config: str, overrides: list[str], prompts_text: list[str], batches: lis
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in prompts_text]
     out = {}
     for feature, extra in FEATURES.items():
+        if isinstance(extra, tuple):
+            extra = dict(grammar=compiler_for(eng.tokenizer).compile(extra))
         for b in batches:
             batch = [prompts[i % len(prompts)] for i in range(b)]
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)
@@ -58,12 +65,14 @@ def main(argv=None) -> None:
     qs = load_questions(DATA, 80)
     results = {"spec": run(args.config, [], qs, args.batch_sizes, args.max_tokens),
                "plain": run(args.config, ["draft.enabled=false"], qs, args.batch_sizes, args.max_tokens)}
-    print("| engine | batch | tok/s without | tok/s with penalties + bias | ratio |")
-    print("|---|---|---|---|---|")
+    with_ = [f for f in FEATURES if f != "none"]
+    print("| engine | batch | tok/s without | " + " | ".join(f"with {f} (ratio)" for f in with_) + " |")
+    print("|---|---|---|" + "---|" * len(with_))
     for name, r in results.items():
         for b in args.batch_sizes:
-            a, p = r[f"none/{b}"], r[f"penalties/{b}"]
-            print(f"| {name} | {b} | {a:.0f} | {p:.0f} | {p / a:.2f} |")
+            a = r[f"none/{b}"]
+            cells = " | ".join(f"{r[f'{f}/{b}']:.0f} ({r[f'{f}/{b}'] / a:.2f})" for f in with_)
+            print(f"| {name} | {b} | {a:.0f} | {cells} |")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "feature_cost.json").write_text(json.dumps(results, indent=1))
