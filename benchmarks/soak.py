@@ -66,7 +66,7 @@ def bad_requests(vocab_size: int) -> list[tuple[str, str, object]]:
 
 def sampling_mix(rng: random.Random) -> dict:
     """One request's sampling settings, as clients send them."""
-    kind = rng.choice(["greedy", "greedy", "sampled", "penalized", "logprobs", "n2"])
+    kind = rng.choice(["greedy", "greedy", "sampled", "penalized", "logprobs", "n2", "json", "tool"])
     if kind == "greedy":
         return {"temperature": 0}
     if kind == "sampled":
@@ -75,7 +75,20 @@ def sampling_mix(rng: random.Random) -> dict:
         return {"temperature": 0, "presence_penalty": 0.5, "frequency_penalty": 0.3}
     if kind == "logprobs":
         return {"temperature": 0, "logprobs": True, "top_logprobs": 3}
+    if kind == "json":  # a grammar row (masked, also under speculation)
+        return {"temperature": 0.8, "seed": rng.randrange(1 << 30), "response_format": {
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}}
+    if kind == "tool":
+        return {"temperature": 0, "tools": [WEATHER_TOOL], "tool_choice": "required"}
     return {"temperature": 0.7, "n": 2, "seed": rng.randrange(1 << 30)}
+
+
+CHAT_ONLY = ("logprobs", "top_logprobs", "response_format", "tools", "tool_choice")
+ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "sure"],
+                 "properties": {"answer": {"type": "string", "maxLength": 40}, "sure": {"type": "boolean"}}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}
 
 
 class Account:
@@ -153,7 +166,7 @@ async def _complete(session, url: str, rng: random.Random, max_tokens: int, acct
                     timeout_s: float) -> None:
     import aiohttp
     body = {"model": MODEL, "prompt": rng.choice(PROMPTS), "max_tokens": rng.randint(1, max_tokens),
-            **{k: v for k, v in sampling_mix(rng).items() if k not in ("logprobs", "top_logprobs")}}
+            **{k: v for k, v in sampling_mix(rng).items() if k not in CHAT_ONLY}}
     try:
         async with session.post(url + "/v1/completions", json=body,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:

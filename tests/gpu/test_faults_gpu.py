@@ -35,8 +35,9 @@ def h200_url():
     from kestrel_testing import ROOT
     cfg = load_config(path=str(ROOT / "configs" / "h200.yaml"))
     os.environ.update(local_ray_env(cfg))
-    ray.init(include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    # The GPU machine's packages (Ray among them) come from its own PYTHONPATH: keep it.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # A health check each second instead of each 10: the replacement starts sooner.
