@@ -1,6 +1,6 @@
 """Soak: N streams for M minutes of mixed traffic, and an account of every request.
 
-    python -m benchmarks.soak --config configs/h200.yaml --streams 64 --minutes 10 [--out DIR]
+    python -m benchmarks.soak --config configs/h200.yaml --streams 64 --minutes 10 --structured [--out DIR]
     python -m benchmarks.soak --tiny-model --streams 8 --minutes 1       # CPU
     python -m benchmarks.soak --url http://host:8000 --streams 16 --minutes 5
 
@@ -64,9 +64,11 @@ def bad_requests(vocab_size: int) -> list[tuple[str, str, object]]:
     ]
 
 
-def sampling_mix(rng: random.Random) -> dict:
-    """One request's sampling settings, as clients send them."""
-    kind = rng.choice(["greedy", "greedy", "sampled", "penalized", "logprobs", "n2", "json", "tool"])
+def sampling_mix(rng: random.Random, structured: bool = False) -> dict:
+    """One request's sampling settings, as clients send them; `structured` adds json_schema
+    and required-tool chats (grammar rows) to the draw."""
+    kinds = ["greedy", "greedy", "sampled", "penalized", "logprobs", "n2"]
+    kind = rng.choice(kinds + ["json", "tool"] if structured else kinds)
     if kind == "greedy":
         return {"temperature": 0}
     if kind == "sampled":
@@ -109,11 +111,11 @@ class Account:
 
 
 async def _stream_chat(session, url: str, rng: random.Random, max_tokens: int, acct: Account,
-                       abandon_after: int | None, timeout_s: float) -> None:
+                       abandon_after: int | None, timeout_s: float, structured: bool) -> None:
     import aiohttp
     body = {"model": MODEL, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
             "max_tokens": rng.randint(1, max_tokens), "stream": True,
-            "stream_options": {"include_usage": True}, **sampling_mix(rng)}
+            "stream_options": {"include_usage": True}, **sampling_mix(rng, structured)}
     n = body.get("n", 1)
     t0 = time.perf_counter()
     last = None
@@ -163,10 +165,10 @@ async def _stream_chat(session, url: str, rng: random.Random, max_tokens: int, a
 
 
 async def _complete(session, url: str, rng: random.Random, max_tokens: int, acct: Account,
-                    timeout_s: float) -> None:
+                    timeout_s: float, structured: bool) -> None:
     import aiohttp
     body = {"model": MODEL, "prompt": rng.choice(PROMPTS), "max_tokens": rng.randint(1, max_tokens),
-            **{k: v for k, v in sampling_mix(rng).items() if k not in CHAT_ONLY}}
+            **{k: v for k, v in sampling_mix(rng, structured).items() if k not in CHAT_ONLY}}
     try:
         async with session.post(url + "/v1/completions", json=body,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
@@ -208,18 +210,18 @@ async def _bad(session, url: str, rng: random.Random, bad: list, acct: Account) 
 
 
 async def _worker(url: str, seed: int, deadline: float, max_tokens: int, bad: list, acct: Account,
-                  timeout_s: float) -> None:
+                  timeout_s: float, structured: bool) -> None:
     import aiohttp
     rng = random.Random(seed)
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             kind = rng.choices(["stream", "complete", "abandon", "bad"], weights=[60, 15, 15, 10])[0]
             if kind == "stream":
-                await _stream_chat(session, url, rng, max_tokens, acct, None, timeout_s)
+                await _stream_chat(session, url, rng, max_tokens, acct, None, timeout_s, structured)
             elif kind == "abandon":
-                await _stream_chat(session, url, rng, max_tokens, acct, rng.randint(1, 8), timeout_s)
+                await _stream_chat(session, url, rng, max_tokens, acct, rng.randint(1, 8), timeout_s, structured)
             elif kind == "complete":
-                await _complete(session, url, rng, max_tokens, acct, timeout_s)
+                await _complete(session, url, rng, max_tokens, acct, timeout_s, structured)
             else:
                 await _bad(session, url, rng, bad, acct)
 
@@ -271,7 +273,7 @@ async def settle(url: str, timeout_s: float = 30.0) -> dict[str, float]:
 
 async def soak(url: str, streams: int, seconds: float, max_tokens: int = 256, seed: int = 0,
                vocab_size: int = 49152, request_timeout_s: float = 300.0,
-               rss_every_s: float = 5.0) -> dict:
+               rss_every_s: float = 5.0, structured: bool = False) -> dict:
     """Run the mix against `url`; returns the report (see the module doc)."""
     before = await settle(url)
     acct = Account()
@@ -288,7 +290,7 @@ async def soak(url: str, streams: int, seconds: float, max_tokens: int = 256, se
     sampler = asyncio.create_task(sample_rss())
     try:
         await asyncio.gather(*(_worker(url, seed * 1000 + i, deadline, max_tokens, bad, acct,
-                                       request_timeout_s) for i in range(streams)))
+                                       request_timeout_s, structured) for i in range(streams)))
     finally:
         sampler.cancel()
     wall = time.monotonic() - t0
@@ -326,6 +328,8 @@ def main(argv=None) -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--minutes", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--structured", action="store_true",
+                    help="json_schema and required-tool chats in the mix (grammar rows)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -339,7 +343,8 @@ def main(argv=None) -> None:
     try:
         asyncio.run(wait_ready(url, proc))
         print(f"soak: {args.streams} streams for {args.minutes:g} min ...", file=sys.stderr, flush=True)
-        report = asyncio.run(soak(url, args.streams, 60 * args.minutes, args.max_tokens, args.seed))
+        report = asyncio.run(soak(url, args.streams, 60 * args.minutes, args.max_tokens, args.seed,
+                                  structured=args.structured))
     finally:
         if proc is not None:
             stop_server(proc)
