@@ -43,6 +43,31 @@ def gguf_read_once():
     gguf_loader.read_gguf = real
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gguf_parsed_once():
+    """Parse each GGUF file's header once per test session. gguf's GGUFReader walks every
+    metadata field (SmolLM2's 49k-token vocabulary: ~4 s on 2 cores); our loader (the first
+    read_gguf above), transformers' model loader (hf_model) and its tokenizer conversion
+    each open one. The reader only maps the file read-only, so one object serves them all;
+    a file written since (another mtime or size) gets a new one."""
+    import gguf
+    real = gguf.GGUFReader
+    cache: dict = {}
+
+    def reader(path, mode="r"):
+        if mode != "r":
+            return real(path, mode)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+        if key not in cache:
+            cache[key] = real(path, mode)
+        return cache[key]
+
+    gguf.GGUFReader = reader
+    yield
+    gguf.GGUFReader = real
+
+
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
     from actors.models.loader import default_model_path
@@ -71,6 +96,22 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     from serve_app.tokenizer import apply_chat_template
     return [apply_chat_template(tokenizer, [{"role": "user", "content": q}])
             for q in mt_bench_first_turns(8)]
+
+
+@pytest.fixture(scope="session")
+def plain_chat_outputs(fp32_worker, tokenizer, chat_prompts) -> list[list[int]]:
+    """Greedy output ids (64 tokens each, EOS ignored) of the plain fp32 engine for the 8
+    chat prompts, in one batch: the reference of test_engine.py and of the C22
+    losslessness tests (which compare a prefix), computed once."""
+    from configs.schema import load_config
+    from serve_app.llm_engine import LLMEngine
+    from serve_app.request import SamplingParams
+    cfg = load_config(overrides=["draft.enabled=false", "model.dtype=float32",
+                                 "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
+                                 "device=cpu"])
+    eng = LLMEngine(cfg, tokenizer=tokenizer, workers=[fp32_worker])
+    reqs = eng.generate(chat_prompts, SamplingParams(max_tokens=64, ignore_eos=True))
+    return [list(r.output_ids) for r in reqs]
 
 
 @pytest.fixture(scope="session")

