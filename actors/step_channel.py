@@ -71,8 +71,23 @@ class StepServer:
         self.address = (host, self.sock.getsockname()[1])
         self.steps = 0
         self.serving = False  # an engine is connected (its queued steps may still run)
+        self.closed = False
         self.thread = threading.Thread(target=self._serve, name="kestrel-step-channel", daemon=True)
         self.thread.start()
+
+    def close(self) -> None:
+        """Accept no more engines and end the thread (after the connected engine, if any,
+        has closed its channel). A rank's process ends it by ending; a process that starts
+        many servers (tests) closes each, since a live thread that ran torch ops keeps the
+        process's own torch ops on one core."""
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() below
+        except OSError:
+            pass
+        self.sock.close()
+        if not self.serving:
+            self.thread.join(timeout=10)
 
     def _serve(self) -> None:
         try:
@@ -84,7 +99,12 @@ class StepServer:
             self.sock.close()
             raise
         while True:
-            conn, peer = self.sock.accept()
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                if self.closed:
+                    return
+                raise
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.serving = True
             try:

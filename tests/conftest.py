@@ -144,25 +144,16 @@ def tiny_model(tmp_path_factory) -> str:
 def hf_model(smollm_path):
     """transformers' own SmolLM2 from the same GGUF: the reference and the tie oracle.
 
-    Its GGUF loader parses the file twice (config, then weights) and rebuilds gguf's
-    tensor-name table once per module (~400 times): memoized while it loads, the same
-    load takes half the time (27 -> 14 s on 2 cores), weights bit for bit the same."""
+    Its GGUF loader parses the file twice (config, then weights; gguf_parsed_once makes
+    that one parse) and rebuilds gguf's tensor-name table once per module (~400 times):
+    memoized while it loads, the same load takes half the time (27 -> 14 s on 2 cores),
+    weights bit for bit the same."""
     import functools
 
     import gguf
     import torch
     from transformers import AutoModelForCausalLM
-    readers: dict = {}
-
-    def reader(path, *args, **kwargs):
-        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = real_reader(path, *args, **kwargs)
-        return readers[key]
-
-    real_reader = gguf.GGUFReader
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", reader)
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         return AutoModelForCausalLM.from_pretrained(
             os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path),

@@ -6,17 +6,10 @@ lives on."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until_serving(url: str, timeout: float = 180) -> None:

@@ -109,3 +109,5 @@ class LocalEngine:
         while self.server.serving and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert not self.server.serving, "the step server still serves a closed channel"
+        self.server.close()
+        assert not self.server.thread.is_alive(), "the step server's thread outlived close()"

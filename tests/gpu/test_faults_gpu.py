@@ -31,14 +31,14 @@ def h200_url():
 
     from configs.schema import load_config
     from serve_app.app import build_app, local_ray_env
-    from fault_scenario import free_port
+    from actors.dp.group import find_free_port
     from kestrel_testing import ROOT
     cfg = load_config(path=str(ROOT / "configs" / "h200.yaml"))
     os.environ.update(local_ray_env(cfg))
     # The GPU machine's packages (Ray among them) come from its own PYTHONPATH: keep it.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = free_port()
+    port = find_free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # A health check each second instead of each 10: the replacement starts sooner.
     serve.run(build_app(cfg, engine_options={"health_check_period_s": 1.0}), name=APP,

@@ -8,7 +8,6 @@ engine's placement group wants one CPU per bundle, and oversubscribing a CPU is 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +35,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def pytest_configure(config):
     # Ray Serve's own pydantic models warn on import; not ours to fix.
     config.addinivalue_line("filterwarnings", "ignore::pydantic.PydanticDeprecatedSince20")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -100,9 +93,10 @@ def ray_cluster():
 def server(ray_cluster) -> Server:
     from ray import serve
 
+    from actors.dp.group import find_free_port
     from configs.schema import load_config
     from serve_app.app import build_app
-    port = free_port()
+    port = find_free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = load_config(overrides=SERVER_OVERRIDES)
     t0 = time.monotonic()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 
 import pytest
@@ -23,39 +22,6 @@ from serve_app.request import SamplingParams
 from serve_app.request_stream import StreamFailed
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(autouse=True)
-def step_servers_end(monkeypatch):
-    """Each StepServer made by a test is shut after it, as a rank's process would end: its
-    thread otherwise waits for another engine for the rest of the session, and while a
-    thread that ran torch ops lives, the test process's own ops run on one core of two
-    (every later test that runs a model, twice as slow)."""
-    servers: list[StepServer] = []
-    init = StepServer.__init__
-
-    def recorded(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        servers.append(self)
-
-    monkeypatch.setattr(StepServer, "__init__", recorded)
-    yield
-    ending = {s.thread for s in servers if not s.serving}
-    hook = threading.excepthook
-    # The accept() that the shut socket ends raises in the thread: that is the end.
-    threading.excepthook = lambda args: None if args.thread in ending else hook(args)
-    try:
-        for s in servers:
-            if s.thread in ending:
-                try:
-                    s.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.sock.close()
-        for t in ending:
-            t.join(timeout=10)
-    finally:
-        threading.excepthook = hook
 
 
 def _cfg(*extra):
@@ -220,3 +186,4 @@ def test_a_connection_without_the_token_is_refused_before_any_unpickling():
         return (await asyncio.wait_for(channel.recv(), 5)).tokens
 
     assert asyncio.run(honest()) == [[7], [7]]
+    server.close()
