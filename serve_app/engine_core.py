@@ -48,7 +48,7 @@ log = logging.getLogger("kestrel.engine")
 # worker starts step N+1 the moment step N returns. The scheduler plans KV two windows
 # ahead for exactly this; a third would only add latency.
 MAX_IN_FLIGHT = 2
-STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile")
+STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile", "gpu_idle")
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[str, Any]:
@@ -69,9 +69,10 @@ class EngineCore:
         self.writer: asyncio.StreamWriter | None = None
         self._outbox: list[tuple] = []  # this step's outputs, sent as one frame
         # Per rank: seconds in each phase of a step (schedule and process here; execute,
-        # wait and recv as the actor measured them), and steps by mode. `wait` counts only
-        # plans sent while another was in flight: the time the GPU sat idle waiting on the
-        # control plane although its next step could have been queued.
+        # wait, recv and gpu_idle as the actor measured them), and steps by mode. `wait`
+        # and `gpu_idle` count only plans sent while another was in flight: the time the
+        # channel, and the GPU by its own clock, sat idle waiting on the control plane
+        # although the next step could have been queued.
         self.step_seconds = [dict.fromkeys(STEP_PHASES, 0.0) for _ in infos]
         self.step_counts = [{"extend": 0, "decode": 0, "pipelined": 0} for _ in infos]
         self.failed: str | None = None
@@ -218,6 +219,7 @@ class EngineCore:
                 counts[plan.mode] += 1
                 if pipelined:
                     seconds["wait"] += timings.get("wait", 0.0)
+                    seconds["gpu_idle"] += timings.get("gpu_idle", 0.0)
                     counts["pipelined"] += 1
         except asyncio.CancelledError:
             raise
