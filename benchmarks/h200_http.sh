@@ -5,7 +5,8 @@
 #   bash benchmarks/h200_http.sh proxy OUT        h200 preset through Serve's Python proxy instead
 #   bash benchmarks/h200_http.sh vllm-plain OUT   vllm serve, the same client
 #   bash benchmarks/h200_http.sh vllm-eagle OUT   vllm serve with our head (EAGLE, 3 tokens)
-# Needs Kestrel's bundle unstaged (../shared/device/stage.sh full; source .stage/tools/unstage.sh)
+# Needs Kestrel's bundle unstaged (../shared/device/stage.sh full, benchmarks/pack_for_device.sh;
+# source .stage/tools/unstage.sh)
 # and, for the vllm parts, vLLM's (../shared/peers/stage_vllm.sh). Every run writes
 # OUT/http_bench_<name>.json and prints its table.
 set -uo pipefail
@@ -23,7 +24,7 @@ vllm_serve() {  # name, extra args: start vllm serve in its own environment, ben
     --model /tmp/vwork/model --served-model-name SmolLM2-135M-Instruct --port 8011 \
     --gpu-memory-utilization 0.5 --max-model-len 4096 "$@") > "$out/$name.log" 2>&1 &
   local pid=$!
-  bench 480 --url http://127.0.0.1:8011 --name "$name"
+  bench 270 --url http://127.0.0.1:8011 --name "$name"
   kill "$pid"; wait "$pid" 2>/dev/null
 }
 

