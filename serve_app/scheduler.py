@@ -148,6 +148,11 @@ class Scheduler:
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.running)
 
+    def load(self) -> tuple[int, int]:
+        """(requests held, KV slots in use): what a new request weighs ranks by under
+        dp_attention, the fewest requests first."""
+        return self.num_requests, self.slots.capacity - self.kv_free_slots()
+
     def kv_free_slots(self) -> int:
         """Free slots counting what the prefix cache could give back."""
         return self.slots.free_slots + self.cache.evictable_slots
