@@ -1,4 +1,4 @@
-"""The Serve engine under parallel.dp_attention, without Ray: one spawned process per rank
+"""The Serve engine under parallel.dp_attention, without Ray: one process per rank
 running a LockstepWorker behind a StepServer (as a RankActor does), the ranks joined over
 gloo; in the calling process an EngineCore and an EngineClient over real sockets.
 
@@ -24,7 +24,10 @@ def _rank_main(rank: int, cfg_json: dict, port: int, conn, hook) -> None:
     worker.join("127.0.0.1", port)
     server = StepServer(worker.execute)
     conn.send((server.address, server.token, worker.info(), os.getpid()))
-    conn.recv()  # "stop"
+    conn.recv()  # "stop": the engine closed its channel; the steps queued still run
+    deadline = time.monotonic() + 60
+    while server.serving and time.monotonic() < deadline:
+        time.sleep(0.01)
     conn.send(report() if report is not None else None)
     os._exit(0)  # no interpreter teardown: the channel thread may still be in a torch op
 
@@ -43,7 +46,11 @@ class LocalDPEngine:
         from serve_app.rank_channel import RankChannel
         from serve_app.tokenizer import stop_token_ids
         W = cfg.parallel.dp_size
-        ctx = multiprocessing.get_context("spawn")
+        # Fresh interpreters (no torch threads to fork), forked from one that imported the
+        # rank's modules once: a spawned rank spent ~3 s of a 2-core CPU importing torch.
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["local_dp_engine", "actors.dp.lockstep_worker",
+                                    "actors.step_channel", "configs.schema"])
         port = find_free_port()
         procs, conns = [], []
         for rank in range(W):
@@ -81,12 +88,16 @@ class LocalDPEngine:
         self.client.stop()
         self.core.stop()
         reports = []
-        for p, conn in zip(self.procs, self.conns):
+        for conn in self.conns:  # all first: a report may hold a collective of every rank
             try:
                 conn.send("stop")
+            except (BrokenPipeError, ConnectionError):
+                pass  # the rank is gone (a test killed it)
+        for conn in self.conns:
+            try:
                 reports.append(conn.recv() if await asyncio.to_thread(conn.poll, 30) else None)
-            except (BrokenPipeError, EOFError, ConnectionError):
-                reports.append(None)  # the rank is gone (a test killed it)
+            except (EOFError, ConnectionError):
+                reports.append(None)
         self._kill(self.procs)
         return reports
 

@@ -20,15 +20,29 @@ nothing.
 
 from __future__ import annotations
 
+import re
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DPGroup", "find_free_port", "resolve_backend"]
+__all__ = ["CollectiveFailed", "DPGroup", "find_free_port", "resolve_backend"]
 
 DEFAULT_TIMEOUT_S = 300.0
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective of the group failed: a peer died, hung past the timeout, or issued
+    another collective. The message says which, without the backend's source location."""
+
+
+def _collective(name: str, rank: int, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except RuntimeError as e:
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip())  # gloo's "[file.cc:123] "
+        raise CollectiveFailed(f"the DP group's {name} failed on rank {rank}: {reason}") from e
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -197,7 +211,7 @@ class DPGroup:
             return row[None].clone()
         src = row.to(self.device).contiguous()
         out = [torch.empty_like(src) for _ in range(self.world_size)]
-        dist.all_gather(out, src, group=self._pg)
+        _collective("all_gather", self.rank, dist.all_gather, out, src, group=self._pg)
         return torch.stack(out, dim=0)
 
     def _rows_in(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -217,7 +231,7 @@ class DPGroup:
         if self.world_size == 1:
             return src
         out = src.new_empty((self.world_size * src.shape[0], *src.shape[1:]))
-        dist.all_gather_single(out, src, group=self._pg)
+        _collective("all_gather", self.rank, dist.all_gather_single, out, src, group=self._pg)
         return out
 
     def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +243,8 @@ class DPGroup:
             raise ValueError(f"reduce_scatter_rows needs a multiple of {self.world_size} rows, "
                              f"got {src.shape[0]}")
         out = src.new_empty((src.shape[0] // self.world_size, *src.shape[1:]))
-        dist.reduce_scatter_single(out, src, group=self._pg)
+        _collective("reduce_scatter", self.rank, dist.reduce_scatter_single, out, src,
+                    group=self._pg)
         return out
 
     def all_to_all_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,5 +257,5 @@ class DPGroup:
             raise ValueError(f"all_to_all_rows needs a multiple of {self.world_size} rows, "
                              f"got {src.shape[0]}")
         out = torch.empty_like(src)
-        dist.all_to_all_single(out, src, group=self._pg)
+        _collective("all_to_all", self.rank, dist.all_to_all_single, out, src, group=self._pg)
         return out

@@ -71,7 +71,7 @@ class _DraftAttention(nn.Module):
         k = k.view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         v = v.view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         q, k = layer_ops.rope(q, k, positions, inv_freq)
-        return self.o_proj(attn(q, k, v, 0).reshape(T, -1))  # the draft has one layer: id 0
+        return self.o_proj(attn(q, k, v, 0).reshape(T, s.num_heads * s.head_dim))  # one layer: id 0
 
 
 class _DraftLayer(nn.Module):
