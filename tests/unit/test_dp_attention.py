@@ -227,3 +227,23 @@ def test_step_phases_of_a_mixed_step():
     assert [(p.name, p.tokens) for p in step_phases(plain, 1, None)] == [("target", 5)]
     with pytest.raises(ValueError, match="whole number"):
         step_phases(DPSyncResult([5], [5], False, False, 5, [ForwardMode.TARGET_VERIFY]), 0, draft)
+
+
+def test_smollm2_on_two_ranks_equals_one_rank(loop, chat_prompts, plain_chat_outputs):
+    """The real model (30 layers of split MLPs, whose partial sums round in another order
+    than one rank's): 2 ranks' greedy tokens for 8 chat prompts equal one rank's."""
+    from configs.schema import load_config
+    n = 24
+    cfg = load_config(overrides=["model.dtype=float32", "device=cpu", "draft.enabled=false",
+                                 "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
+                                 "parallel.dp_size=2", "parallel.dp_attention=true"])
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg)
+        try:
+            return await eng.run(chat_prompts, [greedy(n)] * len(chat_prompts))
+        finally:
+            await eng.stop()
+
+    got = [tokens for tokens, _ in loop(run())]
+    assert got == [ref[:n] for ref in plain_chat_outputs]
