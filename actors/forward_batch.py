@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.host_copy import to_device
+
 from actors.dp.sync import ForwardMode
 
 
@@ -49,5 +51,4 @@ class ForwardBatch:
         """Keys each request attends to: prefix + new keys. [B] int64."""
         if self.new_kv_slots is not None:
             return self.prefix_lens + self.new_kv_slots.shape[1]
-        return self.prefix_lens + torch.tensor(self.extend_lens, dtype=torch.int64,
-                                               device=self.prefix_lens.device)
+        return self.prefix_lens + to_device(self.extend_lens, torch.int64, self.prefix_lens.device)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from actors.host_copy import to_device
+
 
 class SlotAllocator:
     """Free list of KV pages. All counts are in slots (tokens), multiples of page_size."""
@@ -108,7 +110,8 @@ class ReqToTokenPool:
                                         device=device)  # [rows, max_len] int64
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token[row, start:start + slots.numel()] = slots.to(self.req_to_token.device)
+        self.req_to_token[row, start:start + slots.numel()] = to_device(slots, torch.int64,
+                                                                        self.req_to_token.device)
 
     def write_many(self, writes: list[tuple[int, int, np.ndarray]]) -> None:
         """Several (row, first position, slots) writes, in order, as one host-to-device
@@ -126,7 +129,7 @@ class ReqToTokenPool:
                 self.write(row, start, torch.from_numpy(np.ascontiguousarray(slots)))
             return
         vals = np.concatenate([s for _, _, s in writes]).astype(np.int64, copy=False)
-        packed = torch.from_numpy(np.stack([flat, vals])).to(self.req_to_token.device)  # [2, n] int64
+        packed = to_device(np.stack([flat, vals]), torch.int64, self.req_to_token.device)  # [2, n] int64
         self.req_to_token.view(-1)[packed[0]] = packed[1]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from actors.host_copy import to_device
 from actors.step_plan import StepPlan
 from kernels.penalties import Processing, apply_processing
 
@@ -61,11 +62,11 @@ class OutputCounts:
         B, M, S = len(pp.presence), len(pp.bias_value), len(pp.stops)
         W, P = pp.bad_words.shape[0], pp.bad_words.shape[1] - 2
         # Two host-to-device copies, not nine: the floats, then the integers.
-        f = torch.from_numpy(np.concatenate([pp.presence, pp.frequency, pp.repetition,
-                                             pp.bias_value]).astype(np.float32)).to(dev)  # [3B+M]
-        i = torch.from_numpy(np.concatenate([pp.min_tokens, pp.bias[:, 0], pp.bias[:, 1], pp.stops[:, 0],
-                                             pp.stops[:, 1], pp.bad_words.reshape(-1)]
-                                            ).astype(np.int64)).to(dev)  # [B+2M+2S+W(P+2)]
+        f = to_device(np.concatenate([pp.presence, pp.frequency, pp.repetition, pp.bias_value]),
+                      torch.float32, dev)  # [3B+M]
+        i = to_device(np.concatenate([pp.min_tokens, pp.bias[:, 0], pp.bias[:, 1], pp.stops[:, 0],
+                                      pp.stops[:, 1], pp.bad_words.reshape(-1)]),
+                      torch.int64, dev)  # [B+2M+2S+W(P+2)]
         bad = i[B + 2 * M + 2 * S:].view(W, P + 2)
         p = Processing(f[:B], f[B:2 * B], f[2 * B:3 * B], i[:B], i[B:B + M], i[B + M:B + 2 * M],
                        f[3 * B:], i[B + 2 * M:B + 2 * M + S], i[B + 2 * M + S:B + 2 * M + 2 * S],

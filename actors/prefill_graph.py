@@ -34,6 +34,8 @@ import torch
 from actors.cuda_graph_runner import EagerGraph, capture_cuda_graph, padded_size
 from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
+from actors.host_copy import to_device
+from actors.launched_step import Emitted, first_tokens
 from actors.step_plan import StepPlan
 
 log = logging.getLogger("kestrel.worker")
@@ -143,8 +145,9 @@ class PrefillGraphs:
             return EagerGraph(body, None)
         return capture_cuda_graph(body, None, pool, stream)
 
-    def run(self, plan: StepPlan, shape: tuple[int, int]) -> list[list[int]]:
-        """The plan's chunks at a captured shape (from shape_for) -> their output tokens."""
+    def run(self, plan: StepPlan, shape: tuple[int, int]) -> Emitted:
+        """The plan's chunks at a captured shape (from shape_for) -> their output tokens,
+        queued without waiting for the device."""
         w = self.w
         bs, T = shape
         B = len(plan.rows)
@@ -156,7 +159,7 @@ class PrefillGraphs:
         lanes = host[self.M:].reshape(4, self.R)
         lanes[:, :B] = (plan.rows, plan.prefix_lens, plan.extend_lens, plan.next_ids)
         lanes[2, B:] = 1  # padded lanes: one token on row 0
-        self.inputs.copy_(torch.from_numpy(host))
+        self.inputs.copy_(to_device(host, torch.int64, self.inputs.device))
         self._target[bs, T].replay()
         tokens = w.sample(plan, self.rows[:B], self.logits[:B], plan.last_chunk)  # [B] int64
         if self.eagle is not None:  # also for chunks that end no prompt: it writes draft KV
@@ -164,7 +167,7 @@ class PrefillGraphs:
             self._draft[bs, T].replay()
         done = [b for b in range(B) if plan.last_chunk[b]]
         if done:
-            idx = slice(0, B) if len(done) == B else torch.tensor(done, device=w.device)
+            idx = slice(0, B) if len(done) == B else to_device(done, torch.int64, w.device)
             rows, seq_lens = self.rows[:B][idx], (self.prefix[:B] + self.length[:B])[idx]
             w.record(plan, rows, tokens[idx])
             if self.eagle is not None:
@@ -173,5 +176,4 @@ class PrefillGraphs:
                                last_h[:B][idx])
             else:
                 w.future.store(rows, seq_lens, tokens[idx])
-        toks = tokens.tolist()
-        return [[toks[b]] if plan.last_chunk[b] else [] for b in range(B)]
+        return first_tokens(plan, tokens)

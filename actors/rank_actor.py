@@ -37,7 +37,7 @@ class RankActor:
         # The channel thread runs the steps: it must use the device this thread loaded on.
         index = torch.cuda.current_device() if self.worker.device.type == "cuda" else None
         bind = (lambda: torch.cuda.set_device(index)) if index is not None else None
-        self.channel = StepServer(self.worker.execute, host, on_start=bind)
+        self.channel = StepServer(self.worker, host, on_start=bind)
 
     def info(self) -> dict:
         host, port = self.channel.address

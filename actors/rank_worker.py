@@ -17,6 +17,8 @@ from actors.dp.sync import ForwardMode
 from actors.forward_batch import ForwardBatch
 from actors.future_map import FutureMap
 from actors.grammar_rows import GrammarRows
+from actors.host_copy import HostCopy, to_device
+from actors.launched_step import Emitted, LaunchedStep, first_tokens, timing_event
 from actors.kv_cache import ReqToTokenPool, TokenToKVPool
 from actors.logprobs import plan_logprobs, prompt_logprobs
 from actors.model_runner import ModelRunner
@@ -108,6 +110,7 @@ class RankWorker:
             self.eagle = EagleWorker(cfg, self)
         self.counts = OutputCounts(self.num_rows, a.vocab_size, self.device)
         self.grammars = GrammarRows()
+        self._last_end = None  # the end event of the last finished step (device idle time)
         self.future = FutureMap(self.num_rows, cfg.draft.topk,
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,
                                 self.dtype, self.device, spec)
@@ -189,8 +192,23 @@ class RankWorker:
                 "dtype": str(self.dtype), "device": str(self.device)}
 
     # ---- step execution -------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one step to the end (the in-process engine; the step channel launches the
+        next step before it finishes this one)."""
+        return self.finish(self.launch(plan))
+
+    def needs_previous_tokens(self, plan: StepPlan) -> bool:
+        """Whether `plan` reads host state that the previous step's tokens update: the
+        grammar matchers of its rows, which advance on the host. Such a plan is launched
+        only after every earlier step has finished."""
+        return bool(plan.grammar_resets) or self.grammars.any(plan.rows)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue the step's work on the device without waiting for it (nor for the steps
+        queued before it): its tokens come back through `finish`."""
+        t0 = time.perf_counter()
+        start = timing_event(self.device)
         if plan.kv_writes:
             self.req_to_token.write_many(plan.kv_writes)
         if plan.count_resets:
@@ -200,23 +218,39 @@ class RankWorker:
         for row, compiled, outputs in plan.grammar_resets:
             self.grammars.reset(row, compiled, outputs)
         if plan.mode == "idle" or not plan.rows:
-            return StepOutput(plan.step_id, [[] for _ in plan.rows])
-        t0 = time.perf_counter()
+            return LaunchedStep(plan, None, None, None, 0.0)
         self.last_logprobs = None  # set by the step's path when the plan asks for logprobs
         self.last_prompt_logprobs = None
         if plan.mode == "extend":
-            tokens = self._extend(plan)
+            emitted = self._extend(plan)
         elif self.eagle is not None and plan.use_spec:
-            tokens = self.eagle.decode(plan)
+            emitted = self.eagle.decode(plan)
         else:
-            tokens = self._decode(plan)
+            emitted = self._decode(plan)
+        return LaunchedStep(plan, emitted, self.last_logprobs, self.last_prompt_logprobs,
+                            time.perf_counter() - t0, start)
+
+    @torch.inference_mode()
+    def finish(self, step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's tokens (launched in order, finished in that order)."""
+        plan = step.plan
+        if step.emitted is None:
+            return StepOutput(plan.step_id, [[] for _ in plan.rows])
+        t0 = time.perf_counter()
+        tokens = step.emitted.lists(step.emitted.copy.wait())
         self.grammars.advance(plan.rows, tokens)
-        timings = {plan.mode: time.perf_counter() - t0}
+        timings = {plan.mode: step.launch_s + time.perf_counter() - t0}
+        end = step.emitted.copy.event
+        if self._last_end is not None and step.start is not None:
+            # The device's own clock: how long it sat idle between the end of the previous
+            # step and the start of this one (0 when this one was queued behind it).
+            timings["gpu_idle"] = max(0.0, self._last_end.elapsed_time(step.start)) / 1000
+        self._last_end = end
         if self.compiles.seconds:
             timings["compile"] = self.compiles.take_seconds()
         if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
             timings.update(self.eagle.last_timings)
-        return StepOutput(plan.step_id, tokens, timings, self.last_logprobs, self.last_prompt_logprobs)
+        return StepOutput(plan.step_id, tokens, timings, step.logprobs, step.prompt_logprobs)
 
     def sample(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor,
                emitted: list[bool]) -> torch.Tensor:
@@ -244,20 +278,20 @@ class RankWorker:
         self.counts.record(rows, tokens, lens)
 
     def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return to_device(values, torch.int64, self.device)
 
     def extend_batch(self, plan: StepPlan) -> ForwardBatch:
         rows = self._tensor(plan.rows)
         prefix = self._tensor(plan.prefix_lens)
         lens = self._tensor(plan.extend_lens)
-        offs = torch.arange(int(lens.sum()), device=self.device) - torch.repeat_interleave(
+        offs = torch.arange(sum(plan.extend_lens), device=self.device) - torch.repeat_interleave(
             torch.cumsum(lens, 0) - lens, lens)  # [T] int64 offset inside each chunk
         positions = torch.repeat_interleave(prefix, lens) + offs
         loc = self.req_to_token.req_to_token[torch.repeat_interleave(rows, lens), positions]
         return ForwardBatch(ForwardMode.EXTEND, self._tensor(plan.input_ids), positions, loc,
                             rows, prefix, list(plan.extend_lens))
 
-    def _extend(self, plan: StepPlan) -> list[list[int]]:
+    def _extend(self, plan: StepPlan) -> Emitted:
         graphs = self.prefill_graphs
         shape = graphs.shape_for(plan) if graphs is not None and plan.prompt_logprobs is None else None
         if shape is not None:
@@ -271,14 +305,15 @@ class RankWorker:
         last = torch.cumsum(fb.seq_lens - fb.prefix_lens, 0) - 1  # [B] int64 last row per chunk
         logits = self.model.compute_logits(hidden[last])
         tokens = self.sample(plan, fb.req_pool_indices, logits, plan.last_chunk)
-        done = self._tensor(plan.last_chunk).bool()  # [B] prompts finished by this chunk
+        # [D] int64 positions in the plan of the prompts this chunk finishes (an index, not
+        # a mask: a mask's result size would wait for the device)
+        done = self._tensor([i for i, last in enumerate(plan.last_chunk) if last])
         self.record(plan, fb.req_pool_indices[done], tokens[done])
         if self.eagle is not None:
             self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done, last)
         else:
             self.future.store(fb.req_pool_indices[done], fb.seq_lens[done], tokens[done])
-        toks = tokens.tolist()
-        return [[toks[i]] if plan.last_chunk[i] else [] for i in range(len(plan.rows))]
+        return first_tokens(plan, tokens)
 
     def _decode_logits(self, ids, prefix_lens, loc, rows) -> torch.Tensor:
         """One token per request at position prefix_len -> logits [B, V] fp32 (eager, and
@@ -288,7 +323,7 @@ class RankWorker:
         hidden, _ = self.target.forward(fb)
         return self.model.compute_logits(hidden)
 
-    def _decode(self, plan: StepPlan) -> list[list[int]]:
+    def _decode(self, plan: StepPlan) -> Emitted:
         rows = self._tensor(plan.rows)
         c = self.future.resolve(rows)
         loc = self.req_to_token.req_to_token[rows, c.seq_lens]
@@ -302,4 +337,5 @@ class RankWorker:
         tokens = self.sample(plan, rows, logits, [True] * B)
         self.record(plan, rows, tokens)
         self.future.store(rows, c.seq_lens + 1, tokens)
-        return [[t] for t in tokens.tolist()]
+        return Emitted(HostCopy(tokens), lambda host: [[t] for t in host[0].tolist()])
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from actors.host_copy import to_device
 from kernels.sampling import process_logits, sample_from_probs
 
 
@@ -15,12 +16,13 @@ def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[fl
     tokens = logits.argmax(-1)  # [B] int64
     hot = [i for i, t in enumerate(temperature) if t > 0]
     if hot:
-        idx = torch.tensor(hot, dtype=torch.int64, device=logits.device)
+        dev = logits.device
+        idx = to_device(hot, torch.int64, dev)
         probs = process_logits(
             logits[idx].float(),
-            torch.tensor([temperature[i] for i in hot], device=logits.device),
-            torch.tensor([top_p[i] for i in hot], device=logits.device),
-            torch.tensor([top_k[i] for i in hot], dtype=torch.int64, device=logits.device),
-            None if min_p is None else torch.tensor(np.asarray(min_p)[hot], device=logits.device))
-        tokens[idx] = sample_from_probs(probs, torch.from_numpy(coins).to(logits.device)[idx, 0])
+            to_device([temperature[i] for i in hot], torch.float32, dev),
+            to_device([top_p[i] for i in hot], torch.float32, dev),
+            to_device([top_k[i] for i in hot], torch.int64, dev),
+            None if min_p is None else to_device(np.asarray(min_p)[hot], torch.float32, dev))
+        tokens[idx] = sample_from_probs(probs, to_device(coins[hot, 0], torch.float32, dev))
     return tokens

@@ -3,9 +3,12 @@
 A Ray actor call per step cost about 1 ms round trip on the H200 host, and its
 deserialization and bookkeeping run on the actor's thread between GPU steps. Here the
 Engine replica writes each plan to a socket as soon as it is scheduled (step N+1 while N
-runs), the actor's channel thread reads it the moment step N returns, and each output
-goes back as one small frame: tens of microseconds per step (benchmarks/channel_bench.py).
-A dead actor closes the connection, which the engine sees at once.
+runs), and the actor's channel thread launches it on the device behind step N before N
+has finished (RankWorker.launch: nothing in a plain or greedy speculative step waits for
+the device), so the GPU goes from one step to the next without waiting for the host to
+read N's tokens, send them, and read and prepare N+1. Each output goes back as one small
+frame as soon as the device has produced it. A dead actor closes the connection, which
+the engine sees at once.
 
 Frames: an 8-byte little-endian length, then a pickle of (kind, payload). The first frame
 on a connection must be ("hello", token), the secret this actor returned through Ray's
@@ -19,12 +22,14 @@ import hmac
 import logging
 import pickle
 import secrets
+import select
 import socket
 import struct
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections import deque
+from typing import Any, Callable, Protocol
 
 from actors.step_plan import StepOutput, StepPlan
 
@@ -33,6 +38,10 @@ log = logging.getLogger("kestrel.step_channel")
 HEADER = struct.Struct("<Q")
 MAX_FRAME = 1 << 30  # a 4096-token prefill plan is tens of KB; anything near this is garbage
 OK, ERROR, HELLO = "ok", "error", "hello"
+# Steps launched and not yet answered: the running one and the next, queued behind it on
+# the device (the engine keeps no more than two in flight either).
+MAX_LAUNCHED = 2
+POLL_S = 0.0001  # while one step runs and no plan is there, how often to look at both
 
 
 def encode(kind: str, payload: Any) -> bytes:
@@ -55,16 +64,53 @@ def _read_exact(conn: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-class StepServer:
-    """Serves one engine connection at a time: runs its plans in order on `execute`.
+class StepRunner(Protocol):
+    """What runs the plans (RankWorker): `launch` queues a step without waiting for the
+    device, `finish` waits for its output; steps finish in launch order."""
 
-    Each output's `timings` gains `wait` (seconds the channel sat idle before the plan
-    arrived: the GPU waited on the control plane, or had no work) and `recv` (reading and
-    unpickling it)."""
+    def launch(self, plan: StepPlan) -> Any: ...
 
-    def __init__(self, execute: Callable[[StepPlan], StepOutput], host: str = "127.0.0.1",
-                 on_start: Callable[[], None] | None = None):
+    def finish(self, launched: Any) -> StepOutput: ...
+
+    def needs_previous_tokens(self, plan: StepPlan) -> bool: ...
+
+
+class _Finished:
+    def __init__(self, out: StepOutput):
+        self.out = out
+
+    def ready(self) -> bool:
+        return True
+
+
+class RunEach:
+    """A plain `execute(plan) -> StepOutput` as a StepRunner whose steps finish as they are
+    launched (tests, the control-plane benchmark)."""
+
+    def __init__(self, execute: Callable[[StepPlan], StepOutput]):
         self.execute = execute
+
+    def launch(self, plan: StepPlan) -> _Finished:
+        return _Finished(self.execute(plan))
+
+    def finish(self, launched: _Finished) -> StepOutput:
+        return launched.out
+
+    def needs_previous_tokens(self, plan: StepPlan) -> bool:
+        return False
+
+
+class StepServer:
+    """Serves one engine connection at a time: launches its plans in order on `runner`
+    (a StepRunner, or a plain execute callable) and answers each with its output.
+
+    Each output's `timings` gains `wait` (seconds the channel sat idle, with nothing
+    launched, before the plan arrived: the device waited on the control plane, or had no
+    work) and `recv` (reading and unpickling it)."""
+
+    def __init__(self, runner: StepRunner | Callable[[StepPlan], StepOutput], host: str = "127.0.0.1",
+                 on_start: Callable[[], None] | None = None):
+        self.runner = runner if hasattr(runner, "launch") else RunEach(runner)
         self.on_start = on_start  # run once on the channel thread (e.g. bind the CUDA device)
         self.token = secrets.token_hex(16)
         self.sock = socket.create_server((host, 0))
@@ -131,29 +177,66 @@ class StepServer:
             log.warning("step channel: a connection without the actor's token was refused")
             return
         conn.sendall(encode(OK, None))
-        while True:
-            t0 = time.perf_counter()
-            header = _read_exact(conn, HEADER.size)
-            if header is None:
-                return  # the engine closed the channel
-            t1 = time.perf_counter()
-            (n,) = HEADER.unpack(header)
-            if n > MAX_FRAME:
-                raise OSError(f"frame of {n} bytes")
-            body = _read_exact(conn, n)
-            if body is None:
-                return
-            kind, plan = decode(body)
-            t2 = time.perf_counter()
-            try:
-                out = self.execute(plan)
-            except Exception as e:  # the engine fails this rank's requests with the message
-                log.exception("step %s failed", getattr(plan, "step_id", "?"))
-                # (message, traceback): the message may reach clients, the traceback only logs.
-                conn.sendall(encode(ERROR, (str(e) or "an error without a message",
-                                            traceback.format_exc(limit=8))))
-                continue
-            out.timings["wait"] = t1 - t0
-            out.timings["recv"] = t2 - t1
-            self.steps += 1
-            conn.sendall(encode(OK, out))
+        launched: deque = deque()  # (launched step, plan, timings), oldest first
+        try:
+            while True:
+                # What the device has finished goes back at once, oldest first.
+                while launched and launched[0][0].ready():
+                    self._answer(conn, *launched.popleft())
+                if len(launched) >= MAX_LAUNCHED:
+                    self._answer(conn, *launched.popleft())  # waits for the device
+                    continue
+                if launched and not select.select([conn], [], [], POLL_S)[0]:
+                    continue  # a step runs and no plan is there yet: look again
+                plan, timings = self._read_plan(conn, idle=not launched)
+                if plan is None:
+                    return  # the engine closed the channel
+                if launched and self.runner.needs_previous_tokens(plan):
+                    while launched:
+                        self._answer(conn, *launched.popleft())
+                try:
+                    step = self.runner.launch(plan)
+                except Exception as e:
+                    while launched:  # the earlier steps' outputs first: the engine pairs in order
+                        self._answer(conn, *launched.popleft())
+                    self._fail(conn, plan, e)
+                    continue
+                launched.append((step, plan, timings))
+        finally:
+            for step, _, _ in launched:  # steps still on the device end before the channel does
+                try:
+                    self.runner.finish(step)
+                except Exception:
+                    pass
+
+    def _read_plan(self, conn: socket.socket, idle: bool) -> tuple[StepPlan | None, dict]:
+        t0 = time.perf_counter()
+        header = _read_exact(conn, HEADER.size)
+        if header is None:
+            return None, {}
+        t1 = time.perf_counter()
+        (n,) = HEADER.unpack(header)
+        if n > MAX_FRAME:
+            raise OSError(f"frame of {n} bytes")
+        body = _read_exact(conn, n)
+        if body is None:
+            return None, {}
+        kind, plan = decode(body)
+        return plan, {"wait": t1 - t0 if idle else 0.0, "recv": time.perf_counter() - t1}
+
+    def _answer(self, conn: socket.socket, step: Any, plan: StepPlan, timings: dict) -> None:
+        try:
+            out = self.runner.finish(step)
+        except Exception as e:
+            self._fail(conn, plan, e)
+            return
+        out.timings.update(timings)
+        self.steps += 1
+        conn.sendall(encode(OK, out))
+
+    def _fail(self, conn: socket.socket, plan: StepPlan, e: Exception) -> None:
+        """The engine fails this rank's requests with the message."""
+        log.exception("step %s failed", getattr(plan, "step_id", "?"), exc_info=e)
+        # (message, traceback): the message may reach clients, the traceback only logs.
+        conn.sendall(encode(ERROR, (str(e) or "an error without a message",
+                                    "".join(traceback.format_exception(e, limit=8)))))

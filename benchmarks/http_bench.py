@@ -12,8 +12,9 @@ OpenAI-compatible server) and sends MT-bench first turns as streamed chat comple
 reports tokens/s, TTFT p50/p99, TPOT (time per output token after the first) and the gap
 between streamed chunks (p50/p99), and for Kestrel the server's side read from /metrics:
 its own TTFT (from admission), engine steps per second and the per-step phases
-(schedule and process on the engine loop, the worker's execute and recv, and `wait`: the
-worker idle before a step that was already queued, the GPU waiting on the control plane).
+(schedule and process on the engine loop, the worker's execute and recv, `wait`: the
+worker idle before a step that was already queued, and `GPU idle`: the GPU idle between
+the end of a step and the start of the next, read off the GPU's own clock).
 Then, with the server stopped, the same prompts at batch = concurrency through the
 in-process LLMEngine with the same settings, and the ratio HTTP / in-process. With
 --repeats each level runs that many times on both sides and the median run is reported
@@ -153,7 +154,7 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
 def table(name: str, levels: list[dict]) -> str:
     head = ("| server | c | tok/s | in-process tok/s | HTTP / in-process | TTFT p50 / p99 ms | "
             "server TTFT ms | TPOT ms | chunk gap p50 / p99 ms | steps/s | per step ms: schedule, "
-            "process, execute, recv, compile | wait ms / pipelined step | in-process per step ms: "
+            "process, execute, recv, compile | wait / GPU idle ms per pipelined step | in-process per step ms: "
             "schedule, execute, process |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     def num(v, fmt: str) -> str:
@@ -172,7 +173,8 @@ def table(name: str, levels: list[dict]) -> str:
             f"{num(ratio, '.2f')} | {lv['ttft_p50_ms']:.0f} / {lv['ttft_p99_ms']:.0f} | "
             f"{num(sv.get('server_ttft_mean_ms'), '.0f')} | {lv['tpot_ms']:.2f} | "
             f"{lv['gap_p50_ms']:.1f} / {lv['gap_p99_ms']:.1f} | {num(sv.get('steps_s'), '.0f')} | "
-            f"{phases} | {num(sv.get('wait_ms_per_pipelined_step'), '.3f')} | {ip_phases} |")
+            f"{phases} | {num(sv.get('wait_ms_per_pipelined_step'), '.3f')} / "
+            f"{num(sv.get('gpu_idle_ms_per_pipelined_step'), '.3f')} | {ip_phases} |")
     return "\n".join(lines)
 
 

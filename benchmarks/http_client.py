@@ -93,7 +93,7 @@ async def scrape(session, url: str) -> dict[str, float]:
         if not m:
             continue
         name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        sub = re.search(r'(?:mode|phase)="([a-z]+)"', labels)
+        sub = re.search(r'(?:mode|phase)="([a-z_]+)"', labels)
         key = f"{name}:{sub.group(1)}" if sub else name
         out[key] = out.get(key, 0.0) + value
     return out
@@ -113,6 +113,8 @@ def server_side(before: dict[str, float], after: dict[str, float], seconds: floa
             "extend_steps": d.get("kestrel_engine_steps_total:extend", 0),
             "accept_mean": d.get("kestrel_spec_accept_length_sum", 0.0) / accepts if accepts else None,
             "wait_ms_per_pipelined_step": 1000 * d.get("kestrel_engine_step_seconds_total:wait", 0.0)
+            / pipelined if pipelined else None,
+            "gpu_idle_ms_per_pipelined_step": 1000 * d.get("kestrel_engine_step_seconds_total:gpu_idle", 0.0)
             / pipelined if pipelined else None,
             "pipelined_share": pipelined / steps,
             "server_ttft_mean_ms": 1000 * d.get("kestrel_time_to_first_token_seconds_sum", 0.0) / ttft_n

@@ -56,7 +56,7 @@ MAX_IN_FLIGHT = 2
 # dp_attention: once a rank failed, how long its peers get to report their own failure
 # (theirs follows from it), so the error names the cause: a rank that is gone.
 FAILURE_GRACE_S = 1.0
-STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile")
+STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile", "gpu_idle")
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[str, Any]:
@@ -77,9 +77,10 @@ class EngineCore:
         self.writer: asyncio.StreamWriter | None = None
         self._outbox: list[tuple] = []  # this step's outputs, sent as one frame
         # Per rank: seconds in each phase of a step (schedule and process here; execute,
-        # wait and recv as the actor measured them), and steps by mode. `wait` counts only
-        # plans sent while another was in flight: the time the GPU sat idle waiting on the
-        # control plane although its next step could have been queued.
+        # wait, recv and gpu_idle as the actor measured them), and steps by mode. `wait`
+        # and `gpu_idle` count only plans sent while another was in flight: the time the
+        # channel, and the GPU by its own clock, sat idle waiting on the control plane
+        # although the next step could have been queued.
         self.step_seconds = [dict.fromkeys(STEP_PHASES, 0.0) for _ in infos]
         self.step_counts = [{"extend": 0, "decode": 0, "pipelined": 0} for _ in infos]
         self.failed: str | None = None
@@ -242,6 +243,7 @@ class EngineCore:
         counts[plan.mode] += 1
         if pipelined:
             seconds["wait"] += timings.get("wait", 0.0)
+            seconds["gpu_idle"] += timings.get("gpu_idle", 0.0)
             counts["pipelined"] += 1
 
     def _fail(self, e: Exception, who: str, ranks: list[int]) -> None:

@@ -123,7 +123,8 @@ class _StepCollector:
             steps.add_metric([self.m.model, rep, mode], n)
         secs = CounterMetricFamily("kestrel_engine_step_seconds", "Seconds per step phase: "
                                    "schedule, process (engine loop); execute, recv (rank "
-                                   "worker); wait (the worker idle before a pipelined step)",
+                                   "worker); wait (the worker idle before a pipelined step), "
+                                   "gpu_idle (the GPU idle before it, by the GPU's clock)",
                                    labels=["model", "replica", "phase"])
         for phase, v in (stats.get("step_seconds") or {}).items():
             secs.add_metric([self.m.model, rep, phase], v)

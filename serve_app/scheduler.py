@@ -303,7 +303,10 @@ class Scheduler:
             chosen = self._fill_chunks(plan)
         if not chosen:
             return None
-        plan.coins = self._coins(chosen)
+        # Only a chunk that ends its prompt samples: a request's coins do not depend on how
+        # its prompt was chunked (which depends on what else was prefilling), so a seed
+        # gives the same text under any load.
+        plan.coins = self._coins(chosen, plan.last_chunk)
         self._inflight[plan.step_id] = [(r, r.admissions) for r in chosen]
         return plan
 
@@ -395,10 +398,11 @@ class Scheduler:
         if any(p.logprobs is not None for p in params):
             plan.logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
 
-    def _coins(self, reqs: list[Request]) -> np.ndarray:
+    def _coins(self, reqs: list[Request], draw: list[bool] | None = None) -> np.ndarray:
+        """Each sampled request's next coins (those `draw` marks, when given); zeros else."""
         coins = np.zeros((len(reqs), self.coins_per_request), dtype=np.float32)  # [B, C]
         for i, req in enumerate(reqs):
-            if req.coin_stream is not None:
+            if req.coin_stream is not None and (draw is None or draw[i]):
                 coins[i] = req.coin_stream.next()
         return coins
 

@@ -78,20 +78,20 @@ def require_compiled_triton(module, kernel_name: str) -> None:
 
 class LocalEngine:
     """The Serve engine without Serve, on the calling event loop: a StepServer running
-    `execute` on its thread (as a RankActor does), an EngineCore driving it over the step
+    `runner`'s steps on its thread (a RankWorker, as a RankActor does, or a plain execute), an EngineCore driving it over the step
     channel, an EngineClient talking to the core over the front channel (real sockets)."""
 
     def __init__(self, client, core, server):
         self.client, self.core, self.server = client, core, server
 
     @classmethod
-    async def start(cls, cfg, info: dict, execute, tokenizer, on_start=None) -> "LocalEngine":
+    async def start(cls, cfg, info: dict, runner, tokenizer, on_start=None) -> "LocalEngine":
         from actors.step_channel import StepServer
         from serve_app.engine_client import EngineClient
         from serve_app.engine_core import EngineCore
         from serve_app.rank_channel import RankChannel
         from serve_app.tokenizer import stop_token_ids
-        server = StepServer(execute, on_start=on_start)
+        server = StepServer(runner, on_start=on_start)
         channel = await RankChannel.connect(*server.address, server.token, 0)
         eos = sorted(stop_token_ids(tokenizer, info["eos_token_ids"]))
         core = EngineCore(cfg, [info], [channel], eos)

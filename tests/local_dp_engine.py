@@ -22,7 +22,7 @@ def _rank_main(rank: int, cfg_json: dict, port: int, conn, hook) -> None:
     report = hook(rank) if hook is not None else None
     worker = LockstepWorker(KestrelConfig.model_validate(cfg_json), rank)
     worker.join("127.0.0.1", port)
-    server = StepServer(worker.execute)
+    server = StepServer(worker)
     conn.send((server.address, server.token, worker.info(), os.getpid()))
     conn.recv()  # "stop": the engine closed its channel; the steps queued still run
     deadline = time.monotonic() + 60

@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from actors.attention.base import AttentionBackend
 from actors.forward_batch import ForwardBatch
+from actors.host_copy import to_device
 from kernels.triton_attention import paged_attention
 
 
@@ -48,10 +50,7 @@ class TritonBackend(AttentionBackend):
             # arange/full are device kernels: no host-to-device copy, capture-safe.
             qo_indptr = torch.arange(B + 1, dtype=torch.int64, device=dev) * n  # [B+1] int64
         else:  # ragged prefill chunks: eager only (host list -> device copy)
-            lens = torch.tensor(qlens, dtype=torch.int64)  # [B] int64 host
-            qo_indptr = torch.zeros(B + 1, dtype=torch.int64)  # [B+1] int64 host
-            qo_indptr[1:] = torch.cumsum(lens, 0)
-            qo_indptr = qo_indptr.to(dev)
+            qo_indptr = to_device(np.cumsum([0] + qlens), torch.int64, dev)  # [B+1] int64
         if fb.new_kv_slots is not None:
             E = int(fb.new_kv_slots.shape[1])  # a shape: host int
             new_kv_lens = torch.full((B,), E, dtype=torch.int64, device=dev)  # [B] int64
@@ -68,10 +67,8 @@ class TritonBackend(AttentionBackend):
             else:  # wider mask than the batch needs, or ragged: cut each request's block
                 custom_mask = torch.cat([cm[b, :qlens[b], :elist[b]].reshape(-1)
                                          for b in range(B)])  # [sum q_b*E_b] bool
-                sizes = torch.tensor([q * e for q, e in zip(qlens, elist)], dtype=torch.int64)
-                mask_indptr = torch.zeros(B + 1, dtype=torch.int64)  # [B+1] int64 host
-                mask_indptr[1:] = torch.cumsum(sizes, 0)
-                mask_indptr = mask_indptr.to(dev)
+                sizes = [q * e for q, e in zip(qlens, elist)]
+                mask_indptr = to_device(np.cumsum([0] + sizes), torch.int64, dev)  # [B+1] int64
         fb.attn_meta = TritonMeta(fb.req_pool_indices, fb.prefix_lens, new_kv_lens, qo_indptr,
                                   max(qlens) if qlens else 0, custom_mask, mask_indptr)
 

@@ -19,6 +19,7 @@ from actors.dp.attention_group import DPAttentionGroup
 from actors.dp.sharded_layers import shard_model, weight_bytes
 from actors.dp.step_phases import DRAFT_EXTEND, DraftShape, Phase
 from actors.dp.sync import ForwardMode, idle_sync_row, make_sync_row
+from actors.launched_step import LaunchedStep
 from actors.rank_worker import RankWorker
 from actors.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
@@ -83,18 +84,26 @@ class LockstepWorker:
             return make_sync_row(T, T, False, False, ForwardMode.TARGET_VERIFY)
         return make_sync_row(B, B, False, False, ForwardMode.DECODE)
 
+    # The step channel's StepRunner: every rank launches the same steps in the same order,
+    # so the collectives inside `launch` pair; `finish` only waits for the tokens.
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def launch(self, plan: StepPlan) -> LaunchedStep:
         if plan.prompt_logprobs is not None:
             # Its extra LM-head calls would not line up with the peers' (the front end refuses it).
             raise ValueError("prompt_logprobs is not available with parallel.dp_attention")
         dp = self.dp
         dp.begin_step(self.sync_row(plan))
         self._run_idle_phases()  # the phases before this rank's own
-        out = self.worker.execute(plan)  # an idle plan runs no forward
+        step = self.worker.launch(plan)  # an idle plan runs no forward
         self._run_idle_phases()  # and, for it, every phase
         dp.end_step()
-        return out
+        return step
+
+    def finish(self, step: LaunchedStep) -> StepOutput:
+        return self.worker.finish(step)
+
+    def needs_previous_tokens(self, plan: StepPlan) -> bool:
+        return self.worker.needs_previous_tokens(plan)
 
     def _run_idle_phases(self) -> None:
         while self.dp.pending and self.dp.pending[0].own_tokens == 0:

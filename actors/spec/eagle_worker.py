@@ -31,6 +31,8 @@ import torch
 from actors.cuda_graph_runner import GraphBatch, GraphRunner, VerifyPath
 from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
+from actors.host_copy import HostCopy, to_device
+from actors.launched_step import Emitted
 from actors.logprobs import tree_logprobs
 from actors.kv_cache import TokenToKVPool
 from actors.model_runner import ModelRunner
@@ -107,9 +109,10 @@ class EagleWorker:
                              ends):
         """Draft extend over a prefill chunk: ids shifted by one (the token after each
         position: the next prompt token, or the sampled first output on the last chunk).
-        `ends` [B] are the chunks' last rows, `done` the requests whose prompt is complete."""
+        `ends` [B] are the chunks' last rows, `done` [D] int64 the plan positions of the
+        requests whose prompt is complete."""
         w = self.w
-        nxt = torch.tensor(plan.next_ids, dtype=torch.int64, device=w.device)
+        nxt = to_device(plan.next_ids, torch.int64, w.device)
         nxt = torch.where(nxt >= 0, nxt, tokens)
         shifted = torch.roll(fb.input_ids, -1)  # a new tensor: fb keeps its ids
         shifted[ends] = nxt
@@ -156,7 +159,9 @@ class EagleWorker:
         return runner is not None and runner.pad_size(bs) is not None
 
     # ---- one speculative decode iteration ---------------------------------------------------
-    def decode(self, plan: StepPlan) -> list[list[int]]:
+    def decode(self, plan: StepPlan) -> Emitted:
+        """One iteration for the plan's rows, queued on the device -> the accepted tokens
+        of each request, on their way to the host."""
         w, K, S, N = self.w, self.K, self.S, self.N
         dev = w.device
         clock = PhaseClock(self.cfg.profile_steps, w.device)
@@ -164,11 +169,11 @@ class EagleWorker:
         if g is not None and g.pad_size(len(plan.rows)) is not None and plan.processing is None \
                 and plan.logprobs is None and not any(t > 0 for t in plan.temperature) \
                 and not w.grammars.any(plan.rows):
-            out = g.run(list(plan.rows)).tolist()  # the iteration's one host sync
+            out = HostCopy(g.run(list(plan.rows)))  # the iteration's one copy to the host
             clock.mark("step_graph")
             self.last_timings = clock.times
-            return [r[1:1 + r[0]] for r in out]
-        rows = torch.tensor(plan.rows, dtype=torch.int64, device=dev)  # [B] int64
+            return Emitted(out, lambda host: [r[1:1 + r[0]] for r in host[0].tolist()])
+        rows = to_device(plan.rows, torch.int64, dev)  # [B] int64
         B = rows.numel()
         c = w.future.resolve(rows)
         seq = c.seq_lens  # [B] int64
@@ -205,8 +210,8 @@ class EagleWorker:
         self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
         clock.mark("accept_and_draft_extend")
         self.last_timings = clock.times
-        pl, al = predict.tolist(), accept_length.tolist()
-        return [pl[b][:al[b]] for b in range(B)]
+        return Emitted(HostCopy(predict, accept_length),
+                       lambda host: [p[:n] for p, n in zip(host[0].tolist(), host[1].tolist())])
 
     def _keep_accepted_kv(self, loc: torch.Tensor, accept_index: torch.Tensor) -> None:
         """Move accepted nodes' target KV from their verify slots ``loc`` [B, N] to the
@@ -389,13 +394,13 @@ class EagleWorker:
         hot = [i for i, t in enumerate(plan.temperature) if t > 0]
         if hot:
             dev = logits.device
-            idx = torch.tensor(hot, dtype=torch.int64, device=dev)
-            rep = lambda vals, dt: torch.tensor([vals[i] for i in hot], dtype=dt, device=dev).repeat_interleave(N)
+            idx = to_device(hot, torch.int64, dev)
+            rep = lambda vals, dt: to_device([vals[i] for i in hot], dt, dev).repeat_interleave(N)
             probs = process_logits(logits[idx].reshape(len(hot) * N, -1),
                                    rep(plan.temperature, torch.float32), rep(plan.top_p, torch.float32),
                                    rep(plan.top_k, torch.int64),
                                    None if pp is None else rep(pp.min_p, torch.float32)).view(len(hot), N, -1)
-            coins = torch.from_numpy(plan.coins).to(dev)[idx]  # [b, N+1]: N node coins, then the final coin
+            coins = to_device(plan.coins[hot], torch.float32, dev)  # [b, N+1]: N node coins, then the final coin
             ai, al, pr = tree_sampling_verify(tree.tokens[idx], probs, tree.first_child[idx],
                                               tree.next_sibling[idx], S, coins[:, :N], coins[:, N])
             accept_index[idx], accept_length[idx], predict[idx] = ai, al, pr

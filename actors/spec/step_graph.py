@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from actors.cuda_graph_runner import EagerGraph, capture_cuda_graph, padded_size
+from actors.host_copy import to_device
 
 
 class StepGraph:
@@ -53,8 +54,7 @@ class StepGraph:
         bs = self.pad_size(raw)
         if bs is None or bs not in self._graphs:
             raise ValueError(f"no step graph holds a batch of {raw} (captured {sorted(self._graphs)})")
-        padded = torch.tensor(rows + [-1] * (bs - raw), dtype=torch.int64)  # [bs] int64 host
-        self.rows[:bs].copy_(padded)
+        self.rows[:bs].copy_(to_device(rows + [-1] * (bs - raw), torch.int64, self.device))
         graph = self._graphs[bs]
         graph.replay()
         return graph.output[:raw]

@@ -1,7 +1,9 @@
 """The Serve engine's step path on the GPU: a RankWorker with CUDA graphs, the plan stream
 and the step graph runs its steps on the step channel's own thread (as in a RankActor),
-driven by an EngineCore over a real socket with two steps in flight, and must give exactly
-what the same worker gives in-process (same batches, same graphs, greedy)."""
+driven by an EngineCore over a real socket with two steps in flight, each launched on the
+GPU behind the one running (RankWorker.launch), and must give exactly what the same
+worker gives in-process, one step at a time (same batches, same graphs; greedy, and mixed
+with seeded sampling and logprobs, whose paths copy to the host inside a step)."""
 import asyncio
 
 import pytest
@@ -12,8 +14,16 @@ H200 = ["device=cuda", "model.dtype=bfloat16", "kv_cache.num_slots=65536", "kv_c
 TREE = ["draft.enabled=true", "draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]
 
 
-@pytest.mark.parametrize("spec", [[], TREE], ids=["plain", "tree"])
-def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, spec):
+def _params(mixed: bool, i: int) -> dict:
+    kinds = [{}, dict(temperature=0.8, seed=100 + i), dict(logprobs=3)] if mixed else [{}]
+    return dict(max_tokens=48, ignore_eos=True, **kinds[i % len(kinds)])
+
+
+# Plain decode replays one graph whatever the sampling; a tree batch takes the one-graph
+# iteration when greedy and the per-phase path when mixed.
+@pytest.mark.parametrize("spec,mixed", [([], True), (TREE, False), (TREE, True)],
+                         ids=["plain-mixed", "tree-greedy", "tree-mixed"])
+def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, spec, mixed):
     import torch
 
     from actors.rank_worker import RankWorker
@@ -26,14 +36,14 @@ def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, sp
     worker = RankWorker(cfg)
     prompts = chat_prompts[:8]
     ref = LLMEngine(cfg, tokenizer=tokenizer, workers=[worker])
-    want = [r.output_ids for r in ref.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))]
+    params = [_params(mixed, i) for i in range(len(prompts))]
+    want = [r.output_ids for r in ref.generate(prompts, [SamplingParams(**p) for p in params])]
 
     async def run():
         index = torch.cuda.current_device()  # the channel thread uses the worker's device
-        eng = await LocalEngine.start(cfg, worker.info(), worker.execute, tokenizer,
+        eng = await LocalEngine.start(cfg, worker.info(), worker, tokenizer,
                                       on_start=lambda: torch.cuda.set_device(index))
-        streams = [eng.client.add_request(p, dict(max_tokens=48, ignore_eos=True), f"g{i}")
-                   for i, p in enumerate(prompts)]
+        streams = [eng.client.add_request(p, params[i], f"g{i}") for i, p in enumerate(prompts)]
 
         async def ids(stream):
             return [t async for out in stream for t in out.new_token_ids]
@@ -45,5 +55,6 @@ def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, sp
     got, stats = asyncio.run(run())
     assert got == want
     steps = stats["steps"]
-    wait_ms = 1000 * stats["step_seconds"]["wait"] / max(1, steps["pipelined"])
-    print(f"{'tree' if spec else 'plain'}: {steps}, worker idle {wait_ms:.3f} ms per pipelined step")
+    per = lambda phase: 1000 * stats["step_seconds"][phase] / max(1, steps["pipelined"])
+    print(f"{'tree' if spec else 'plain'}{' mixed' if mixed else ''}: {steps}, worker idle "
+          f"{per('wait'):.3f} ms, GPU idle {per('gpu_idle'):.3f} ms per pipelined step")

@@ -148,6 +148,10 @@ def test_seeded_sampling_is_reproducible(tiny_worker, tokenizer, chat_prompts):
     a = eng.generate([chat_prompts[1]], p)[0].output_ids
     b = eng.generate([chat_prompts[1], chat_prompts[2]], [p, p])[0].output_ids
     assert a == b  # same seed, same tokens, whatever else is in the batch
+    # ... and however its prompt was chunked (other prompts share the prefill budget)
+    chunked = make_tiny_engine(tiny_worker, tokenizer, "scheduler.chunked_prefill_size=16")
+    c = chunked.generate([chat_prompts[2], chat_prompts[1]], [p, p])[1].output_ids
+    assert c == a
     others = [eng.generate([chat_prompts[1]], SamplingParams(
         max_tokens=32, temperature=1.2, seed=s, ignore_eos=True))[0].output_ids for s in (7, 8)]
     assert any(o != a for o in others)  # the seed matters

@@ -1,37 +1,48 @@
-"""Overlap: dispatching step N+1 before processing step N (as the Serve engine does) gives
+"""Overlap: dispatching step N+1 before processing step N (as the Serve engine does), and
+launching it on the worker before step N has finished (as the step channel does), gives
 the same tokens as the one-at-a-time loop, with chunked prefills in flight and requests
-joining mid-run, plain and speculative."""
+joining mid-run, plain and speculative, greedy, sampled and with logprobs."""
 from collections import deque
 
 import pytest
 
-from spec_helpers import CHAIN, TREE, greedy, outputs, random_prompts, tiny_engine
+from serve_app.request import SamplingParams
+from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
+
+
+def _params(i: int) -> SamplingParams:
+    kinds = [dict(), dict(temperature=0.9, seed=11 + i), dict(logprobs=2)]
+    return SamplingParams(max_tokens=20, ignore_eos=True, **kinds[i % 3])
 
 
 @pytest.mark.parametrize("shape", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
-def test_two_steps_in_flight_equal_sequential(tiny_llama_dir, shape):
+def test_two_steps_launched_ahead_equal_sequential(tiny_llama_dir, shape):
     spec = shape is not None
     ov = shape or ()
     prompts = random_prompts(8, seed=2)
-    ref = outputs(tiny_engine(tiny_llama_dir, *ov, spec=spec), prompts, 20)
-    eng = tiny_engine(tiny_llama_dir, *ov, "scheduler.chunked_prefill_size=16", spec=spec)
+    params = [_params(i) for i in range(len(prompts))]
+    chunk = "scheduler.chunked_prefill_size=16"  # a sampled request draws coins per chunk
+    want = tiny_engine(tiny_llama_dir, *ov, chunk, spec=spec).generate(prompts, params)
+    eng = tiny_engine(tiny_llama_dir, *ov, chunk, spec=spec)
     sched, worker = eng.schedulers[0], eng.workers[0]
-    reqs = [eng.add_request(p, greedy(20)) for p in prompts[:3]]
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params)]
     inflight, steps, overlapped = deque(), 0, 0
     while sched.has_work or inflight:
         while len(inflight) < 2:
             plan = sched.schedule()
             if plan is None:
                 break
-            inflight.append((plan, worker.execute(plan)))
+            inflight.append((plan, worker.launch(plan)))  # N+1 launched before N finishes
         overlapped += len(inflight) == 2
-        plan, out = inflight.popleft()
-        sched.process_output(plan, out)
+        plan, launched = inflight.popleft()
+        sched.process_output(plan, worker.finish(launched))
         steps += 1
         if steps == 3:
-            reqs += [eng.add_request(p, greedy(20)) for p in prompts[3:]]
+            reqs += [eng.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:])]
     assert overlapped > 5
-    assert [r.output_ids for r in reqs] == ref
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in want]
+    for got, ref in zip(reqs, want):
+        assert [lp[0] for lp in got.token_logprobs] == pytest.approx([lp[0] for lp in ref.token_logprobs], abs=5e-5)
     assert sched.slots.free_slots + sched.cache.evictable_slots == sched.slots.capacity
 
 
@@ -48,16 +59,17 @@ def test_preemption_with_two_steps_in_flight(tiny_llama_dir, shape):
     eng = tiny_engine(tiny_llama_dir, *ov, "scheduler.chunked_prefill_size=16",
                       "kv_cache.num_slots=200", spec=spec)
     sched, worker = eng.schedulers[0], eng.workers[0]
-    reqs = [eng.add_request(p, greedy(16)) for p in prompts]
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
     inflight = deque()
     while sched.has_work or inflight:
         while len(inflight) < 2:
             plan = sched.schedule()
             if plan is None:
                 break
-            inflight.append((plan, worker.execute(plan)))
+            inflight.append((plan, worker.launch(plan)))
         if not inflight:
             continue
-        sched.process_output(*inflight.popleft())
+        plan, launched = inflight.popleft()
+        sched.process_output(plan, worker.finish(launched))
     assert sched.stats["preemptions"] > 0
     assert [r.output_ids for r in reqs] == ref

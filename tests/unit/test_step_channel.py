@@ -30,7 +30,7 @@ def _cfg(*extra):
 
 
 async def _engine(cfg, worker, tokenizer, execute=None) -> LocalEngine:
-    return await LocalEngine.start(cfg, worker.info(), execute or worker.execute, tokenizer)
+    return await LocalEngine.start(cfg, worker.info(), execute or worker, tokenizer)
 
 
 async def _collect(stream):
@@ -187,3 +187,75 @@ def test_a_connection_without_the_token_is_refused_before_any_unpickling():
 
     assert asyncio.run(honest()) == [[7], [7]]
     server.close()
+
+
+class QueueingDevice:
+    """A stand-in for a GPU's stream (the CPU runs every step to the end at launch): a
+    launched step runs for `step_s` once the steps before it have run; `ready` says whether
+    it has, `finish` waits for it. The real device: tests/gpu/test_step_channel_gpu.py."""
+
+    def __init__(self, step_s: float):
+        self.step_s, self.free_at = step_s, 0.0
+        self.launches: list[tuple[int, float, float]] = []  # (step, launched at, previous end)
+        self.finished: list[int] = []
+
+    def launch(self, plan):
+        now = time.monotonic()
+        previous_end, self.free_at = self.free_at, max(now, self.free_at) + self.step_s
+        self.launches.append((plan.step_id, now, previous_end))
+        return plan, self.free_at
+
+    def ready(self, launched) -> bool:
+        return time.monotonic() >= launched[1]
+
+    def finish(self, launched):
+        plan, end = launched
+        time.sleep(max(0.0, end - time.monotonic()))
+        self.finished.append(plan.step_id)
+        return StepOutput(plan.step_id, [[plan.step_id] for _ in plan.rows])
+
+    def needs_previous_tokens(self, plan) -> bool:
+        return plan.mode == "extend"  # as a plan with a grammar row would
+
+
+def test_the_next_step_is_launched_behind_the_running_one():
+    device = QueueingDevice(step_s=0.05)
+
+    class Runner:  # launched steps answer `ready()` themselves, as LaunchedStep does
+        def launch(self, plan):
+            launched = device.launch(plan)
+            return type("Launched", (), {"ready": lambda _: device.ready(launched), "item": launched})()
+
+        def finish(self, launched):
+            return device.finish(launched.item)
+
+        def needs_previous_tokens(self, plan):
+            return device.needs_previous_tokens(plan)
+
+    server = StepServer(Runner())
+    modes = ["decode"] * 4 + ["extend"] + ["decode"] * 3
+
+    async def engine():  # as EngineCore: two plans in flight, the next sent after each answer
+        channel = await RankChannel.connect(*server.address, server.token, 0)
+        sent, outs = 0, []
+        for _ in range(2):
+            sent += 1
+            channel.send(StepPlan(sent, modes[sent - 1], [sent]))
+        while len(outs) < len(modes):
+            outs.append(await asyncio.wait_for(channel.recv(), 5))
+            if sent < len(modes):
+                sent += 1
+                channel.send(StepPlan(sent, modes[sent - 1], [sent]))
+        channel.close()
+        return outs
+
+    outs = asyncio.run(engine())
+    server.close()
+    assert [o.step_id for o in outs] == list(range(1, 9)) and [o.tokens for o in outs] == [[[i]] for i in range(1, 9)]
+    launched_at = {step: (at, prev_end) for step, at, prev_end in device.launches}
+    # Each decode after the first was on the device before the one ahead of it had ended...
+    queued = [s for s in (2, 3, 4, 7, 8) if launched_at[s][0] < launched_at[s][1]]
+    assert len(queued) >= 4, device.launches
+    # ...but a plan that reads the previous tokens waited for every earlier step.
+    assert launched_at[5][0] >= launched_at[5][1]
+    assert device.finished == list(range(1, 9))
