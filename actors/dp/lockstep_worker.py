@@ -93,9 +93,9 @@ class LockstepWorker:
             raise ValueError("prompt_logprobs is not available with parallel.dp_attention")
         dp = self.dp
         dp.begin_step(self.sync_row(plan))
-        self._run_idle_phases()  # the phases before this rank's own
-        step = self.worker.launch(plan)  # an idle plan runs no forward
-        self._run_idle_phases()  # and, for it, every phase
+        self._run_idle_phases()  # those before this rank's own (all, for an idle plan)
+        step = self.worker.launch(plan)  # an idle plan applies what it carries, no forward
+        self._run_idle_phases()  # any after them
         dp.end_step()
         return step
 

@@ -1,8 +1,9 @@
-"""An Engine replica whose two DP ranks step in lockstep (parallel.dp_attention=true): over
-HTTP its greedy output equals the in-process engine's on one rank; prompt_logprobs is
-refused; a killed rank fails the in-flight stream within 30 s with an error, Serve
-replaces the replica and the next request succeeds. On the 1-layer random model with
-SmolLM2's tokenizer (the tiny_model fixture): the ranks' group and steps are under test."""
+"""An Engine replica whose two DP ranks step in lockstep (parallel.dp_attention=true),
+speculating: over HTTP its greedy output equals the in-process engine's on one rank;
+prompt_logprobs is refused; a killed rank fails the in-flight stream within 30 s with an
+error, Serve replaces the replica and the next request succeeds. On the 1-layer random
+model with SmolLM2's tokenizer (the tiny_model fixture): the ranks' group and steps are
+under test."""
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,11 @@ def dp_attention_cfg(server, tiny_model):
 
     from configs.schema import load_config
     from serve_app.app import build_app
+    # Speculative (the preset's chain, a random head drafting below draft.max_token_id):
+    # the draft phases and the LM head's vocabulary cut run their collectives too.
     cfg = load_config(overrides=server.overrides + [f"model.path={tiny_model}", "parallel.dp_size=2",
-                                                    "parallel.dp_attention=true"])
+                                                    "parallel.dp_attention=true", "draft.enabled=true",
+                                                    "draft.path=random"])
     # A health check each second: the replacement after the kill starts sooner.
     serve.run(build_app(cfg, engine_options={"health_check_period_s": 1.0}), name=APP,
               route_prefix="/dpattn")
