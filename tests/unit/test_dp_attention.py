@@ -2,11 +2,14 @@
 rank a process of its own (tests/local_dp_engine.py) joined over gloo, on the tiny random
 target in fp32. The group's greedy tokens equal one rank's, plain and speculative; the
 steps really mix idle ranks, different batch sizes, prefills beside decodes and a
-preemption; an int32 producer never puts an int32 tensor into a collective; a broken
-or killed rank fails the requests with an error, never a hang; the weights are split."""
+preemption; an int32 producer never puts an int32 tensor into a collective; a rank
+that leaves the protocol, hangs or dies fails the requests with an error, never a hang;
+the weights are split; the real model on two ranks picks one rank's tokens."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -203,6 +206,31 @@ def test_a_killed_rank_fails_the_requests_at_once(loop, dp_cfg):
     message, took = loop(run())
     assert "rank 1 closed its step channel" in message, message
     assert took < 10, took
+
+
+def test_a_hung_rank_fails_the_requests_after_the_timeout(loop, dp_cfg):
+    """Rank 1 stops (SIGSTOP) mid-stream: its channel stays open, but rank 0's next
+    collective gives up after parallel.dp_timeout_s, and that fails the replica."""
+    cfg = dp_cfg(2, "plain", "parallel.dp_timeout_s=3")
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg)
+        try:
+            stream = eng.client.add_request(FIRST[0], greedy(120), "long")
+            await stream.__anext__()
+            t0 = time.monotonic()
+            os.kill(eng.procs[1].pid, signal.SIGSTOP)
+            with pytest.raises(StreamFailed) as failed:
+                await collect(stream)
+            took = time.monotonic() - t0
+        finally:
+            eng.procs[1].kill()
+            await eng.stop()
+        return str(failed.value), took
+
+    message, took = loop(run())
+    assert "rank 0" in message and "Timed out" in message, message
+    assert took < 15, took
 
 
 def test_step_phases_of_a_mixed_step():
