@@ -4,7 +4,9 @@ A thin wrapper: the Engine deployment creates one per bundle of its placement gr
 Steps do not travel as Ray calls: the actor serves them on its step channel
 (actors/step_channel.py), a socket the engine connects to with the address and token
 `info()` returns. Ray calls (`info`, `ping`) run on the actor's own thread, beside the
-channel's, so a health check is answered even while a long step runs.
+channel's, so a health check is answered even while a long step runs. Under
+parallel.dp_attention the worker is a LockstepWorker, and the deployment joins the ranks
+into one group (`dp_address` on rank 0, then `join_dp` on every rank at once).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from typing import Any
 import ray
 import torch
 
+from actors.dp.group import find_free_port
+from actors.dp.lockstep_worker import LockstepWorker
 from actors.rank_worker import RankWorker
 from actors.step_channel import StepServer
 from configs.schema import KestrelConfig
@@ -27,7 +31,7 @@ class RankActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         if not isinstance(cfg, KestrelConfig):
             cfg = KestrelConfig.model_validate(cfg)
-        self.worker = RankWorker(cfg, rank)
+        self.worker = LockstepWorker(cfg, rank) if cfg.parallel.dp_attention else RankWorker(cfg, rank)
         ip = ray.util.get_node_ip_address()
         host = "127.0.0.1" if engine_ip in (None, ip) else ip
         # The channel thread runs the steps: it must use the device this thread loaded on.
@@ -45,3 +49,11 @@ class RankActor:
 
     def ping(self) -> int:
         return self.worker.rank
+
+    def dp_address(self) -> tuple[str, int]:
+        """Rank 0: where the group meets (this node, a free port)."""
+        ip = ray.util.get_node_ip_address()
+        return ip, find_free_port(ip)
+
+    def join_dp(self, master_addr: str, master_port: int) -> None:
+        self.worker.join(master_addr, master_port)

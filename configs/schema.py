@@ -114,7 +114,14 @@ class AttentionConfig(_Strict):
 
 class ParallelConfig(_Strict):
     dp_size: int = Field(1, ge=1, le=64)
+    # The replica's ranks step in lockstep as one engine: attention and the KV cache per
+    # rank, the MLP, embedding and LM head split across the ranks (docs/serve.md); a
+    # model whose weights do not fit one device runs as one replica. Off: the ranks are
+    # independent engines behind one replica.
     dp_attention: bool = False
+    # dp_attention: the longest any collective waits for the other ranks. A rank that
+    # died or hangs then fails the replica's requests, within Serve's 30 s health check.
+    dp_timeout_s: float = Field(20.0, gt=0)
 
 
 class AutoscalingConfig(_Strict):
@@ -177,6 +184,14 @@ class KestrelConfig(_Strict):
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    @model_validator(mode="after")
+    def _dp_attention_eager(self) -> "KestrelConfig":
+        if self.parallel.dp_attention and self.attention.cuda_graphs:
+            raise ValueError("parallel.dp_attention runs its steps eagerly: set "
+                             "attention.cuda_graphs=false (graphs with collectives inside "
+                             "are not built yet)")
+        return self
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -63,10 +63,13 @@ class EngineClient:
         self.ping = ping
         self.replica = replica
         sc = cfg.scheduler
-        self.capacity = sc.held_per_rank
+        # Under dp_attention the core places each request by the ranks' loads: one count
+        # here, against the whole group's capacity (the least loaded rank is then below its own).
+        self.lockstep = cfg.parallel.dp_attention
+        self.capacity = sc.held_per_rank * (num_ranks if self.lockstep else 1)
         self.interval_s = cfg.serve.stream_interval_ms / 1000.0
         self.streams: dict[str, RequestStream] = {}
-        self.held = [0] * num_ranks  # streams per rank that have not ended
+        self.held = [0] * (1 if self.lockstep else num_ranks)  # streams per rank that have not ended
         self.closing = False
         self.failed: str | None = None
         self._vocab_sent = False  # the grammar vocabulary (serve_app/grammar.py), sent once
@@ -150,6 +153,10 @@ class EngineClient:
             params = SamplingParams(**sampling_params)
             prompt = [int(t) for t in prompt_ids]
             check_prompt(prompt, self.cfg.model.max_model_len)
+            if self.lockstep and params.prompt_logprobs is not None:
+                # Its extra LM-head calls on one rank would not line up with the others'.
+                raise ValueError("prompt_logprobs (and echo with logprobs) is not available "
+                                 "with parallel.dp_attention")
         except (TypeError, ValueError) as e:
             raise RequestRejected(str(e)) from None
         if rid in self.streams:
@@ -162,7 +169,7 @@ class EngineClient:
             self._vocab_sent = True
         text = TextStream(self.tokenizer, prompt, params.stop) if self.tokenizer is not None else None
         stream = RequestStream(rid, rank, len(prompt), text, self._end, self.interval_s)
-        self._send("add", (rank, rid, prompt, sampling_params))
+        self._send("add", (None if self.lockstep else rank, rid, prompt, sampling_params))
         self.streams[rid] = stream
         self.held[rank] += 1
         return stream

@@ -12,7 +12,11 @@ not wait for it.
 
 One step loop per rank: schedule -> send the plan down the rank's step channel (the next
 plan goes out before this one returns) -> receive the output -> process_output -> one
-"out" frame to the front end.
+"out" frame to the front end. Under parallel.dp_attention the ranks step in lockstep
+(their collectives must line up): one loop sends every rank a plan each step, an idle
+one where a rank's scheduler has none, and takes the step's outputs together; a new
+request goes to the rank with the least load (requests held, then KV in use), and a
+rank that fails fails the whole replica, whose ranks cannot step without it.
 
 Front channel frames (length-prefixed pickles, as the step channel's; the first frame
 from the front end must carry the core's token):
@@ -37,6 +41,7 @@ from typing import Any
 import ray
 
 from actors.step_channel import HEADER, HELLO, OK, decode, encode
+from actors.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
 from serve_app.rank_channel import RankChannel
 from serve_app.request import Request, RequestOutput, SamplingParams
@@ -48,6 +53,9 @@ log = logging.getLogger("kestrel.engine")
 # worker starts step N+1 the moment step N returns. The scheduler plans KV two windows
 # ahead for exactly this; a third would only add latency.
 MAX_IN_FLIGHT = 2
+# dp_attention: once a rank failed, how long its peers get to report their own failure
+# (theirs follows from it), so the error names the cause: a rank that is gone.
+FAILURE_GRACE_S = 1.0
 STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile", "gpu_idle")
 
 
@@ -76,9 +84,13 @@ class EngineCore:
         self.step_seconds = [dict.fromkeys(STEP_PHASES, 0.0) for _ in infos]
         self.step_counts = [{"extend": 0, "decode": 0, "pipelined": 0} for _ in infos]
         self.failed: str | None = None
-        self._wake = [asyncio.Event() for _ in infos]
-        self.loops = [asyncio.create_task(self._run_rank(r), name=f"kestrel-rank-{r}")
-                      for r in range(len(infos))]
+        if cfg.parallel.dp_attention:
+            self._wake = [asyncio.Event()] * len(infos)  # one loop: any rank's request wakes it
+            self.loops = [asyncio.create_task(self._run_lockstep(), name="kestrel-ranks")]
+        else:
+            self._wake = [asyncio.Event() for _ in infos]
+            self.loops = [asyncio.create_task(self._run_rank(r), name=f"kestrel-rank-{r}")
+                          for r in range(len(infos))]
 
     # ---- the front channel -------------------------------------------------------------
     async def listen(self, host: str) -> tuple[str, int]:
@@ -140,9 +152,11 @@ class EngineCore:
             self._send("out", self._outbox)
             self._outbox = []
 
-    def _add(self, rank: int, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+    def _add(self, rank: int | None, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
         try:
             req = Request(rid, prompt_ids, SamplingParams(**params), on_output=self._emit)
+            if rank is None:  # dp_attention: the core places it, by the ranks' loads
+                rank = min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].load())
             self.schedulers[rank].add_request(req)
         except (TypeError, ValueError) as e:  # the front end checked; say so if it missed
             self._send("reject", (rid, str(e)))
@@ -177,12 +191,13 @@ class EngineCore:
             raise RuntimeError(self.failed)
         for r, task in enumerate(self.loops):
             if task.done():
-                raise RuntimeError(f"the step loop of rank {r} stopped")
+                which = "of the ranks" if self.cfg.parallel.dp_attention else f"of rank {r}"
+                raise RuntimeError(f"the step loop {which} stopped")
 
     # ---- the step loop ---------------------------------------------------------------
     async def _run_rank(self, rank: int) -> None:
         sched, channel, wake = self.schedulers[rank], self.channels[rank], self._wake[rank]
-        seconds, counts = self.step_seconds[rank], self.step_counts[rank]
+        seconds = self.step_seconds[rank]
         inflight: deque = deque()  # (plan, sent while another was in flight), in send order
         try:
             while True:
@@ -208,29 +223,106 @@ class EngineCore:
                     continue
                 out = await channel.recv()
                 plan, pipelined = inflight.popleft()
-                t1 = time.perf_counter()
-                sched.process_output(plan, out)  # each request's outputs into the outbox
+                self._process(rank, plan, out, pipelined)
                 self._flush()
-                seconds["process"] += time.perf_counter() - t1
-                timings = out.timings
-                seconds["execute"] += timings.get(plan.mode, 0.0)
-                seconds["recv"] += timings.get("recv", 0.0)
-                seconds["compile"] += timings.get("compile", 0.0)
-                counts[plan.mode] += 1
-                if pipelined:
-                    seconds["wait"] += timings.get("wait", 0.0)
-                    seconds["gpu_idle"] += timings.get("gpu_idle", 0.0)
-                    counts["pipelined"] += 1
         except asyncio.CancelledError:
             raise
         except Exception as e:  # actor died, scheduler bug: fail this rank's requests loudly
-            log.exception("rank %d step loop failed%s", rank,
-                          f"; the rank's traceback:\n{e.detail}" if getattr(e, "detail", "") else "")
-            # Clients see this message: what failed, without the insides (class, traceback).
-            self.failed = f"engine rank {rank} failed: {str(e) or 'an error without a message'}"
-            self._send("failed", (rank, self.failed))
-            sched.abort_all()
-            self._outbox.clear()  # the front end fails those streams itself
+            self._fail(e, f"engine rank {rank}", [rank])
+
+    def _process(self, rank: int, plan: StepPlan, out: StepOutput, pipelined: bool) -> None:
+        """A step's output on `rank`: lengths committed, outputs into the outbox, timings."""
+        seconds, counts = self.step_seconds[rank], self.step_counts[rank]
+        t1 = time.perf_counter()
+        self.schedulers[rank].process_output(plan, out)  # each request's outputs into the outbox
+        seconds["process"] += time.perf_counter() - t1
+        timings = out.timings
+        seconds["execute"] += timings.get(plan.mode, 0.0)
+        seconds["recv"] += timings.get("recv", 0.0)
+        seconds["compile"] += timings.get("compile", 0.0)
+        counts[plan.mode] += 1
+        if pipelined:
+            seconds["wait"] += timings.get("wait", 0.0)
+            seconds["gpu_idle"] += timings.get("gpu_idle", 0.0)
+            counts["pipelined"] += 1
+
+    def _fail(self, e: Exception, who: str, ranks: list[int]) -> None:
+        """`ranks` cannot step any more: their requests fail with what went wrong."""
+        log.exception("%s step loop failed%s", who,
+                      f"; the rank's traceback:\n{e.detail}" if getattr(e, "detail", "") else "")
+        # Clients see this message: what failed, without the insides (class, traceback).
+        self.failed = f"{who} failed: {str(e) or 'an error without a message'}"
+        # One rank's streams, or (None) every stream of the replica.
+        self._send("failed", (ranks[0] if len(ranks) == 1 else None, self.failed))
+        for r in ranks:
+            self.schedulers[r].abort_all()
+        self._outbox.clear()  # the front end fails those streams itself
+
+    # ---- the lockstep loop (dp_attention) -------------------------------------------------
+    async def _run_lockstep(self) -> None:
+        """Every rank gets a plan each step, an idle one when its scheduler has none, so the
+        ranks' collectives line up; a step's outputs come back together. Two steps stay in
+        flight, as in the per-rank loops."""
+        scheds, channels = self.schedulers, self.channels
+        wake = self._wake[0]
+        inflight: deque = deque()  # (one plan per rank, sent while another step was in flight)
+        try:
+            while True:
+                while len(inflight) < MAX_IN_FLIGHT:
+                    plans = self._schedule_all()
+                    if all(p is None for p in plans):
+                        if inflight or not any(s.has_work for s in scheds):
+                            break
+                        # Decode plans that preempted every running request: planning
+                        # again prefills them.
+                        plans = self._schedule_all()
+                        if all(p is None for p in plans):
+                            raise RuntimeError("the schedulers have requests but could not plan a step")
+                    plans = [p or StepPlan(s.step_id, "idle", []) for p, s in zip(plans, scheds)]
+                    for channel, plan in zip(channels, plans):
+                        channel.send(plan)
+                    inflight.append((plans, bool(inflight)))
+                if not inflight:
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                outs = await self._recv_all()
+                plans, pipelined = inflight.popleft()
+                for rank, (plan, out) in enumerate(zip(plans, outs)):
+                    if plan.mode != "idle":
+                        self._process(rank, plan, out, pipelined)
+                self._flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail(e, "the engine's rank group", list(range(len(scheds))))
+
+    def _schedule_all(self) -> list[StepPlan | None]:
+        plans = []
+        for sched, seconds in zip(self.schedulers, self.step_seconds):
+            t0 = time.perf_counter()
+            plans.append(sched.schedule())
+            seconds["schedule"] += time.perf_counter() - t0
+        return plans
+
+    async def _recv_all(self) -> list[StepOutput]:
+        """Every rank's output of the oldest step in flight. A rank's failure fails its
+        peers too (their collectives lose it: at once when it died, after
+        parallel.dp_timeout_s when it hangs); what is raised is the failure that explains
+        the others: a rank whose channel closed, else the first."""
+        tasks = [asyncio.ensure_future(ch.recv()) for ch in self.channels]
+        try:
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            if pending:
+                await asyncio.wait(pending, timeout=FAILURE_GRACE_S)
+        finally:  # also when the loop is cancelled (stop)
+            for task in tasks:
+                task.cancel()
+        errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        if errors:
+            closed = [e for e in errors if getattr(e, "closed", False)]
+            raise (closed or errors)[0]
+        return [t.result() for t in tasks]
 
     def stop(self) -> None:
         for task in self.loops:

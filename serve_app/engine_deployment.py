@@ -69,8 +69,6 @@ class EngineDeployment:
     async def __init__(self, cfg: dict[str, Any]):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         cfg_obj = KestrelConfig.model_validate(cfg)
-        if cfg_obj.parallel.dp_attention:
-            raise NotImplementedError("parallel.dp_attention is not supported by the Serve engine yet")
         self._shutdown_started = False
         self._replica = _replica_id()
         dp = cfg_obj.parallel.dp_size
@@ -100,6 +98,9 @@ class EngineDeployment:
         tok_task = asyncio.to_thread(load_tokenizer, cfg_obj.model.path or default_model_path())
         infos, tokenizer = await asyncio.gather(
             asyncio.gather(*[a.info.remote() for a in self.actors]), tok_task)
+        if cfg_obj.parallel.dp_attention:  # one group: rank 0 publishes where it meets
+            addr, port = await self.actors[0].dp_address.remote()
+            await asyncio.gather(*[a.join_dp.remote(addr, port) for a in self.actors])
         eos = sorted(stop_token_ids(tokenizer, infos[0]["eos_token_ids"]))
         front = await self.core.start.remote(infos, eos, ray.util.get_node_ip_address())
         self.engine = await EngineClient.connect(

@@ -28,7 +28,8 @@ class LLMEngine:
         `worker_info` entries override what the workers report (e.g. fewer KV slots)."""
         self.cfg = cfg
         if cfg.parallel.dp_attention:
-            raise NotImplementedError("parallel.dp_attention needs the Ray engine (kestrel serve)")
+            raise NotImplementedError("parallel.dp_attention runs a process per rank: serve it "
+                                      "(kestrel serve); the in-process engine runs independent ranks")
         self.workers = workers or [RankWorker(cfg, rank) for rank in range(cfg.parallel.dp_size)]
         arch = self.workers[0].arch
         if tokenizer is None and load_tokenizer:

@@ -19,9 +19,10 @@ class RankFailed(RuntimeError):
     message may reach clients, so it names no exception class; `detail` is the actor's
     traceback, for the log."""
 
-    def __init__(self, message: str, detail: str = ""):
+    def __init__(self, message: str, detail: str = "", closed: bool = False):
         super().__init__(message)
         self.detail = detail
+        self.closed = closed  # the channel closed: the actor itself is gone
 
 
 class RankChannel:
@@ -60,7 +61,7 @@ class RankChannel:
             kind, payload = decode(await self.reader.readexactly(n))
         except (asyncio.IncompleteReadError, ConnectionError):
             raise RankFailed(f"the actor of rank {self.rank} closed its step channel "
-                             "(it died or was killed)") from None
+                             "(it died or was killed)", closed=True) from None
         if kind == ERROR:
             message, trace = payload
             raise RankFailed(f"rank {self.rank} failed a step: {message}", detail=trace)

@@ -135,6 +135,9 @@ class Request:
     prompt_logprobs_sent: bool = False
     computed_prompt_tokens: int = 0  # prompt tokens the model actually ran
     num_preemptions: int = 0
+    # Times the scheduler admitted it (given a row): an output of a step planned under an
+    # earlier admission is stale, even when the row it had then is its row again.
+    admissions: int = 0
     # outcome
     finished: bool = False
     finish_reason: str | None = None

@@ -80,7 +80,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_id = 0
         self._held_steps = 0  # decode steps run while admissible requests waited
-        self._inflight: dict[int, list[Request]] = {}  # step id -> its requests, in plan order
+        # step id -> its requests, in plan order, with the admission each was planned under
+        self._inflight: dict[int, list[tuple[Request, int]]] = {}
         # req_to_token updates not yet sent: they ride on the next plan that is dispatched,
         # whichever it is (an admission can happen in an extend plan that is then dropped).
         self._kv_writes: list[tuple[int, int, torch.Tensor]] = []
@@ -147,6 +148,11 @@ class Scheduler:
     @property
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    def load(self) -> tuple[int, int]:
+        """(requests held, KV slots in use): what a new request weighs ranks by under
+        dp_attention, the fewest requests first."""
+        return self.num_requests, self.slots.capacity - self.kv_free_slots()
 
     def kv_free_slots(self) -> int:
         """Free slots counting what the prefix cache could give back."""
@@ -230,6 +236,7 @@ class Scheduler:
         if row is None:
             return False
         req.row = row
+        req.admissions += 1
         req.fill_ids = req.all_ids
         # Prompt logprobs come from running every prompt position: no cached prefix then.
         m = self.cache.match_prefix([] if self._needs_prompt_logprobs(req) else req.fill_ids)
@@ -300,7 +307,7 @@ class Scheduler:
         # its prompt was chunked (which depends on what else was prefilling), so a seed
         # gives the same text under any load.
         plan.coins = self._coins(chosen, plan.last_chunk)
-        self._inflight[plan.step_id] = chosen
+        self._inflight[plan.step_id] = [(r, r.admissions) for r in chosen]
         return plan
 
     def _fill_chunks(self, plan: StepPlan) -> list[Request]:
@@ -339,7 +346,7 @@ class Scheduler:
         plan = StepPlan(self.step_id, "decode", [r.row for r in running], use_spec=self.spec)
         self._add_sampling(running, plan)
         plan.coins = self._coins(running)
-        self._inflight[plan.step_id] = list(running)
+        self._inflight[plan.step_id] = [(r, r.admissions) for r in running]
         return plan
 
     def _grow_running(self, ahead: int) -> None:
@@ -405,9 +412,9 @@ class Scheduler:
         events: list[RequestOutput] = []
         extend = plan.mode == "extend"
         lps = out.logprobs
-        for i, (req, toks) in enumerate(zip(reqs, out.tokens)):
-            if req.finished or req.row != plan.rows[i]:
-                continue  # aborted or preempted since the plan was made
+        for i, ((req, admission), toks) in enumerate(zip(reqs, out.tokens)):
+            if req.finished or req.admissions != admission or req.row != plan.rows[i]:
+                continue  # aborted, preempted or requeued since the plan was made
             if extend:
                 if out.prompt_logprobs is not None and out.prompt_logprobs[i] is not None:
                     # Entry j is prompt token j + 1's; a chunk from position p predicts

@@ -5,26 +5,44 @@ A thin wrapper over ``torch.distributed``. Rank 0 publishes ``master_addr`` and
 :meth:`DPGroup.init` with them. The backend is gloo on CPU and NCCL when CUDA is
 available (``backend="auto"``).
 
-The only data collective is :meth:`DPGroup.all_gather_int64`. It accepts int64 and
-nothing else (DESIGN 7, contract C02): a rank that contributes an int32 tensor while
-another contributes int64 makes NCCL read the wrong number of bytes and hang or corrupt
-memory, so a wrong dtype is a ``TypeError`` raised locally, before any communication.
+The step sync is :meth:`DPGroup.all_gather_int64`; dp_attention's tensor-parallel layers
+use :meth:`all_gather_rows`, :meth:`reduce_scatter_rows` and :meth:`all_to_all_rows`.
+An integer tensor enters none of them unless it is int64 (DESIGN 7, contract C02): a
+rank that contributes an int32 tensor while another contributes int64 makes NCCL read the
+wrong number of bytes and hang or corrupt memory, so a wrong dtype is a ``TypeError``
+raised locally, before any communication. ``timeout_s`` bounds every collective: a rank
+that died or hangs turns into an error on the others, never a wait without end.
 
-With ``world_size == 1`` no process group is created at all: the gather returns the
-row with a leading axis of size 1 and ``barrier``/``destroy`` do nothing.
+With ``world_size == 1`` no process group is created at all: the gathers return their
+input (with a leading axis of size 1 for ``all_gather_int64``), ``barrier``/``destroy`` do
+nothing.
 """
 
 from __future__ import annotations
 
+import re
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DPGroup", "find_free_port", "resolve_backend"]
+__all__ = ["CollectiveFailed", "DPGroup", "find_free_port", "resolve_backend"]
 
 DEFAULT_TIMEOUT_S = 300.0
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective of the group failed: a peer died, hung past the timeout, or issued
+    another collective. The message says which, without the backend's source location."""
+
+
+def _collective(name: str, rank: int, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except RuntimeError as e:
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip())  # gloo's "[file.cc:123] "
+        raise CollectiveFailed(f"the DP group's {name} failed on rank {rank}: {reason}") from e
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -193,5 +211,51 @@ class DPGroup:
             return row[None].clone()
         src = row.to(self.device).contiguous()
         out = [torch.empty_like(src) for _ in range(self.world_size)]
-        dist.all_gather(out, src, group=self._pg)
+        _collective("all_gather", self.rank, dist.all_gather, out, src, group=self._pg)
         return torch.stack(out, dim=0)
+
+    def _rows_in(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x`` checked for a row collective (C02: integers only as int64), contiguous on
+        the group's device."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} needs a torch.Tensor, got {type(x).__name__}")
+        if not (x.dtype.is_floating_point or x.dtype == torch.int64):
+            raise TypeError(f"{name} takes floating tensors or torch.int64, got {x.dtype}; "
+                            "cast integers with actors.dp.sync.to_int64 first")
+        self._check_alive()
+        return x.to(self.device).contiguous()
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x [n, ...]`` (the same shape on all) stacked by rank: ``[W*n, ...]``."""
+        src = self._rows_in(x, "all_gather_rows")
+        if self.world_size == 1:
+            return src
+        out = src.new_empty((self.world_size * src.shape[0], *src.shape[1:]))
+        _collective("all_gather", self.rank, dist.all_gather_single, out, src, group=self._pg)
+        return out
+
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [W*n, ...]`` summed over ranks; this rank keeps block ``rank``: ``[n, ...]``."""
+        src = self._rows_in(x, "reduce_scatter_rows")
+        if self.world_size == 1:
+            return src
+        if src.shape[0] % self.world_size:
+            raise ValueError(f"reduce_scatter_rows needs a multiple of {self.world_size} rows, "
+                             f"got {src.shape[0]}")
+        out = src.new_empty((src.shape[0] // self.world_size, *src.shape[1:]))
+        _collective("reduce_scatter", self.rank, dist.reduce_scatter_single, out, src,
+                    group=self._pg)
+        return out
+
+    def all_to_all_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [W*n, ...]``: block j goes to rank j; returns the blocks this rank got, by
+        sender: ``[W*n, ...]``."""
+        src = self._rows_in(x, "all_to_all_rows")
+        if self.world_size == 1:
+            return src
+        if src.shape[0] % self.world_size:
+            raise ValueError(f"all_to_all_rows needs a multiple of {self.world_size} rows, "
+                             f"got {src.shape[0]}")
+        out = torch.empty_like(src)
+        _collective("all_to_all", self.rank, dist.all_to_all_single, out, src, group=self._pg)
+        return out

@@ -19,7 +19,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from actors.models.llama import (MLP, AttnFn, LlamaForCausalLM, RMSNorm, fuse_projections,
@@ -72,7 +71,7 @@ class _DraftAttention(nn.Module):
         k = k.view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         v = v.view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         q, k = layer_ops.rope(q, k, positions, inv_freq)
-        return self.o_proj(attn(q, k, v, 0).reshape(T, -1))  # the draft has one layer: id 0
+        return self.o_proj(attn(q, k, v, 0).reshape(T, s.num_heads * s.head_dim))  # one layer: id 0
 
 
 class _DraftLayer(nn.Module):
@@ -140,10 +139,9 @@ class EagleHead(nn.Module):
         """Draft-vocabulary logits [T, Vd] in the model's dtype."""
         if self.eagle3:
             return self.lm_head(self.norm(hidden))
-        weight = self._target.lm_head.weight
-        if self.max_token_id is not None:  # the first rows only: a view, no copy
-            weight = weight[:self.max_token_id]
-        return F.linear(hidden, weight)
+        # The target's head: the first rows only under draft.max_token_id (a view, no
+        # copy); under dp_attention a vocab-parallel head (a collective).
+        return self._target.lm_head(hidden, self.max_token_id)
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of the draft's softmax, as target token ids: ([T, k] fp32, [T, k] int64)."""

@@ -171,8 +171,16 @@ class TiedLMHead(nn.Module):
     def weight(self) -> torch.Tensor:
         return self._embed.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+    def forward(self, hidden: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        return F.linear(hidden, self.weight[:limit])
+
+
+class LMHead(nn.Linear):
+    """The untied output projection. `limit`: logits of the first ids only (a draft's cut
+    of the vocabulary, draft.max_token_id), from a view of the first rows."""
+
+    def forward(self, hidden: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        return F.linear(hidden, self.weight[:limit])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -184,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head: nn.Module = TiedLMHead(self.model.embed_tokens)
         else:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)  # [T, H]

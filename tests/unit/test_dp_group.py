@@ -1,5 +1,5 @@
-"""DPGroup: world_size 1 fast path (no process group), 2-rank barrier and destroy over
-gloo (spawned once for the file)."""
+"""DPGroup: world_size 1 fast path (no process group), 2-rank collectives, barrier and
+destroy over gloo (spawned once for the file)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,15 @@ def _worker(rank: int, port: int, port2: int, outdir: str) -> None:
     res["dist_world"] = dist.get_world_size()
     res["dist_rank"] = dist.get_rank()
     res["gathered"] = g.all_gather_int64(torch.tensor([rank, 10 + rank], dtype=torch.int64)).tolist()
+    # dp_attention's row collectives: floats, or int64 and nothing narrower.
+    res["rows"] = g.all_gather_rows(torch.full((2, 3), float(rank))).tolist()
+    res["ids"] = g.all_gather_rows(torch.tensor([2**40 + rank], dtype=torch.int64)).tolist()
+    res["summed"] = g.reduce_scatter_rows(torch.arange(4.0)[:, None] * (rank + 1)).tolist()
+    res["swapped"] = g.all_to_all_rows(torch.tensor([[10 * rank], [10 * rank + 1]])).tolist()
+    try:
+        g.all_gather_rows(torch.zeros(2, dtype=torch.int32))
+    except TypeError as e:
+        res["int32_rows"] = str(e)
 
     # Barrier blocks until the slow rank arrives.
     if rank == 1:
@@ -130,6 +139,16 @@ def test_two_ranks_join(ranks):
         assert res["backend"] == ("nccl" if torch.cuda.is_available() else "gloo")
         assert res["initialized"] and res["dist_world"] == WORLD and res["dist_rank"] == r
         assert res["gathered"] == [[0, 10], [1, 11]]
+
+
+def test_two_ranks_row_collectives(ranks):
+    for r, res in enumerate(ranks):
+        assert res["rows"] == [[0.0] * 3] * 2 + [[1.0] * 3] * 2
+        assert res["ids"] == [2**40, 2**40 + 1]
+        # Rows [0, 1, 2, 3] times 1 and times 2, summed: rank r keeps block r.
+        assert res["summed"] == [[3.0 * i] for i in (2 * r, 2 * r + 1)]
+        assert res["swapped"] == [[r], [10 + r]]  # block j of each rank went to rank j
+        assert "torch.int32" in res["int32_rows"]
 
 
 def test_two_ranks_barrier_waits_for_slow_rank(ranks):

@@ -7,7 +7,7 @@ from collections import deque
 import pytest
 
 from serve_app.request import SamplingParams
-from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
+from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
 
 
 def _params(i: int) -> SamplingParams:
@@ -44,3 +44,32 @@ def test_two_steps_launched_ahead_equal_sequential(tiny_llama_dir, shape):
     for got, ref in zip(reqs, want):
         assert [lp[0] for lp in got.token_logprobs] == pytest.approx([lp[0] for lp in ref.token_logprobs], abs=5e-5)
     assert sched.slots.free_slots + sched.cache.evictable_slots == sched.slots.capacity
+
+
+@pytest.mark.parametrize("shape", [None, TREE], ids=["plain", "tree"])
+def test_preemption_with_two_steps_in_flight(tiny_llama_dir, shape):
+    """Short KV: requests are preempted (and requeued) while a step of theirs is in flight,
+    and readmitted, on the same row, before its output comes back. That output is stale:
+    it must not count towards the readmitted request (it did: a prefill then held more
+    committed tokens than slots)."""
+    spec = shape is not None
+    ov = (*(shape or ()), "model.max_model_len=160")
+    prompts = [p * 3 for p in random_prompts(6, seed=3)]
+    ref = outputs(tiny_engine(tiny_llama_dir, *ov, spec=spec), prompts, 16)
+    eng = tiny_engine(tiny_llama_dir, *ov, "scheduler.chunked_prefill_size=16",
+                      "kv_cache.num_slots=200", spec=spec)
+    sched, worker = eng.schedulers[0], eng.workers[0]
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
+    inflight = deque()
+    while sched.has_work or inflight:
+        while len(inflight) < 2:
+            plan = sched.schedule()
+            if plan is None:
+                break
+            inflight.append((plan, worker.launch(plan)))
+        if not inflight:
+            continue
+        plan, launched = inflight.popleft()
+        sched.process_output(plan, worker.finish(launched))
+    assert sched.stats["preemptions"] > 0
+    assert [r.output_ids for r in reqs] == ref

@@ -1,0 +1,89 @@
+"""What dp_attention tests run inside each rank process (tests/local_dp_engine.py `hook`):
+each takes the rank, patches what it must, and returns the callable whose value the
+rank reports when the engine stops."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from actors.dp.attention_group import DPAttentionGroup
+from actors.dp.sync import ForwardMode, make_sync_row
+
+COLLECTIVES = ("all_gather", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
+BIG = 2**40 + 3  # requests a rank claims in the last sync of the seed scenario
+
+
+def record_steps(rank: int):
+    """Every step's sync as this rank saw it: (forward mode per rank, tokens per rank)."""
+    steps = []
+    begin = DPAttentionGroup.begin_step
+
+    def recording(self, row):
+        sync = begin(self, row)
+        steps.append(([int(m) for m in sync.forward_mode_per_rank], list(sync.tokens_per_rank)))
+        return sync
+
+    DPAttentionGroup.begin_step = recording
+    return lambda: {"steps": steps}
+
+
+def seed_scenario(rank: int):
+    """The seed's DP bug: rank 0's verify produces int32 tokens (as a GPU kernel may); every
+    tensor either rank hands to torch.distributed is recorded (name, dtype, shape). At the
+    end both ranks run the engine's own step sync once more, rank 0 claiming BIG
+    requests of a speculative step, rank 1 idle, and report the phases they derived."""
+    steps = record_steps(rank)
+    seen = []
+    for name in COLLECTIVES:
+        fn = getattr(dist, name)
+
+        def wrapped(*args, __name=name, __fn=fn, **kwargs):
+            seen.extend((__name, t.dtype, tuple(t.shape)) for t in [*args, *kwargs.values()]
+                        if isinstance(t, torch.Tensor))
+            seen.extend((__name, t.dtype, tuple(t.shape)) for a in args if isinstance(a, list)
+                        for t in a)
+            return __fn(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+    int32_outputs = [0]
+    if rank == 0:
+        import actors.spec.eagle_worker as ew
+        verify = ew.greedy_verify
+
+        def int32_verify(*args, **kwargs):
+            accept_index, accept_length, predict = verify(*args, **kwargs)
+            int32_outputs[0] += 1
+            return accept_index, accept_length, predict.to(torch.int32)
+
+        ew.greedy_verify = int32_verify
+    groups = []
+    init = DPAttentionGroup.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        groups.append(self)
+
+    DPAttentionGroup.__init__ = keep
+
+    def report():
+        dp = groups[0]
+        n = dp.draft.num_draft_tokens
+        row = (make_sync_row(BIG * n, BIG * n, False, False, ForwardMode.TARGET_VERIFY) if rank == 0
+               else make_sync_row(0, 0, True, False, ForwardMode.IDLE))
+        dp.begin_step(row)
+        phases = [(p.name, p.tokens, p.rows, p.own_tokens) for p in dp.pending]
+        dp.pending.clear()
+        return {**steps(), "collectives": seen, "int32_outputs": int32_outputs[0],
+                "big_phases": phases}
+
+    return report
+
+
+def idle_rank_skips_its_collectives(rank: int):
+    """The seed's other DP bug on rank 1: an idle rank that runs no forward (and does not
+    notice), so its peers' collectives have no partner."""
+    if rank == 1:
+        from actors.dp.lockstep_worker import LockstepWorker
+        LockstepWorker._run_idle_phases = lambda self: None
+        DPAttentionGroup.end_step = lambda self: self.pending.clear()
+    return None

@@ -1,0 +1,277 @@
+"""parallel.dp_attention, end to end without Ray: the engine core and front end here, each
+rank a process of its own (tests/local_dp_engine.py) joined over gloo, on the tiny random
+target in fp32. The group's greedy tokens equal one rank's, plain and speculative; the
+steps really mix idle ranks, different batch sizes, prefills beside decodes and a
+preemption; an int32 producer never puts an int32 tensor into a collective; a rank
+that leaves the protocol, hangs or dies fails the requests with an error, never a hang;
+the weights are split; the real model on two ranks picks one rank's tokens."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import dp_rank_hooks
+from actors.dp.step_phases import DraftShape, step_phases
+from actors.dp.sync import DPSyncResult, ForwardMode
+from local_dp_engine import LocalDPEngine, collect
+from serve_app.request import SamplingParams
+from serve_app.request_stream import StreamFailed
+from spec_helpers import CHAIN, TREE, random_prompts, tiny_config, tiny_engine
+
+pytestmark = pytest.mark.timeout(600)
+
+SHAPES = {"plain": (), "chain": CHAIN, "tree": TREE}
+IDLE, DECODE, EXTEND, VERIFY = (int(m) for m in (ForwardMode.IDLE, ForwardMode.DECODE,
+                                                 ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY))
+# One request first (the other ranks idle), then a batch that the engine spreads unevenly
+# (different batch sizes, some finishing early), then long prompts in 16-token chunks
+# while the batch decodes; rank 0's KV is short, so it preempts.
+FIRST, BATCH, LATE = random_prompts(1, seed=1), random_prompts(7, seed=2), random_prompts(3, seed=3)
+BATCH_TOKENS = [24, 6, 24, 10, 24, 16, 20]
+LATE = [p * 3 for p in LATE]  # 15-120 tokens: several chunks each
+LATE_TOKENS, FIRST_TOKENS = 12, 24
+RANK0_SLOTS = 200  # rank 0's KV: less than its share of the batch needs at once
+
+
+@pytest.fixture(scope="module")
+def dp_cfg(tiny_llama_dir):
+    def make(W: int, shape: str, *extra: str):
+        return tiny_config(tiny_llama_dir, *SHAPES[shape], f"parallel.dp_size={W}",
+                           "parallel.dp_attention=true", "model.max_model_len=160",
+                           "scheduler.chunked_prefill_size=16", *extra, spec=shape != "plain")
+    return make
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for the engines' tasks, on a thread of its own."""
+    lp = asyncio.new_event_loop()
+    t = threading.Thread(target=lp.run_forever, daemon=True)
+    t.start()
+    yield lambda coro, timeout=300: asyncio.run_coroutine_threadsafe(coro, lp).result(timeout)
+    lp.call_soon_threadsafe(lp.stop)
+    t.join()
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_llama_dir):
+    """Every prompt's greedy tokens from one plain rank (the in-process engine)."""
+    eng = tiny_engine(tiny_llama_dir, spec=False)
+    prompts = FIRST + BATCH + LATE
+    lens = [FIRST_TOKENS] + BATCH_TOKENS + [LATE_TOKENS] * len(LATE)
+    reqs = eng.generate(prompts, [SamplingParams(**greedy(n)) for n in lens])
+    return {tuple(p): r.output_ids for p, r in zip(prompts, reqs)}
+
+
+def greedy(n: int) -> dict:
+    return dict(max_tokens=n, ignore_eos=True)
+
+
+async def _mixed_run(eng: LocalDPEngine) -> list[tuple[list[int], list[int]]]:
+    """FIRST alone, BATCH once FIRST decodes, LATE once BATCH decodes -> (prompt, tokens)."""
+    c = eng.client
+    first = c.add_request(FIRST[0], greedy(FIRST_TOKENS), "first")
+    head = await first.__anext__()  # prefilled (the other ranks idled through it)
+    batch = [c.add_request(p, greedy(n), f"b{i}") for i, (p, n) in enumerate(zip(BATCH, BATCH_TOKENS))]
+    heads = [await s.__anext__() for s in batch]
+    late = [c.add_request(p, greedy(LATE_TOKENS), f"l{i}") for i, p in enumerate(LATE)]
+    rest = await asyncio.gather(collect(first), *(collect(s) for s in batch + late))
+    got = [head.new_token_ids + rest[0][0]]
+    got += [h.new_token_ids + r[0] for h, r in zip(heads, rest[1:1 + len(batch)])]
+    got += [r[0] for r in rest[1 + len(batch):]]
+    return list(zip(FIRST + BATCH + LATE, got))
+
+
+def _expected_weight_bytes(info: dict, arch, W: int, rank: int) -> int:
+    """The whole model, less the embedding and MLPs, plus this rank's shards of them."""
+    H, V, I, L = arch.hidden_size, arch.vocab_size, arch.intermediate_size, arch.num_layers
+    Ir = len(torch.arange(I).tensor_split(W)[rank])
+    shard = -(-V // W)
+    return info["full_weight_bytes"] + 4 * (shard * H - V * H + L * 3 * H * (Ir - I))
+
+
+@pytest.mark.parametrize("W,shape", [(2, "plain"), (2, "chain"), (2, "tree"), (3, "plain"),
+                                     (3, "chain"), (3, "tree")])
+def test_ranks_in_lockstep_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, tiny_llama_dir,
+                                                       W, shape):
+    cfg = dp_cfg(W, shape)
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.record_steps,
+                                        info_overrides={0: {"num_slots": RANK0_SLOTS}})
+        try:
+            got = await _mixed_run(eng)
+            stats = await eng.stats()
+        finally:
+            reports = await eng.stop()
+        return eng.infos, got, stats, reports
+
+    infos, got, stats, reports = loop(run())
+    for prompt, tokens in got:
+        assert tokens == one_rank[tuple(prompt)], prompt
+    # The steps were the ones this test is about (every rank saw the same syncs).
+    steps = reports[0]["steps"]
+    assert all(r["steps"] == steps for r in reports)
+    work = VERIFY if shape != "plain" else DECODE
+    assert any(IDLE in m and set(m) != {IDLE} for m, _ in steps), "no step with an idle rank"
+    assert any(m.count(work) >= 2 and len({t[i] for i, x in enumerate(m) if x == work}) > 1
+               for m, t in steps), "no step with two decoding ranks of different batch sizes"
+    assert any(EXTEND in m and work in m for m, _ in steps), "no prefill beside a decode"
+    assert stats[0]["preemptions"] > 0 and all(s["preemptions"] == 0 for s in stats[1:]), stats
+    from actors.models.loader import load_model_weights
+    arch, _ = load_model_weights(tiny_llama_dir)
+    for rank, info in enumerate(infos):  # (a draft head's weights are in both figures)
+        assert info["weight_bytes"] == _expected_weight_bytes(info, arch, W, rank)
+
+
+def test_seed_scenario_int32_producer_beside_an_idle_rank(loop, one_rank, dp_cfg):
+    """Rank 0 verifies with an int32 producer while rank 1 idles through every phase: each
+    tensor either hands to torch.distributed is int64 or floating, both hand the same
+    collectives of the same shapes, and the tokens are one rank's. The engine's own step
+    sync then carries a count above 2**32 exactly."""
+    cfg = dp_cfg(2, "chain")
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.seed_scenario)
+        try:
+            got = (await eng.run(FIRST, [greedy(FIRST_TOKENS)]))[0][0]
+        finally:
+            reports = await eng.stop()
+        return got, reports
+
+    got, (busy, idle) = loop(run())
+    assert got == one_rank[tuple(FIRST[0])]
+    assert busy["int32_outputs"] > 0 and idle["int32_outputs"] == 0
+    assert {tuple(m) for m, _ in busy["steps"]} >= {(EXTEND, IDLE), (VERIFY, IDLE)}, busy["steps"]
+    for r in (busy, idle):
+        ints = {d for _, d, _ in r["collectives"] if not d.is_floating_point}
+        assert ints == {torch.int64}, ints
+    assert busy["collectives"] == idle["collectives"]
+    big = dp_rank_hooks.BIG
+    K, N = 1, 4  # CHAIN
+    want = [("draft_decode.0", big * K, big * K), ("draft_decode.1", big * K, big * K),
+            ("target", big * N, big * N), ("draft_extend", big * N, big)]
+    assert [p[:3] for p in busy["big_phases"]] == want == [p[:3] for p in idle["big_phases"]]
+    assert [p[3] for p in idle["big_phases"]] == [0, 0, 0, 0]
+
+
+def test_an_idle_rank_that_skips_its_collectives_fails_the_requests_not_hangs(loop, dp_cfg):
+    """Rank 1 runs no forward when idle and does not notice: rank 0's collectives lose
+    their partner, and the group's timeout turns that into the replica's error."""
+    cfg = dp_cfg(2, "plain", "parallel.dp_timeout_s=3")
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.idle_rank_skips_its_collectives)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StreamFailed) as failed:
+                await eng.run(FIRST, [greedy(FIRST_TOKENS)])
+            took = time.monotonic() - t0
+            with pytest.raises(RuntimeError, match="rank group failed"):
+                await eng.client.check_health()
+        finally:
+            await eng.stop()
+        return str(failed.value), took
+
+    message, took = loop(run())
+    assert "rank 0" in message and "Timed out" in message, message
+    assert took < 15, took
+
+
+def test_a_killed_rank_fails_the_requests_at_once(loop, dp_cfg):
+    cfg = dp_cfg(2, "plain")
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg)
+        try:
+            stream = eng.client.add_request(FIRST[0], greedy(120), "long")
+            await stream.__anext__()
+            t0 = time.monotonic()
+            eng.procs[1].kill()
+            with pytest.raises(StreamFailed) as failed:
+                await collect(stream)
+            took = time.monotonic() - t0
+            with pytest.raises(RuntimeError, match="rank group failed"):
+                await eng.client.check_health()
+        finally:
+            await eng.stop()
+        return str(failed.value), took
+
+    message, took = loop(run())
+    assert "rank 1 closed its step channel" in message, message
+    assert took < 10, took
+
+
+def test_a_hung_rank_fails_the_requests_after_the_timeout(loop, dp_cfg):
+    """Rank 1 stops (SIGSTOP) mid-stream: its channel stays open, but rank 0's next
+    collective gives up after parallel.dp_timeout_s, and that fails the replica."""
+    cfg = dp_cfg(2, "plain", "parallel.dp_timeout_s=3")
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg)
+        try:
+            stream = eng.client.add_request(FIRST[0], greedy(120), "long")
+            await stream.__anext__()
+            t0 = time.monotonic()
+            os.kill(eng.procs[1].pid, signal.SIGSTOP)
+            with pytest.raises(StreamFailed) as failed:
+                await collect(stream)
+            took = time.monotonic() - t0
+        finally:
+            eng.procs[1].kill()
+            await eng.stop()
+        return str(failed.value), took
+
+    message, took = loop(run())
+    assert "rank 0" in message and "Timed out" in message, message
+    assert took < 15, took
+
+
+def test_step_phases_of_a_mixed_step():
+    """A prefill rank, a speculative rank and an idle rank: the group runs the draft-decode
+    phases, the target and draft extend, each padded to the largest rank's size; the
+    prefill rank has no part in draft decode, the idle rank none at all."""
+    draft = DraftShape(num_steps=3, topk=2, num_draft_tokens=4)
+    sync = DPSyncResult(tokens_per_rank=[30, 3 * 4, 0], logprob_tokens_per_rank=[2, 12, 0],
+                        can_run_graph=False, is_extend=True, max_tokens=30,
+                        forward_mode_per_rank=[ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY,
+                                               ForwardMode.IDLE])
+    names = ["draft_decode.0", "draft_decode.1", "target", "draft_extend"]
+    padded = [(6, 6), (6, 6), (30, 12), (30, 3)]
+    own = {0: [(0, 0), (0, 0), (30, 2), (30, 2)], 1: [(6, 6), (6, 6), (12, 12), (12, 3)],
+           2: [(0, 0)] * 4}
+    for rank in range(3):
+        phases = step_phases(sync, rank, draft)
+        assert [p.name for p in phases] == names
+        assert [(p.tokens, p.rows) for p in phases] == padded
+        assert [(p.own_tokens, p.own_rows) for p in phases] == own[rank]
+    plain = DPSyncResult([5, 0], [5, 0], False, False, 5, [ForwardMode.DECODE, ForwardMode.IDLE])
+    assert [(p.name, p.tokens) for p in step_phases(plain, 1, None)] == [("target", 5)]
+    with pytest.raises(ValueError, match="whole number"):
+        step_phases(DPSyncResult([5], [5], False, False, 5, [ForwardMode.TARGET_VERIFY]), 0, draft)
+
+
+def test_smollm2_on_two_ranks_equals_one_rank(loop, chat_prompts, plain_chat_outputs):
+    """The real model (30 layers of split MLPs, whose partial sums round in another order
+    than one rank's): 2 ranks' greedy tokens for 8 chat prompts equal one rank's."""
+    from configs.schema import load_config
+    n = 24
+    cfg = load_config(overrides=["model.dtype=float32", "device=cpu", "draft.enabled=false",
+                                 "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
+                                 "parallel.dp_size=2", "parallel.dp_attention=true"])
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg)
+        try:
+            return await eng.run(chat_prompts, [greedy(n)] * len(chat_prompts))
+        finally:
+            await eng.stop()
+
+    got = [tokens for tokens, _ in loop(run())]
+    assert got == [ref[:n] for ref in plain_chat_outputs]
