@@ -6,7 +6,8 @@ tokens one step late, while the next step's penalties need them now. A row's cou
 reset when a request that asks for processing is admitted to it (from its outputs so far:
 a preempted request comes back with them), and grow with each step's emitted tokens in
 the steps that carry processing, which are all the steps such a request is in. The
-tensors are made at the first request that needs them.
+tensors are made at the first request that needs them, or when graphs that read them are
+captured.
 """
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ import numpy as np
 import torch
 
 from actors.host_copy import to_device
-from actors.step_plan import StepPlan
-from kernels.penalties import Processing, apply_processing
-
 
 # Emitted ids kept per row for bad words: a bad word has at most TAIL + 1 tokens.
 TAIL = 15
@@ -30,54 +28,33 @@ class OutputCounts:
         self.prompt: torch.Tensor | None = None  # [R, V] bool, for the repetition penalty
         self.tail: torch.Tensor | None = None  # [R, TAIL] int64, the last ids emitted (-1: none)
 
-    def _ensure(self) -> None:
+    def ensure(self) -> None:
         if self.counts is None:
             self.counts = torch.zeros(self.num_rows, self.vocab, dtype=torch.int32, device=self.device)
             self.num_out = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
             self.tail = torch.full((self.num_rows, TAIL), -1, dtype=torch.int64, device=self.device)
+            # A row whose request has no repetition penalty keeps stale bits: they act only
+            # through the penalty, which is 1 there.
+            self.prompt = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
 
     def reset(self, resets) -> None:
-        self._ensure()
+        self.ensure()
         for row, prompt_ids, output_ids in resets:
-            out = torch.as_tensor(np.asarray(output_ids, dtype=np.int64), device=self.device)
-            self.counts[row] = torch.bincount(out, minlength=self.vocab).to(torch.int32)
+            out = to_device(np.asarray(output_ids, dtype=np.int64), torch.int64, self.device)  # [n] int64
+            self.counts[row] = 0  # then one per output (bincount would read its size on the host)
+            self.counts[row].index_put_((out,), torch.ones_like(out, dtype=torch.int32), accumulate=True)
             self.num_out[row] = out.numel()
             last = out[-TAIL:]
             self.tail[row] = -1
             if last.numel():
                 self.tail[row, TAIL - last.numel():] = last
-            if prompt_ids is not None and self.prompt is None:
-                self.prompt = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
-            if self.prompt is not None:
-                self.prompt[row] = False
+            self.prompt[row] = False
             if prompt_ids is not None:
-                self.prompt[row, torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64), device=self.device)] = True
-
-    def process(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor,
-                path_tokens: torch.Tensor | None = None,
-                path_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The plan's processing on logits [B, N, V] of request rows [B] -> a new tensor."""
-        self._ensure()
-        pp, dev = plan.processing, self.device
-        B, M, S = len(pp.presence), len(pp.bias_value), len(pp.stops)
-        W, P = pp.bad_words.shape[0], pp.bad_words.shape[1] - 2
-        # Two host-to-device copies, not nine: the floats, then the integers.
-        f = to_device(np.concatenate([pp.presence, pp.frequency, pp.repetition, pp.bias_value]),
-                      torch.float32, dev)  # [3B+M]
-        i = to_device(np.concatenate([pp.min_tokens, pp.bias[:, 0], pp.bias[:, 1], pp.stops[:, 0],
-                                      pp.stops[:, 1], pp.bad_words.reshape(-1)]),
-                      torch.int64, dev)  # [B+2M+2S+W(P+2)]
-        bad = i[B + 2 * M + 2 * S:].view(W, P + 2)
-        p = Processing(f[:B], f[B:2 * B], f[2 * B:3 * B], i[:B], i[B:B + M], i[B + M:B + 2 * M],
-                       f[3 * B:], i[B + 2 * M:B + 2 * M + S], i[B + 2 * M + S:B + 2 * M + 2 * S],
-                       bad[:, 0], bad[:, 1], bad[:, 2:])
-        prompt = self.prompt[rows] if self.prompt is not None and bool((pp.repetition != 1).any()) else None
-        return apply_processing(logits, p, self.counts[rows], self.num_out[rows], prompt,
-                                path_tokens, path_mask, self.tail[rows] if W else None)
+                self.prompt[row, to_device(np.asarray(prompt_ids, dtype=np.int64), torch.int64, self.device)] = True
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
         """Emitted tokens [B, L] int64 of rows [B], the first lens[b] of each."""
-        self._ensure()
+        self.ensure()
         B, L = tokens.shape
         keep = torch.arange(L, device=tokens.device)[None, :] < lens[:, None]  # [B, L] bool
         # Every lane adds its keep bit (0 past the emitted ones): no host sync for a mask.

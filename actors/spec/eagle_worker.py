@@ -31,9 +31,9 @@ import torch
 from actors.cuda_graph_runner import GraphBatch, GraphRunner, VerifyPath
 from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
-from actors.host_copy import HostCopy, to_device
-from actors.launched_step import Emitted
-from actors.logprobs import tree_logprobs
+from actors.host_copy import to_device
+from actors.launched_step import Emitted, accepted_tokens
+from actors.logprobs import MAX_TOP, asked_top, node_logprobs
 from actors.kv_cache import TokenToKVPool
 from actors.model_runner import ModelRunner
 from actors.models.eagle import load_eagle_head, resolve_draft_path
@@ -146,12 +146,16 @@ class EagleWorker:
                      "host; one graph per forward", self.w.rank, self.cfg.attention.backend)
             return
         t0 = time.time()
-        self.step_graph = StepGraph(self.step_body, sizes, self.w.device, real)
+        variants = ((False, False),)
+        if self.cfg.attention.feature_graphs:
+            variants = ((False, False), (True, False), (False, True), (True, True))
+            self.w.counts.ensure()  # the graphs read the counts' tensors: they must exist now
+        self.step_graph = StepGraph(self.step_body, sizes, self.w.device, real, variants)
         with torch.inference_mode():
             self.step_graph.capture()
-        log.info("rank %d: captured speculative step graphs for batch sizes %s in %.1fs%s",
-                 self.w.rank, self.step_graph.sizes, time.time() - t0,
-                 "" if real else " (eager stand-in)")
+        log.info("rank %d: captured speculative step graphs for batch sizes %s, variants "
+                 "(processed, logprobs) %s in %.1fs%s", self.w.rank, self.step_graph.sizes,
+                 variants, time.time() - t0, "" if real else " (eager stand-in)")
 
     @staticmethod
     def _fits(runner: GraphRunner | None, bs: int) -> bool:
@@ -166,13 +170,15 @@ class EagleWorker:
         dev = w.device
         clock = PhaseClock(self.cfg.profile_steps, w.device)
         g = self.step_graph
-        if g is not None and g.pad_size(len(plan.rows)) is not None and plan.processing is None \
-                and plan.logprobs is None and not any(t > 0 for t in plan.temperature) \
-                and not w.grammars.any(plan.rows):
-            out = HostCopy(g.run(list(plan.rows)))  # the iteration's one copy to the host
+        variant = (plan.processing, plan.logprobs is not None)
+        if g is not None and g.holds(len(plan.rows), variant) and not any(t > 0 for t in plan.temperature) \
+                and not w.grammars.any(plan.rows) \
+                and not (plan.processing and w.processing.has_extra(plan.rows)) \
+                and (plan.logprobs is None or asked_top(plan.logprobs) <= MAX_TOP):
+            out, *lps = g.run(list(plan.rows), variant)
             clock.mark("step_graph")
             self.last_timings = clock.times
-            return Emitted(out, lambda host: [r[1:1 + r[0]] for r in host[0].tolist()])
+            return accepted_tokens(plan, out, tuple(lps) or None)  # the iteration's one copy to the host
         rows = to_device(plan.rows, torch.int64, dev)  # [B] int64
         B = rows.numel()
         c = w.future.resolve(rows)
@@ -200,9 +206,9 @@ class EagleWorker:
         clock.mark("verify")
         accept_index, accept_length, predict, logits = self._accept(plan, rows, tree, logits, grammar_masks)
         w.record(plan, rows, predict, accept_length)
+        lps = None
         if plan.logprobs is not None:  # before draft extend, which may reuse the logits' buffer
-            w.last_logprobs = tree_logprobs(plan.logprobs, logits, accept_index, predict,
-                                            accept_length.tolist())
+            lps = node_logprobs(logits, accept_index, predict, asked_top(plan.logprobs))
         self._keep_accepted_kv(loc, accept_index)
         # -- draft extend over N rows per request
         topk_p, topk_index, last = self._draft_extend(batch, accept_index, accept_length,
@@ -210,8 +216,7 @@ class EagleWorker:
         self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
         clock.mark("accept_and_draft_extend")
         self.last_timings = clock.times
-        return Emitted(HostCopy(predict, accept_length),
-                       lambda host: [p[:n] for p, n in zip(host[0].tolist(), host[1].tolist())])
+        return accepted_tokens(plan, torch.cat([accept_length[:, None], predict], 1), lps)
 
     def _keep_accepted_kv(self, loc: torch.Tensor, accept_index: torch.Tensor) -> None:
         """Move accepted nodes' target KV from their verify slots ``loc`` [B, N] to the
@@ -233,13 +238,18 @@ class EagleWorker:
         bonus = predict.gather(1, (accept_length - 1)[:, None])[:, 0]  # [B] int64
         self.w.future.store(rows, seq + accept_length, bonus, topk_p, topk_index, last)
 
-    def step_body(self, rows: torch.Tensor) -> torch.Tensor:
+    def step_body(self, rows: torch.Tensor, processed: bool = False,
+                  logprobs: bool = False) -> tuple[torch.Tensor, ...]:
         """One greedy iteration for ``rows`` [bs] int64 (-1: a padded lane), from the future
-        map back into it -> [bs, S+2] int64: the accept length, then the S+1 predicted
-        tokens, of which the first accept-length are emitted.
+        map back into it -> ([bs, S+2] int64: the accept length, then the S+1 predicted
+        tokens, of which the first accept-length are emitted; with ``logprobs`` then their
+        logprobs: chosen [bs, S+1], top MAX_TOP logprobs and ids [bs, S+1, MAX_TOP]).
+        ``processed``: each node's logits get the rows' logit processing along its path, and
+        the emitted tokens are counted, as on the eager path.
 
         The eager path's steps without host reads, so StepGraph records it whole. Padded
-        lanes use row 0 and slot 0 (both reserved), length FILL and zero draft state.
+        lanes use row 0 and slot 0 (both reserved), length FILL and zero draft state; row
+        0's processing is none and its counts never grow (its lanes emit nothing).
         """
         w, K, S, N = self.w, self.K, self.S, self.N
         B = rows.numel()
@@ -264,8 +274,14 @@ class EagleWorker:
         logits, feats = self.verify_body(GraphBatch(
             B, tree.tokens.reshape(-1), tree.positions.reshape(-1), loc, rows, seq, width=N,
             custom_mask=tree.tree_mask))
+        logits = logits.view(B, N, -1)  # [bs, N, V] fp32
+        if processed:
+            logits = w.process(rows, logits, None, tree.tokens, self._path(tree))
         accept_index, accept_length, predict = greedy_verify(
-            tree.tokens, logits.view(B, N, -1).argmax(-1), tree.first_child, tree.next_sibling, S)
+            tree.tokens, logits.argmax(-1), tree.first_child, tree.next_sibling, S)
+        if processed:
+            w.counts.record(rows, predict, torch.where(valid, accept_length, 0))
+        lps = node_logprobs(logits, accept_index, predict, MAX_TOP) if logprobs else ()
         self._keep_accepted_kv(loc.view(B, N), accept_index)
         fb = prepare_draft_extend(rows, seq, loc.view(B, N), accept_index,
                                   draft_extend_ids(predict), feats, N)
@@ -273,7 +289,15 @@ class EagleWorker:
             B, fb.input_ids, fb.positions, loc, rows, seq + N, width=N,
             accept_lens=accept_length, hidden=fb.hidden_in))
         self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
-        return torch.cat([accept_length[:, None], predict], 1)  # [bs, S+2] int64
+        return (torch.cat([accept_length[:, None], predict], 1), *lps)  # [bs, S+2] int64, ...
+
+    @staticmethod
+    def _path(tree) -> torch.Tensor:
+        """[B, N, N] bool: node j is on node i's path below the root (processing's path_mask;
+        the root is the last emitted token, counted already)."""
+        path = tree.tree_mask.clone()
+        path[:, :, 0] = False
+        return path
 
     def _draft(self, batch: GraphBatch):
         """Draft decode, replayed when a captured size holds the batch."""
@@ -382,11 +406,8 @@ class EagleWorker:
     def _accept(self, plan: StepPlan, rows, tree, logits, grammar_masks=None):
         S = self.S
         B, N = tree.tokens.shape
-        pp = plan.processing
-        if pp is not None:  # each node processed with the counts along its own path
-            path = tree.tree_mask.clone()
-            path[:, :, 0] = False  # the root is the last emitted token: counted already
-            logits = self.w.counts.process(plan, rows, logits, tree.tokens, path)
+        if plan.processing:  # each node processed with the counts along its own path
+            logits = self.w.process(rows, logits, plan.rows, tree.tokens, self._path(tree))
         if grammar_masks is not None:  # each node's grammar state after its path
             logits = apply_token_bitmask(logits, grammar_masks)
         accept_index, accept_length, predict = greedy_verify(
@@ -399,7 +420,7 @@ class EagleWorker:
             probs = process_logits(logits[idx].reshape(len(hot) * N, -1),
                                    rep(plan.temperature, torch.float32), rep(plan.top_p, torch.float32),
                                    rep(plan.top_k, torch.int64),
-                                   None if pp is None else rep(pp.min_p, torch.float32)).view(len(hot), N, -1)
+                                   None if plan.min_p is None else rep(plan.min_p, torch.float32)).view(len(hot), N, -1)
             coins = to_device(plan.coins[hot], torch.float32, dev)  # [b, N+1]: N node coins, then the final coin
             ai, al, pr = tree_sampling_verify(tree.tokens[idx], probs, tree.first_child[idx],
                                               tree.next_sibling[idx], S, coins[:, :N], coins[:, N])
