@@ -104,8 +104,7 @@ class Scheduler:
             req.coin_stream = CoinStream(seed, self.coins_per_request)
         if self.detokenizer_factory is not None:
             req.text_stream = self.detokenizer_factory(req)
-        req.quiet = (req.on_output is None and p.logprobs is None
-                     and (req.text_stream is None or not req.text_stream.has_stops))
+        req.quiet = req.on_output is None and (req.text_stream is None or not req.text_stream.has_stops)
         self.requests[req.rid] = req
         self.waiting.append(req)
 
@@ -431,6 +430,8 @@ class Scheduler:
                 if (req.quiet and req.first_token_time is not None and req.stop_ids.isdisjoint(toks)
                         and len(req.output_ids) + len(toks) < req.max_output):
                     req.output_ids += toks
+                    if lps is not None and lps[i] is not None:
+                        req.token_logprobs += lps[i]
                     continue
             ev = self._emit(req, toks, accepted, lps[i] if lps is not None else None)
             if ev is not None:
