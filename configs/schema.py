@@ -118,14 +118,18 @@ class AttentionConfig(_Strict):
 
 
 class ProcessingConfig(_Strict):
-    """Per request row, a rank keeps the logit processing its request asked for on the
-    device, in tables of fixed width that the decode graphs read (actors/processing_table.py).
-    A request with more entries than these still gets all of them, from steps that run
-    its batch on the eager path."""
+    """How a rank shapes logits for the requests that ask: per request row it keeps the
+    logit processing on the device, in tables of fixed width that the decode graphs read
+    (actors/processing_table.py); a request with more entries than these still gets all of
+    them, from steps that run its batch on the eager path. Grammar masks are filled on
+    the host (actors/grammar_rows.py)."""
 
     logit_bias: int = Field(64, ge=1)  # logit_bias entries
     stop_ids: int = Field(8, ge=1)  # ids banned while under min_tokens (EOS and stop_token_ids)
     bad_words: int = Field(16, ge=1)  # bad_words token sequences
+    # Threads that fill a step's grammar masks (xgrammar's BatchGrammarMatcher); 1: the
+    # rank's own thread, which pays off for cheap grammars and a busy host.
+    grammar_threads: int = Field(1, ge=1, le=64)
 
 
 class ParallelConfig(_Strict):

@@ -43,12 +43,23 @@ from actors.spec.step_graph import StepGraph
 from actors.step_plan import StepPlan
 from configs.schema import KestrelConfig
 from kernels.sampling import process_logits
+from kernels.spec_tree import TreeInfo
 from kernels.spec_ops import (assign_cache_locs, build_tree, expand_level, greedy_verify,
                               organize_draft, tree_sampling_verify)
 from kernels.token_bitmask import apply_token_bitmask
 from kernels.verify import select_last_index
 
 log = logging.getLogger("kestrel.worker")
+
+
+@dataclasses.dataclass
+class Drafted:
+    """What the draft part of a greedy iteration (EagleWorker.step_draft) leaves for the rest."""
+    rows: torch.Tensor  # [bs] int64 request rows, padded lanes at row 0
+    valid: torch.Tensor  # [bs] bool, not a padded lane
+    seq: torch.Tensor  # [bs] int64 lengths (FILL in padded lanes)
+    tree: TreeInfo
+    loc: torch.Tensor  # [bs*N] int64 tree node slots
 
 
 class PhaseClock:
@@ -150,7 +161,8 @@ class EagleWorker:
         if self.cfg.attention.feature_graphs:
             variants = ((False, False), (True, False), (False, True), (True, True))
             self.w.counts.ensure()  # the graphs read the counts' tensors: they must exist now
-        self.step_graph = StepGraph(self.step_body, sizes, self.w.device, real, variants)
+        words = -(-self.w.arch.vocab_size // 32) if self.cfg.attention.feature_graphs else 0  # grammar masks
+        self.step_graph = StepGraph(self, sizes, self.w.device, real, variants, words)
         with torch.inference_mode():
             self.step_graph.capture()
         log.info("rank %d: captured speculative step graphs for batch sizes %s, variants "
@@ -172,13 +184,18 @@ class EagleWorker:
         g = self.step_graph
         variant = (plan.processing, plan.logprobs is not None)
         if g is not None and g.holds(len(plan.rows), variant) and not any(t > 0 for t in plan.temperature) \
-                and not w.grammars.any(plan.rows) \
                 and not (plan.processing and w.processing.has_extra(plan.rows)) \
                 and (plan.logprobs is None or asked_top(plan.logprobs) <= MAX_TOP):
-            out, *lps = g.run(list(plan.rows), variant)
-            clock.mark("step_graph")
-            self.last_timings = clock.times
-            return accepted_tokens(plan, out, tuple(lps) or None)  # the iteration's one copy to the host
+            if not w.grammars.any(plan.rows):
+                out, *lps = g.run(list(plan.rows), variant)
+            elif g.holds_parts(len(plan.rows), variant) and w.grammars.fits(g.masks.shape[-1]):
+                out, *lps = self._run_parts(g, plan, variant)
+            else:
+                out = None
+            if out is not None:
+                clock.mark("step_graph")
+                self.last_timings = clock.times
+                return accepted_tokens(plan, out, tuple(lps) or None)  # the iteration's one copy to the host
         rows = to_device(plan.rows, torch.int64, dev)  # [B] int64
         B = rows.numel()
         c = w.future.resolve(rows)
@@ -218,6 +235,18 @@ class EagleWorker:
         self.last_timings = clock.times
         return accepted_tokens(plan, torch.cat([accept_length[:, None], predict], 1), lps)
 
+    def _run_parts(self, g: StepGraph, plan: StepPlan, variant) -> tuple[torch.Tensor, ...]:
+        """A greedy iteration with grammar rows as the step graph's three parts: the tree
+        goes to the host behind the draft part, and is walked there while the verify part
+        runs; the masks go into the accept part's static buffer."""
+        B, grammars = len(plan.rows), self.w.grammars
+        d = g.run_draft(list(plan.rows))
+        tree_copy = grammars.copy_tree(plan.rows, d.tree.tokens, d.tree.first_child, d.tree.next_sibling)
+        g.run_verify(B)
+        bs = g.pad_size(B)
+        grammars.tree_masks(tree_copy, bs, out=g.masks[:bs])
+        return g.run_accept(B, variant)
+
     def _keep_accepted_kv(self, loc: torch.Tensor, accept_index: torch.Tensor) -> None:
         """Move accepted nodes' target KV from their verify slots ``loc`` [B, N] to the
         slots of their final positions. Without a host sync: lanes that stay put copy their
@@ -247,10 +276,16 @@ class EagleWorker:
         ``processed``: each node's logits get the rows' logit processing along its path, and
         the emitted tokens are counted, as on the eager path.
 
-        The eager path's steps without host reads, so StepGraph records it whole. Padded
-        lanes use row 0 and slot 0 (both reserved), length FILL and zero draft state; row
-        0's processing is none and its counts never grow (its lanes emit nothing).
+        The eager path's steps without host reads, so StepGraph records it whole, or in
+        its three parts (draft, verify, accept) with the grammar masks put in between.
+        Padded lanes use row 0 and slot 0 (both reserved), length FILL and zero draft
+        state; row 0's processing is none and its counts never grow (its lanes emit nothing).
         """
+        drafted = self.step_draft(rows)
+        return self.step_accept(drafted, *self.step_verify(drafted), None, processed, logprobs)
+
+    def step_draft(self, rows: torch.Tensor) -> Drafted:
+        """A greedy iteration's draft decode and tree, for ``rows`` as in step_body."""
         w, K, S, N = self.w, self.K, self.S, self.N
         B = rows.numel()
         valid = rows >= 0  # [bs] bool
@@ -271,16 +306,33 @@ class EagleWorker:
         draft_tokens, parent_node = self.draft_body(draft)
         tree = build_tree(real(c.bonus, 0), draft_tokens, parent_node, seq)
         loc = assign_cache_locs(table, rows, seq, N)  # [bs*N] int64 tree node slots
+        return Drafted(rows, valid, seq, tree, loc)
+
+    def step_verify(self, d: Drafted) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's verify forward over the drafted tree -> (logits [bs, N, V] fp32,
+        draft features [bs*N, F])."""
+        B, N = d.tree.tokens.shape
         logits, feats = self.verify_body(GraphBatch(
-            B, tree.tokens.reshape(-1), tree.positions.reshape(-1), loc, rows, seq, width=N,
-            custom_mask=tree.tree_mask))
-        logits = logits.view(B, N, -1)  # [bs, N, V] fp32
+            B, d.tree.tokens.reshape(-1), d.tree.positions.reshape(-1), d.loc, d.rows, d.seq,
+            width=N, custom_mask=d.tree.tree_mask))
+        return logits.view(B, N, -1), feats
+
+    def step_accept(self, d: Drafted, logits: torch.Tensor, feats: torch.Tensor,
+                    masks: torch.Tensor | None, processed: bool, logprobs: bool) -> tuple[torch.Tensor, ...]:
+        """The rest of the iteration after verify: processing, the grammar ``masks`` [bs, N,
+        W] int32 (all ones where a row has none), the greedy accept, the KV move, draft
+        extend and the future-map store -> step_body's outputs."""
+        w, S, N = self.w, self.S, self.N
+        rows, seq, tree, loc = d.rows, d.seq, d.tree, d.loc
+        B = rows.numel()
         if processed:
             logits = w.process(rows, logits, None, tree.tokens, self._path(tree))
+        if masks is not None:
+            logits = apply_token_bitmask(logits, masks)
         accept_index, accept_length, predict = greedy_verify(
             tree.tokens, logits.argmax(-1), tree.first_child, tree.next_sibling, S)
         if processed:
-            w.counts.record(rows, predict, torch.where(valid, accept_length, 0))
+            w.counts.record(rows, predict, torch.where(d.valid, accept_length, 0))
         lps = node_logprobs(logits, accept_index, predict, MAX_TOP) if logprobs else ()
         self._keep_accepted_kv(loc.view(B, N), accept_index)
         fb = prepare_draft_extend(rows, seq, loc.view(B, N), accept_index,

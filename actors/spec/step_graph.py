@@ -18,6 +18,13 @@ A variant is (processed, logprobs): whether the body applies the rows' logit pro
 (actors/processing_table.py: read by row on the device, so it needs no host input) and
 computes the emitted tokens' logprobs (MAX_TOP alternatives). Each captured variant is
 a graph per size, all in one pool (replays never overlap).
+
+Grammars need the host in the middle of an iteration: their masks are walked over the
+drafted tree on the host while the target verifies it. For them (``mask_words``) the
+iteration is also captured in three parts, chained through the parts' static outputs:
+draft (draft decode and tree), verify, and accept (processing, the masks from a static
+buffer the host fills, the accept, draft extend, the store), one accept graph per
+variant; the host walks between the first two replays' ends.
 """
 from __future__ import annotations
 
@@ -35,13 +42,18 @@ Variant = tuple[bool, bool]  # (processed, logprobs)
 
 
 class StepGraph:
-    def __init__(self, body: Callable[[torch.Tensor, bool, bool], Any], sizes: list[int],
-                 device: torch.device, use_cuda_graph: bool,
-                 variants: tuple[Variant, ...] = ((False, False),)):
-        self.body, self.sizes, self.device = body, sorted(set(sizes)), device
+    def __init__(self, eagle: Any, sizes: list[int], device: torch.device, use_cuda_graph: bool,
+                 variants: tuple[Variant, ...] = ((False, False),), mask_words: int = 0):
+        """``eagle``: the EagleWorker whose step_body (whole) and step_draft / step_verify /
+        step_accept (parts, with ``mask_words`` > 0: int32 words of a grammar mask) it records."""
+        self.eagle, self.sizes, self.device = eagle, sorted(set(sizes)), device
         self.use_cuda_graph, self.variants = use_cuda_graph, variants
-        self.rows = torch.full((self.sizes[-1],), -1, dtype=torch.int64, device=device)  # [M] int64
-        self._graphs: dict = {}  # (variant, size) -> graph
+        M = self.sizes[-1]
+        self.rows = torch.full((M,), -1, dtype=torch.int64, device=device)  # [M] int64
+        self.masks = None  # [M, N, W] int32, each node's grammar mask (all ones: none)
+        if mask_words:
+            self.masks = torch.full((M, eagle.N, mask_words), -1, dtype=torch.int32, device=device)
+        self._graphs: dict = {}  # ("whole", variant, bs) / ("draft", bs) / ("verify", bs) / ("accept", variant, bs)
 
     def pad_size(self, raw_bs: int) -> int | None:
         """The smallest captured size >= raw_bs, or None (too big: the per-phase path)."""
@@ -50,30 +62,64 @@ class StepGraph:
     def holds(self, raw_bs: int, variant: Variant) -> bool:
         return variant in self.variants and self.pad_size(raw_bs) is not None
 
+    def holds_parts(self, raw_bs: int, variant: Variant) -> bool:
+        return self.masks is not None and self.holds(raw_bs, variant)
+
+    def _forwards(self, bs: int) -> list[tuple[tuple, Callable, Any]]:
+        """(key, forward, its input) of every graph of size bs, in capture order. The parts
+        read the parts before them from their graphs' outputs (static on a GPU)."""
+        e, rows, out = self.eagle, self.rows[:bs], lambda *key: self._graphs[key].output
+        whole = [(("whole", v, bs), functools.partial(e.step_body, processed=v[0], logprobs=v[1]), rows)
+                 for v in self.variants]
+        if self.masks is None:
+            return whole
+        masks = self.masks[:bs]
+        return whole + [(("draft", bs), e.step_draft, rows),
+                        (("verify", bs), lambda _: e.step_verify(out("draft", bs)), None)] + [
+            (("accept", v, bs), lambda _, v=v: e.step_accept(out("draft", bs), *out("verify", bs), masks, *v), None)
+            for v in self.variants]
+
     def capture(self) -> None:
-        bodies = {v: functools.partial(self.body, processed=v[0], logprobs=v[1]) for v in self.variants}
         if not self.use_cuda_graph:
-            self._graphs = {(v, bs): EagerGraph(bodies[v], self.rows[:bs])
-                            for v in self.variants for bs in self.sizes}
+            self._graphs = {key: EagerGraph(f, view) for bs in self.sizes for key, f, view in self._forwards(bs)}
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         self.rows.fill_(-1)  # capture with every lane padded: it writes only row 0 and slot 0
-        for v in self.variants:
-            for bs in reversed(self.sizes):  # largest first: smaller sizes reuse its pool blocks
-                self._graphs[v, bs] = capture_cuda_graph(bodies[v], self.rows[:bs], pool, stream)
+        for bs in reversed(self.sizes):  # largest first: smaller sizes reuse its pool blocks
+            for key, f, view in self._forwards(bs):
+                self._graphs[key] = capture_cuda_graph(f, view, pool, stream)
         torch.cuda.synchronize(self.device)
 
-    def run(self, rows: list[int], variant: Variant = (False, False)):
+    def _load(self, rows: list[int], key: Callable[[int], tuple]) -> int:
+        raw = len(rows)
+        bs = self.pad_size(raw)
+        if bs is None or key(bs) not in self._graphs:
+            raise ValueError(f"no step graph holds a batch of {raw} (captured {sorted(self._graphs)})")
+        self.rows[:bs].copy_(to_device(rows + [-1] * (bs - raw), torch.int64, self.device))
+        return bs
+
+    def run(self, rows: list[int], variant: Variant = (False, False)) -> tuple[torch.Tensor, ...]:
         """One iteration for request ``rows`` -> step_body's outputs cut to len(rows) rows:
         [len(rows), S+2] int64, then with logprobs their three tensors. Views of the graph's
         outputs, overwritten by the next replay of that graph."""
-        raw = len(rows)
-        bs = self.pad_size(raw)
-        if bs is None or (variant, bs) not in self._graphs:
-            raise ValueError(f"no step graph holds a batch of {raw} as {variant} (captured "
-                             f"{sorted(self._graphs)})")
-        self.rows[:bs].copy_(to_device(rows + [-1] * (bs - raw), torch.int64, self.device))
-        graph = self._graphs[variant, bs]
+        bs = self._load(rows, lambda bs: ("whole", variant, bs))
+        graph = self._graphs["whole", variant, bs]
         graph.replay()
-        return tuple(t[:raw] for t in graph.output)
+        return tuple(t[:len(rows)] for t in graph.output)
+
+    def run_draft(self, rows: list[int]):
+        """The draft part for request ``rows`` -> its Drafted (all bs lanes, padded ones last)."""
+        bs = self._load(rows, lambda bs: ("draft", bs))
+        graph = self._graphs["draft", bs]
+        graph.replay()
+        return graph.output
+
+    def run_verify(self, raw_bs: int) -> None:
+        self._graphs["verify", self.pad_size(raw_bs)].replay()
+
+    def run_accept(self, raw_bs: int, variant: Variant) -> tuple[torch.Tensor, ...]:
+        """The accept part, after self.masks[:bs] holds the batch's masks -> run's outputs."""
+        graph = self._graphs["accept", variant, self.pad_size(raw_bs)]
+        graph.replay()
+        return tuple(t[:raw_bs] for t in graph.output)
