@@ -42,7 +42,7 @@ class OutputCounts:
         for row, prompt_ids, output_ids in resets:
             out = to_device(np.asarray(output_ids, dtype=np.int64), torch.int64, self.device)  # [n] int64
             self.counts[row] = 0  # then one per output (bincount would read its size on the host)
-            self.counts[row].index_put_((out,), torch.ones_like(out, dtype=torch.int32), accumulate=True)
+            self.counts[row].scatter_add_(0, out, torch.ones_like(out, dtype=torch.int32))
             self.num_out[row] = out.numel()
             last = out[-TAIL:]
             self.tail[row] = -1
@@ -57,10 +57,10 @@ class OutputCounts:
         self.ensure()
         B, L = tokens.shape
         keep = torch.arange(L, device=tokens.device)[None, :] < lens[:, None]  # [B, L] bool
-        # Every lane adds its keep bit (0 past the emitted ones): no host sync for a mask.
-        r = rows[:, None].expand(B, L).reshape(-1)
-        t = torch.where(keep, tokens, torch.zeros_like(tokens)).reshape(-1)
-        self.counts.index_put_((r, t), keep.reshape(-1).to(torch.int32), accumulate=True)
+        # Every lane adds its keep bit (0 past the emitted ones): no host sync for a mask, and
+        # a scatter-add, which a CUDA graph can hold.
+        at = rows[:, None] * self.vocab + torch.where(keep, tokens, torch.zeros_like(tokens))  # [B, L] int64
+        self.counts.view(-1).scatter_add_(0, at.reshape(-1), keep.reshape(-1).to(torch.int32))
         self.num_out[rows] += lens.to(torch.int64)
         # The tail slides by each row's emitted count: the last TAIL of tail ++ emitted.
         joined = torch.cat([self.tail[rows], tokens], 1)  # [B, TAIL + L]

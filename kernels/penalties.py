@@ -78,16 +78,17 @@ def node_context(tail: torch.Tensor, path_tokens: torch.Tensor | None,
 
 
 def _add_at(x: torch.Tensor, ids: torch.Tensor, add: torch.Tensor) -> None:
-    """In place on x [B, N, V]: x[b, n, ids[b, e]] += add[b, e, n] for ids [B, E] (-1: none,
-    adds nothing). Accumulated, so duplicate ids (padding, two words ending in one id) each
-    add; unused entries add 0 to id 0, which changes no value."""
-    B, N, _ = x.shape
+    """In place on x [B, N, V] (contiguous): x[b, n, ids[b, e]] += add[b, e, n] for ids [B, E]
+    (-1: none, adds nothing). A scatter-add (no sort, no host read: it runs inside CUDA
+    graphs), so duplicate ids (padding, two words ending in one id) each add; unused entries
+    add 0 to id 0, which changes no value, and no entry meets another nonzero one at the
+    same place but -inf, so the order of the adds cannot change a result."""
+    B, N, V = x.shape
     E = ids.shape[1]
-    b = torch.arange(B, device=x.device)[:, None, None].expand(B, E, N)
-    n = torch.arange(N, device=x.device)[None, None, :].expand(B, E, N)
+    lane = (torch.arange(B, device=x.device)[:, None] * N + torch.arange(N, device=x.device)) * V  # [B, N]
+    at = lane[:, None, :] + ids.clamp(min=0)[:, :, None]  # [B, E, N] int64 flat index into x
     used = (ids >= 0)[:, :, None]  # [B, E, 1] bool
-    x.index_put_((b, n, ids.clamp(min=0)[:, :, None].expand(B, E, N)),
-                 torch.where(used, add, torch.zeros_like(add)), accumulate=True)
+    x.view(-1).scatter_add_(0, at.reshape(-1), torch.where(used, add, torch.zeros_like(add)).reshape(-1))
 
 
 def _ban(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> None:
