@@ -49,7 +49,8 @@ def logprob_lists(asked: list[int], chosen: torch.Tensor, top_lp: torch.Tensor, 
     plan order, None (not asked) or one entry per emitted token (the first emitted[b])."""
     out: list[list[TokenLogprob] | None] = [None] * len(asked)
     want = [b for b, k in enumerate(asked) if k >= 0]
-    c, lps, ids = chosen[want].tolist(), top_lp[want].tolist(), top_id[want].tolist()
+    k = asked_top(asked)  # the step graph computes MAX_TOP: convert only what is asked
+    c, lps, ids = chosen[want].tolist(), top_lp[want, :, :k].tolist(), top_id[want, :, :k].tolist()
     for i, b in enumerate(want):
         k = asked[b]
         out[b] = [(c[i][j], ids[i][j][:k], lps[i][j][:k]) for j in range(emitted[b])]

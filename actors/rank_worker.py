@@ -143,8 +143,9 @@ class RankWorker:
 
     def capture_decode_graphs(self, sizes: list[int], use_cuda_graph: bool | None = None) -> None:
         """Plain target decode as graphs, one per captured batch size (DESIGN.md 6), and with
-        `attention.feature_graphs` a second set, in the same pool, whose logits come out
-        with the rows' logit processing applied; on CPU (use_cuda_graph None) the eager
+        `attention.feature_graphs` a second set, in the same pool, for greedy steps with
+        logit processing: the rows' processing, the pick and its counting inside the graph
+        (-> processed logits [B, V], tokens [B]); on CPU (use_cuda_graph None) the eager
         stand-in."""
         from actors.cuda_graph_runner import GraphKind, GraphRunner, graph_backend
 
@@ -157,8 +158,12 @@ class RankWorker:
             return self._decode_logits(view.input_ids, view.seq_lens - 1, view.out_cache_loc,
                                        view.req_pool_indices)
 
-        def processed(view):  # padded lanes read row 0, whose processing is none
-            return self.process(view.req_pool_indices, forward(view)[:, None])[:, 0]
+        def processed(view):
+            rows = view.req_pool_indices  # [bs] int64; padded lanes: row 0, whose processing is none
+            logits = self.process(rows, forward(view)[:, None])[:, 0]
+            tokens = logits.argmax(-1)  # [bs] int64
+            self.counts.record(rows, tokens[:, None], (rows > 0).to(torch.int64))  # padded lanes emit nothing
+            return logits, tokens
 
         t0 = time.time()
         with torch.inference_mode():
@@ -280,12 +285,12 @@ class RankWorker:
         return apply_processing(logits, self.processing.gather(rows, plan_rows), c.counts[rows],
                                 c.num_out[rows], c.prompt[rows], path_tokens, path_mask, c.tail[rows])
 
-    def sample(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor,
-               processed: bool = False) -> tuple[torch.Tensor, tuple | None]:
+    def sample(self, plan: StepPlan, rows: torch.Tensor,
+               logits: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """One token per request from logits [B, V] of rows [B], after the plan's logit
-        processing (unless the logits come `processed`) and the rows' grammars -> (tokens [B]
-        int64, and when the plan asks for logprobs their device tensors: top_logprobs)."""
-        if plan.processing and not processed:
+        processing and the rows' grammars -> (tokens [B] int64, and when the plan asks for
+        logprobs their device tensors: top_logprobs)."""
+        if plan.processing:
             logits = self.process(rows, logits[:, None], plan.rows)[:, 0]
         masks = self.grammars.next_masks(plan.rows, logits.device)  # [B, W] int32 or None
         if masks is not None:
@@ -355,17 +360,20 @@ class RankWorker:
         c = self.future.resolve(rows)
         loc = self.req_to_token.req_to_token[rows, c.seq_lens]
         B = len(plan.rows)
-        runner, processed = self.decode_graphs, False
-        if plan.processing and self.processed_decode_graphs is not None \
-                and not self.processing.has_extra(plan.rows):
-            runner, processed = self.processed_decode_graphs, True
-        if runner is not None and runner.pad_size(B) is not None:
-            from actors.cuda_graph_runner import GraphBatch
-            logits = runner.replay(GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1))
+        from actors.cuda_graph_runner import GraphBatch
+        batch = GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1)
+        fits = lambda runner: runner is not None and runner.pad_size(B) is not None
+        if plan.processing and fits(self.processed_decode_graphs) and not any(t > 0 for t in plan.temperature) \
+                and not self.grammars.any(plan.rows) and not self.processing.has_extra(plan.rows):
+            logits, tokens = self.processed_decode_graphs.replay(batch)  # processed, picked, counted
+            lps = None if plan.logprobs is None else top_logprobs(logits, tokens, asked_top(plan.logprobs))
         else:
-            logits, processed = self._decode_logits(c.bonus, c.seq_lens, loc, rows), False
-        tokens, lps = self.sample(plan, rows, logits, processed)
-        self.record(plan, rows, tokens)
+            if fits(self.decode_graphs):
+                logits = self.decode_graphs.replay(batch)
+            else:
+                logits = self._decode_logits(c.bonus, c.seq_lens, loc, rows)
+            tokens, lps = self.sample(plan, rows, logits)
+            self.record(plan, rows, tokens)
         self.future.store(rows, c.seq_lens + 1, tokens)
         return one_token_each(plan, tokens, [True] * B, lps)
 
