@@ -57,25 +57,30 @@ class ProcessingTable:
         self.extra: dict[int, tuple[np.ndarray, ...]] = {}
 
     def reset(self, resets: list[tuple[int, RowProcessing | None]]) -> None:
-        for row, p in resets:
-            p = p or RowProcessing()
-            self.presence[row] = p.presence
-            self.frequency[row] = p.frequency
-            self.repetition[row] = p.repetition
-            self.min_tokens[row] = p.min_tokens
-            bias_tok, bias_val, stops, last, prefix = _tables(p)
-            w = self.widths
-            for table, entries, width, fill in ((self.bias_token, bias_tok, w.logit_bias, -1),
-                                                (self.bias_value, bias_val, w.logit_bias, 0),
-                                                (self.stop_token, stops, w.stop_ids, -1),
-                                                (self.bad_last, last, w.bad_words, -1),
-                                                (self.bad_prefix, prefix, w.bad_words, -1)):
-                table[row] = to_device(_padded([entries[:width]], width, fill, entries.dtype)[0],
-                                       table.dtype, self.device)
+        """Write the rows' entries, a few copies for all of them (a burst of admissions
+        costs no more launches than one); a row given twice keeps its last."""
+        last = dict(resets)
+        rows = to_device(list(last), torch.int64, self.device)  # [n] int64
+        ps = [p or RowProcessing() for p in last.values()]
+        f32 = lambda vals: to_device(np.asarray(vals, dtype=np.float32), torch.float32, self.device)
+        self.presence[rows] = f32([p.presence for p in ps])
+        self.frequency[rows] = f32([p.frequency for p in ps])
+        self.repetition[rows] = f32([p.repetition for p in ps])
+        self.min_tokens[rows] = to_device([p.min_tokens for p in ps], torch.int64, self.device)
+        entries = [_tables(p) for p in ps]
+        w = self.widths
+        for k, (table, width, fill) in enumerate(((self.bias_token, w.logit_bias, -1),
+                                                  (self.bias_value, w.logit_bias, 0),
+                                                  (self.stop_token, w.stop_ids, -1),
+                                                  (self.bad_last, w.bad_words, -1),
+                                                  (self.bad_prefix, w.bad_words, -1))):
+            host = _padded([e[k][:width] for e in entries], width, fill, entries[0][k].dtype)
+            table[rows] = to_device(host, table.dtype, self.device)
+        for row, (bias_tok, bias_val, stops, last_ids, prefix) in zip(last, entries):
             self.extra.pop(row, None)
-            if len(bias_tok) > w.logit_bias or len(stops) > w.stop_ids or len(last) > w.bad_words:
+            if len(bias_tok) > w.logit_bias or len(stops) > w.stop_ids or len(last_ids) > w.bad_words:
                 self.extra[row] = (bias_tok[w.logit_bias:], bias_val[w.logit_bias:], stops[w.stop_ids:],
-                                   last[w.bad_words:], prefix[w.bad_words:])
+                                   last_ids[w.bad_words:], prefix[w.bad_words:])
 
     def has_extra(self, rows: list[int]) -> bool:
         """Whether a row of `rows` has entries past the table widths (eager steps only)."""
