@@ -38,19 +38,28 @@ class OutputCounts:
             self.prompt = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
 
     def reset(self, resets) -> None:
+        """Restart rows from (row, prompt ids or None, outputs so far), a few device ops for
+        all of them; a row given twice keeps its last."""
         self.ensure()
-        for row, prompt_ids, output_ids in resets:
-            out = to_device(np.asarray(output_ids, dtype=np.int64), torch.int64, self.device)  # [n] int64
-            self.counts[row] = 0  # then one per output (bincount would read its size on the host)
-            self.counts[row].scatter_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-            self.num_out[row] = out.numel()
-            last = out[-TAIL:]
-            self.tail[row] = -1
-            if last.numel():
-                self.tail[row, TAIL - last.numel():] = last
-            self.prompt[row] = False
-            if prompt_ids is not None:
-                self.prompt[row, to_device(np.asarray(prompt_ids, dtype=np.int64), torch.int64, self.device)] = True
+        last = {row: (prompt, out) for row, prompt, out in resets}
+        dev, V = self.device, self.vocab
+        outs = [np.asarray(out, dtype=np.int64) for _, out in last.values()]
+        rows = to_device(list(last), torch.int64, dev)  # [n] int64
+        tails = np.full((len(last), TAIL), -1, dtype=np.int64)  # [n, TAIL]
+        for i, out in enumerate(outs):
+            if len(out):
+                tails[i, TAIL - min(TAIL, len(out)):] = out[-TAIL:]
+        self.counts[rows] = 0
+        self.prompt[rows] = False
+        self.num_out[rows] = to_device([len(o) for o in outs], torch.int64, dev)
+        self.tail[rows] = to_device(tails, torch.int64, dev)
+        # Flat indices row * V + id: one scatter-add of the outputs, one write of the prompts.
+        flat = lambda ids: np.concatenate([np.zeros(0, dtype=np.int64)] + ids)
+        at = to_device(flat([r * V + o for r, o in zip(last, outs)]), torch.int64, dev)  # [sum n] int64
+        self.counts.view(-1).scatter_add_(0, at, torch.ones_like(at, dtype=torch.int32))
+        prompts = [r * V + np.asarray(p, dtype=np.int64) for r, (p, _) in last.items() if p is not None]
+        if prompts:
+            self.prompt.view(-1)[to_device(flat(prompts), torch.int64, dev)] = True
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
         """Emitted tokens [B, L] int64 of rows [B], the first lens[b] of each."""
