@@ -348,8 +348,9 @@ class GraphRunner:
         return None if self.extend_lens is None else self.extend_lens[:bs]
 
     # ------------------------------------------------------------------------- capture
-    def capture(self, forward: Callable[[GraphBatch], Any]) -> None:
-        """Record ``forward(view)`` for every captured size (CPU: remember it for replay)."""
+    def capture(self, forward: Callable[[GraphBatch], Any], pool: Any = None) -> None:
+        """Record ``forward(view)`` for every captured size (CPU: remember it for replay),
+        in memory ``pool`` when given (another runner's, whose replays never overlap these)."""
         if not self.use_cuda_graph:
             self._graphs = {bs: EagerGraph(forward, self._views[bs]) for bs in self.sizes}
             return
@@ -357,7 +358,7 @@ class GraphRunner:
         if init_state is not None:
             init_state(self.max_bs, self.max_bs * self.width)
         capture_meta = getattr(self.backend, "init_forward_metadata_capture_cuda_graph", None)
-        self.graph_pool = torch.cuda.graph_pool_handle()  # one pool shared by every size
+        self.graph_pool = pool or torch.cuda.graph_pool_handle()  # one pool shared by every size
         stream = torch.cuda.Stream(self.device)  # capture may not use the legacy default stream
         # Largest first: smaller graphs then fit in blocks the pool already holds.
         for bs in reversed(self.sizes):

@@ -12,6 +12,12 @@ the grammar forbids are never accepted, as the masked target never picks them.
 Rows without a matcher are unconstrained. A matcher that has terminated (its stop token
 accepted) masks nothing: the scheduler ends that request on the token, and a plan sent
 before it learnt so may still hold the row.
+
+The host work of a step is kept off the device's path: a step's emitted tokens are
+accepted by the matchers only when the next step needs their masks, after that step's
+forward is queued (so on the GPU it runs beside the forward, not between steps); masks
+are filled into one pinned buffer (all matchers at once, BatchGrammarMatcher) and go up
+in one copy that does not wait for the device.
 """
 from __future__ import annotations
 
@@ -28,9 +34,16 @@ def _xgrammar():
 
 
 class GrammarRows:
-    def __init__(self):
+    def __init__(self, threads: int = 1):
         self.info = None  # xgrammar.TokenizerInfo, from the first plan that carries it
+        self.threads = threads
+        self._batch = None  # xgrammar.BatchGrammarMatcher
         self.matchers: dict[int, object] = {}  # row -> xgrammar.GrammarMatcher
+        # Tokens emitted and not yet accepted: (row, its matcher then, tokens), oldest first.
+        # Keyed by the matcher object, so a row reset meanwhile does not take them.
+        self._pending: list[tuple[int, object, list[int]]] = []
+        self._host: torch.Tensor | None = None  # [L, W] int32 pinned on a GPU rank, grown as needed
+        self._uploaded = None  # torch.cuda.Event after the last copy out of _host
 
     def set_vocab(self, vocab_json: str) -> None:
         self.info = _xgrammar().TokenizerInfo.deserialize_json(vocab_json)
@@ -53,35 +66,75 @@ class GrammarRows:
     def any(self, rows: list[int]) -> bool:
         return bool(self.matchers) and any(r in self.matchers for r in rows)
 
-    def _live(self, row: int):
-        m = self.matchers.get(row)
-        return None if m is None or m.is_terminated() else m
+    def advance(self, rows: list[int], emitted: list[list[int]]) -> None:
+        """The tokens each row emitted this step, in order: accepted before the next masks."""
+        if self.matchers:
+            self._pending += [(row, self.matchers[row], toks) for row, toks in zip(rows, emitted)
+                              if toks and row in self.matchers]
+
+    def _accept_pending(self) -> None:
+        for row, m, toks in self._pending:
+            for t in toks:
+                if m.is_terminated():
+                    break
+                if not m.accept_token(t):
+                    log.error("row %d: the grammar rejected emitted token %d; unconstrained from here", row, t)
+                    if self.matchers.get(row) is m:
+                        del self.matchers[row]
+                    break
+        self._pending = []
+
+    def _live(self, rows: list[int]) -> list[tuple[int, object]]:
+        """(position in rows, matcher) of the rows whose grammar still constrains them."""
+        self._accept_pending()
+        live = [(i, self.matchers.get(row)) for i, row in enumerate(rows)]
+        return [(i, m) for i, m in live if m is not None and not m.is_terminated()]
+
+    def _buffer(self, rows: int, device: torch.device) -> torch.Tensor:
+        """[rows, W] int32 host buffer, all ones (every id allowed), free to write: the copy
+        out of it that an earlier step queued has run."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # long done: a grammar step starts after the one before ended
+        W = _xgrammar().get_bitmask_shape(1, self.info.vocab_size)[1]
+        if self._host is None or self._host.shape[0] < rows:
+            self._host = torch.empty((rows, W), dtype=torch.int32, pin_memory=device.type == "cuda")
+        host = self._host[:rows]
+        host.fill_(-1)
+        return host
+
+    def _upload(self, host: torch.Tensor, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The filled host masks on `device` (into `out` when given), without waiting."""
+        if device.type != "cuda":
+            return host.clone() if out is None else out.copy_(host)
+        out = torch.empty(host.shape, dtype=host.dtype, device=device) if out is None else out
+        out.copy_(host, non_blocking=True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+        return out
 
     def next_masks(self, rows: list[int], device: torch.device) -> torch.Tensor | None:
         """The next token's bitmask per row -> [B, W] int32 on `device` (all ones for rows
         without a live grammar), or None when no row has one."""
-        if not self.any(rows):
+        live = self._live(rows) if self.any(rows) else []
+        if not live:
             return None
-        xgr = _xgrammar()
-        masks = xgr.allocate_token_bitmask(len(rows), self.info.vocab_size)  # [B, W] int32, all ones
-        for i, row in enumerate(rows):
-            m = self._live(row)
-            if m is not None:
-                m.fill_next_token_bitmask(masks, i)
-        return masks.to(device)
+        host = self._buffer(len(rows), device)
+        if self._batch is None:
+            self._batch = _xgrammar().BatchGrammarMatcher(self.threads)
+        self._batch.batch_fill_next_token_bitmask([m for _, m in live], host, [i for i, _ in live])
+        return self._upload(host, None, device)
 
     def copy_tree(self, rows: list[int], tokens: torch.Tensor, first_child: torch.Tensor,
                   next_sibling: torch.Tensor):
-        """Start moving the tree of the rows with a live grammar to the host (tokens /
-        first_child / next_sibling [B, N] int64; node 0 is the root: the request's last
-        emitted token, which its matcher has accepted), or None when no row has one. The
-        copy is queued behind the draft, so the walk (tree_masks) can run on the host
-        while the target's verify forward runs on the device."""
+        """Start moving the tree of the rows to the host (tokens / first_child / next_sibling
+        [B, N] int64, B >= len(rows): padded lanes after them; node 0 is the root, the
+        request's last emitted token, which its matcher has accepted), or None when no row
+        has a grammar. The copy is queued behind the draft, so the walk (tree_masks) can
+        run on the host while the target's verify forward runs on the device."""
         if not self.any(rows):
             return None
-        idx = [i for i, row in enumerate(rows) if self._live(row) is not None]
-        sel = torch.tensor(idx, dtype=torch.int64, device=tokens.device)
-        stacked = torch.stack([tokens[sel], first_child[sel], next_sibling[sel]])  # [3, b, N] int64
+        stacked = torch.stack([tokens[:len(rows)], first_child[:len(rows)],
+                               next_sibling[:len(rows)]])  # [3, b, N] int64
         if stacked.is_cuda:
             host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
             host.copy_(stacked, non_blocking=True)
@@ -89,32 +142,32 @@ class GrammarRows:
             done.record()
         else:
             host, done = stacked, None
-        return rows, idx, tokens.shape, host, done, tokens.device
+        return rows, tokens.shape[1], host, done, tokens.device
 
-    def tree_masks(self, copied) -> torch.Tensor | None:
-        """Per tree node, the bitmask of the token after the node's path -> [B, N, W]
-        int32 on the device (copy_tree's handle; None -> None). Nodes the walk does not
-        reach (a forbidden token on their path) stay all ones: verify never accepts them."""
+    def fits(self, words: int) -> bool:
+        """Whether masks fit a buffer of `words` int32 per node (the model's vocabulary may be
+        wider than the tokenizer's, never narrower)."""
+        return self.info is not None and _xgrammar().get_bitmask_shape(1, self.info.vocab_size)[1] <= words
+
+    def tree_masks(self, copied, lanes: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Per tree node, the bitmask of the token after the node's path -> [lanes, N, W]
+        int32 on the device (lanes: the rows', or more for padded lanes), into `out` when
+        given (copy_tree's handle; None -> None). Nodes the walk does not reach (a forbidden
+        token on their path), rows without a live grammar and padded lanes stay all ones:
+        verify never accepts the first, the others are free. An `out` wider than the masks
+        gets zeros past them: ids past the tokenizer's are disallowed, as
+        apply_token_bitmask does for a narrower mask."""
         if copied is None:
             return None
-        rows, idx, (B, N), host, done, device = copied
+        rows, N, host, done, device = copied
+        live = self._live(rows)  # the last step's tokens accepted while the draft ran
+        lanes = lanes or len(rows)
+        masks = self._buffer(lanes * N, device).view(lanes, N, -1)  # int32
         if done is not None:
             done.synchronize()
-        masks = _xgrammar().allocate_token_bitmask(B * N, self.info.vocab_size).view(B, N, -1)  # int32
-        for j, i in enumerate(idx):
-            self._live(rows[i]).traverse_draft_tree(host[1, j], host[2, j], host[0, j], masks[i])
-        return masks.to(device, non_blocking=True)
-
-    def advance(self, rows: list[int], emitted: list[list[int]]) -> None:
-        """The tokens each row emitted this step, in order."""
-        if not self.matchers:
-            return
-        for row, toks in zip(rows, emitted):
-            m = self.matchers.get(row)
-            for t in toks:
-                if m is None or m.is_terminated():
-                    break
-                if not m.accept_token(t):
-                    log.error("row %d: the grammar rejected emitted token %d; unconstrained from here", row, t)
-                    del self.matchers[row]
-                    break
+        for i, m in live:
+            m.traverse_draft_tree(host[1, i], host[2, i], host[0, i], masks[i])
+        if out is not None and out.shape[-1] > masks.shape[-1]:
+            out[..., masks.shape[-1]:] = 0
+            out = out[..., :masks.shape[-1]]
+        return self._upload(masks, out, device)

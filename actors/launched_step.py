@@ -12,28 +12,50 @@ from dataclasses import dataclass
 import torch
 
 from actors.host_copy import HostCopy
+from actors.logprobs import logprob_lists
 from actors.step_plan import StepPlan
 
 
 @dataclass
 class Emitted:
     """A step's emitted tokens on their way to the host: `lists` turns what `copy` brings
-    back into one token list per request, in plan order."""
+    back into one token list per request, in plan order; `logprobs`, when the plan asks,
+    turns the same copy and those lists into each request's logprobs (actors/logprobs.py)."""
     copy: HostCopy
     lists: Callable[[list[torch.Tensor]], list[list[int]]]
+    logprobs: Callable[[list[torch.Tensor], list[list[int]]], list] | None = None
 
 
-def first_tokens(plan: StepPlan, tokens: torch.Tensor) -> Emitted:
-    """A prefill step's tokens [B]: emitted by the chunks that end their prompt."""
-    return Emitted(HostCopy(tokens), lambda host: [[t] if last else [] for t, last in
-                                                   zip(host[0].tolist(), plan.last_chunk)])
+def one_token_each(plan: StepPlan, tokens: torch.Tensor, emitted: list[bool],
+                   logprobs: tuple[torch.Tensor, ...] | None) -> Emitted:
+    """A step that samples one token per request, tokens [B] (plain decode, or prefill where
+    `emitted` marks the chunks that end their prompt), with its logprobs' device tensors
+    (chosen [B], top logprobs [B, k], top ids [B, k]) when the plan asks."""
+    lists = lambda host: [[t] if e else [] for t, e in zip(host[0].tolist(), emitted)]
+    if logprobs is None:
+        return Emitted(HostCopy(tokens), lists)
+    asked = plan.logprobs
+    return Emitted(HostCopy(tokens, *logprobs), lists,
+                   lambda host, toks: logprob_lists(asked, host[1][:, None], host[2][:, None],
+                                                    host[3][:, None], [len(t) for t in toks]))
+
+
+def accepted_tokens(plan: StepPlan, out: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None) -> Emitted:
+    """A speculative iteration's out [B, S+2] int64 (each request's accept length, then the
+    S+1 predicted tokens, of which that many are emitted), with its logprobs' device
+    tensors (chosen [B, S+1], top logprobs and ids [B, S+1, k]) when the plan asks."""
+    lists = lambda host: [r[1:1 + r[0]] for r in host[0].tolist()]
+    if logprobs is None:
+        return Emitted(HostCopy(out), lists)
+    asked = plan.logprobs
+    return Emitted(HostCopy(out, *logprobs), lists,
+                   lambda host, toks: logprob_lists(asked, *host[1:4], [len(t) for t in toks]))
 
 
 @dataclass
 class LaunchedStep:
     plan: StepPlan
     emitted: Emitted | None  # None: nothing ran (an idle plan)
-    logprobs: list | None
     prompt_logprobs: list | None
     launch_s: float  # host seconds spent queueing it
     start: "torch.cuda.Event | None" = None  # recorded before its first device op

@@ -3,7 +3,9 @@
 Taken from the target's logits after the request's logit processing (bias, min_tokens,
 penalties) and before temperature, min-p, top-k and top-p: the model's distribution as
 the request shaped it, the same whether a token came from plain decoding or was accepted
-from a speculative tree (at the node that predicted it).
+from a speculative tree (at the node that predicted it). Computed on the device inside
+the step and copied to the host with its tokens (one HostCopy), then turned into lists
+when the step finishes: nothing in the step waits for the device.
 """
 from __future__ import annotations
 
@@ -11,52 +13,47 @@ import torch
 
 # Per emitted token: (its logprob, the top ids, their logprobs), as plain lists.
 TokenLogprob = tuple[float, list[int], list[float]]
+# The most alternatives a request may ask for (OpenAI's top_logprobs bound): what the step
+# graph computes (actors/spec/step_graph.py); a plan asking more runs eagerly.
+MAX_TOP = 20
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprob]:
-    """logits [M, V] float, tokens [M] int64 -> one entry per row, `top` alternatives."""
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int):
+    """logits [M, V] float, tokens [M] int64 -> (chosen [M] float32, top logprobs [M, top]
+    float32, top ids [M, top] int64), on the device."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # [M, V] float32
-    chosen = lp.gather(1, tokens.to(torch.int64)[:, None])[:, 0].tolist()
-    if top == 0:
-        return [(c, [], []) for c in chosen]
-    top_lp, top_id = lp.topk(top, dim=-1)  # [M, top]
-    return list(zip(chosen, top_id.tolist(), top_lp.tolist()))
+    chosen = lp.gather(1, tokens.to(torch.int64)[:, None])[:, 0]  # [M] float32
+    top_lp, top_id = lp.topk(top, dim=-1)  # [M, top] float32, int64
+    return chosen, top_lp, top_id
 
 
-def plan_logprobs(asked: list[int] | None, logits: torch.Tensor, tokens: torch.Tensor,
-                  emitted: list[bool]) -> list[list[TokenLogprob] | None] | None:
-    """One token per request (prefill, plain decode): per request in plan order, None or
-    its token's entry. `asked[b]` is the request's top count (-1: no logprobs)."""
-    if asked is None:
-        return None
-    want = [b for b, k in enumerate(asked) if k >= 0 and emitted[b]]
+def node_logprobs(logits: torch.Tensor, accept_index: torch.Tensor, predict: torch.Tensor, top: int):
+    """A speculative iteration: logits [B, N, V] of the tree nodes, accept_index and predict
+    [B, A]; emitted token j of request b was predicted at node accept_index[b, j] (-1 past
+    the accepted ones, whose values are never read) -> ([B, A], [B, A, top], [B, A, top])."""
+    B, N, V = logits.shape
+    A = accept_index.shape[1]
+    at = logits.gather(1, accept_index.clamp(min=0)[:, :, None].expand(B, A, V))  # [B, A, V]
+    chosen, top_lp, top_id = top_logprobs(at.reshape(B * A, V), predict.clamp(min=0).reshape(-1), top)
+    return chosen.view(B, A), top_lp.view(B, A, top), top_id.view(B, A, top)
+
+
+def asked_top(asked: list[int]) -> int:
+    """The alternatives a plan's logprobs need: the most any request asks."""
+    return max(k for k in asked if k >= 0)
+
+
+def logprob_lists(asked: list[int], chosen: torch.Tensor, top_lp: torch.Tensor, top_id: torch.Tensor,
+                  emitted: list[int]) -> list[list[TokenLogprob] | None]:
+    """On the host, after the step: chosen [B, A], top_lp / top_id [B, A, k] -> per request in
+    plan order, None (not asked) or one entry per emitted token (the first emitted[b])."""
     out: list[list[TokenLogprob] | None] = [None] * len(asked)
-    if not want:
-        return out
-    idx = torch.tensor(want, dtype=torch.int64, device=logits.device)
-    entries = token_logprobs(logits[idx], tokens[idx], max(asked[b] for b in want))
-    for b, (c, ids, lps) in zip(want, entries):
-        out[b] = [(c, ids[:asked[b]], lps[:asked[b]])]
-    return out
-
-
-def tree_logprobs(asked: list[int] | None, logits: torch.Tensor, accept_index: torch.Tensor,
-                  predict: torch.Tensor, accept_lens: list[int]) -> list[list[TokenLogprob] | None] | None:
-    """A speculative iteration: logits [B, N, V] of the tree nodes, accept_index and
-    predict [B, S+1]; emitted token j of request b was predicted at node accept_index[b, j]."""
-    if asked is None:
-        return None
     want = [b for b, k in enumerate(asked) if k >= 0]
-    out: list[list[TokenLogprob] | None] = [[] if k >= 0 else None for k in asked]
-    if not want:
-        return out
-    pairs = [(b, j) for b in want for j in range(accept_lens[b])]
-    bi = torch.tensor([b for b, _ in pairs], dtype=torch.int64, device=logits.device)
-    ji = torch.tensor([j for _, j in pairs], dtype=torch.int64, device=logits.device)
-    nodes = accept_index[bi, ji]  # [P] int64
-    entries = token_logprobs(logits[bi, nodes], predict[bi, ji], max(asked[b] for b in want))
-    for (b, _), (c, ids, lps) in zip(pairs, entries):
-        out[b].append((c, ids[:asked[b]], lps[:asked[b]]))
+    k = asked_top(asked)  # the step graph computes MAX_TOP: convert only what is asked
+    c, lps, ids = chosen[want].tolist(), top_lp[want, :, :k].tolist(), top_id[want, :, :k].tolist()
+    for i, b in enumerate(want):
+        k = asked[b]
+        out[b] = [(c[i][j], ids[i][j][:k], lps[i][j][:k]) for j in range(emitted[b])]
     return out
 
 

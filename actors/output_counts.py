@@ -6,7 +6,8 @@ tokens one step late, while the next step's penalties need them now. A row's cou
 reset when a request that asks for processing is admitted to it (from its outputs so far:
 a preempted request comes back with them), and grow with each step's emitted tokens in
 the steps that carry processing, which are all the steps such a request is in. The
-tensors are made at the first request that needs them.
+tensors are made at the first request that needs them, or when graphs that read them are
+captured.
 """
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ import numpy as np
 import torch
 
 from actors.host_copy import to_device
-from actors.step_plan import StepPlan
-from kernels.penalties import Processing, apply_processing
-
 
 # Emitted ids kept per row for bad words: a bad word has at most TAIL + 1 tokens.
 TAIL = 15
@@ -30,60 +28,48 @@ class OutputCounts:
         self.prompt: torch.Tensor | None = None  # [R, V] bool, for the repetition penalty
         self.tail: torch.Tensor | None = None  # [R, TAIL] int64, the last ids emitted (-1: none)
 
-    def _ensure(self) -> None:
+    def ensure(self) -> None:
         if self.counts is None:
             self.counts = torch.zeros(self.num_rows, self.vocab, dtype=torch.int32, device=self.device)
             self.num_out = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
             self.tail = torch.full((self.num_rows, TAIL), -1, dtype=torch.int64, device=self.device)
+            # A row whose request has no repetition penalty keeps stale bits: they act only
+            # through the penalty, which is 1 there.
+            self.prompt = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
 
     def reset(self, resets) -> None:
-        self._ensure()
-        for row, prompt_ids, output_ids in resets:
-            out = torch.as_tensor(np.asarray(output_ids, dtype=np.int64), device=self.device)
-            self.counts[row] = torch.bincount(out, minlength=self.vocab).to(torch.int32)
-            self.num_out[row] = out.numel()
-            last = out[-TAIL:]
-            self.tail[row] = -1
-            if last.numel():
-                self.tail[row, TAIL - last.numel():] = last
-            if prompt_ids is not None and self.prompt is None:
-                self.prompt = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
-            if self.prompt is not None:
-                self.prompt[row] = False
-            if prompt_ids is not None:
-                self.prompt[row, torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64), device=self.device)] = True
-
-    def process(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor,
-                path_tokens: torch.Tensor | None = None,
-                path_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The plan's processing on logits [B, N, V] of request rows [B] -> a new tensor."""
-        self._ensure()
-        pp, dev = plan.processing, self.device
-        B, M, S = len(pp.presence), len(pp.bias_value), len(pp.stops)
-        W, P = pp.bad_words.shape[0], pp.bad_words.shape[1] - 2
-        # Two host-to-device copies, not nine: the floats, then the integers.
-        f = to_device(np.concatenate([pp.presence, pp.frequency, pp.repetition, pp.bias_value]),
-                      torch.float32, dev)  # [3B+M]
-        i = to_device(np.concatenate([pp.min_tokens, pp.bias[:, 0], pp.bias[:, 1], pp.stops[:, 0],
-                                      pp.stops[:, 1], pp.bad_words.reshape(-1)]),
-                      torch.int64, dev)  # [B+2M+2S+W(P+2)]
-        bad = i[B + 2 * M + 2 * S:].view(W, P + 2)
-        p = Processing(f[:B], f[B:2 * B], f[2 * B:3 * B], i[:B], i[B:B + M], i[B + M:B + 2 * M],
-                       f[3 * B:], i[B + 2 * M:B + 2 * M + S], i[B + 2 * M + S:B + 2 * M + 2 * S],
-                       bad[:, 0], bad[:, 1], bad[:, 2:])
-        prompt = self.prompt[rows] if self.prompt is not None and bool((pp.repetition != 1).any()) else None
-        return apply_processing(logits, p, self.counts[rows], self.num_out[rows], prompt,
-                                path_tokens, path_mask, self.tail[rows] if W else None)
+        """Restart rows from (row, prompt ids or None, outputs so far), a few device ops for
+        all of them; a row given twice keeps its last."""
+        self.ensure()
+        last = {row: (prompt, out) for row, prompt, out in resets}
+        dev, V = self.device, self.vocab
+        outs = [np.asarray(out, dtype=np.int64) for _, out in last.values()]
+        rows = to_device(list(last), torch.int64, dev)  # [n] int64
+        tails = np.full((len(last), TAIL), -1, dtype=np.int64)  # [n, TAIL]
+        for i, out in enumerate(outs):
+            if len(out):
+                tails[i, TAIL - min(TAIL, len(out)):] = out[-TAIL:]
+        self.counts[rows] = 0
+        self.prompt[rows] = False
+        self.num_out[rows] = to_device([len(o) for o in outs], torch.int64, dev)
+        self.tail[rows] = to_device(tails, torch.int64, dev)
+        # Flat indices row * V + id: one scatter-add of the outputs, one write of the prompts.
+        flat = lambda ids: np.concatenate([np.zeros(0, dtype=np.int64)] + ids)
+        at = to_device(flat([r * V + o for r, o in zip(last, outs)]), torch.int64, dev)  # [sum n] int64
+        self.counts.view(-1).scatter_add_(0, at, torch.ones_like(at, dtype=torch.int32))
+        prompts = [r * V + np.asarray(p, dtype=np.int64) for r, (p, _) in last.items() if p is not None]
+        if prompts:
+            self.prompt.view(-1)[to_device(flat(prompts), torch.int64, dev)] = True
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
         """Emitted tokens [B, L] int64 of rows [B], the first lens[b] of each."""
-        self._ensure()
+        self.ensure()
         B, L = tokens.shape
         keep = torch.arange(L, device=tokens.device)[None, :] < lens[:, None]  # [B, L] bool
-        # Every lane adds its keep bit (0 past the emitted ones): no host sync for a mask.
-        r = rows[:, None].expand(B, L).reshape(-1)
-        t = torch.where(keep, tokens, torch.zeros_like(tokens)).reshape(-1)
-        self.counts.index_put_((r, t), keep.reshape(-1).to(torch.int32), accumulate=True)
+        # Every lane adds its keep bit (0 past the emitted ones): no host sync for a mask, and
+        # a scatter-add, which a CUDA graph can hold.
+        at = rows[:, None] * self.vocab + torch.where(keep, tokens, torch.zeros_like(tokens))  # [B, L] int64
+        self.counts.view(-1).scatter_add_(0, at.reshape(-1), keep.reshape(-1).to(torch.int32))
         self.num_out[rows] += lens.to(torch.int64)
         # The tail slides by each row's emitted count: the last TAIL of tail ++ emitted.
         joined = torch.cat([self.tail[rows], tokens], 1)  # [B, TAIL + L]

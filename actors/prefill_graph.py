@@ -35,7 +35,7 @@ from actors.cuda_graph_runner import EagerGraph, capture_cuda_graph, padded_size
 from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
 from actors.host_copy import to_device
-from actors.launched_step import Emitted, first_tokens
+from actors.launched_step import Emitted, one_token_each
 from actors.step_plan import StepPlan
 
 log = logging.getLogger("kestrel.worker")
@@ -161,7 +161,7 @@ class PrefillGraphs:
         lanes[2, B:] = 1  # padded lanes: one token on row 0
         self.inputs.copy_(to_device(host, torch.int64, self.inputs.device))
         self._target[bs, T].replay()
-        tokens = w.sample(plan, self.rows[:B], self.logits[:B], plan.last_chunk)  # [B] int64
+        tokens, lps = w.sample(plan, self.rows[:B], self.logits[:B])  # [B] int64
         if self.eagle is not None:  # also for chunks that end no prompt: it writes draft KV
             self.token[:B].copy_(tokens)
             self._draft[bs, T].replay()
@@ -176,4 +176,4 @@ class PrefillGraphs:
                                last_h[:B][idx])
             else:
                 w.future.store(rows, seq_lens, tokens[idx])
-        return first_tokens(plan, tokens)
+        return one_token_each(plan, tokens, plan.last_chunk, lps)

@@ -17,18 +17,20 @@ from actors.dp.sync import ForwardMode
 from actors.forward_batch import ForwardBatch
 from actors.future_map import FutureMap
 from actors.grammar_rows import GrammarRows
-from actors.host_copy import HostCopy, to_device
-from actors.launched_step import Emitted, LaunchedStep, first_tokens, timing_event
+from actors.host_copy import to_device
+from actors.launched_step import Emitted, LaunchedStep, one_token_each, timing_event
 from actors.kv_cache import ReqToTokenPool, TokenToKVPool
-from actors.logprobs import plan_logprobs, prompt_logprobs
+from actors.logprobs import asked_top, prompt_logprobs, top_logprobs
 from actors.model_runner import ModelRunner
 from actors.output_counts import OutputCounts
+from actors.processing_table import ProcessingTable
 from actors.models.loader import build_model, default_model_path
 from actors.sampler import sample_tokens
 from actors.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
 from kernels import layer_ops
 from kernels.compile_watch import CompileWatch
+from kernels.penalties import apply_processing
 from kernels.token_bitmask import apply_token_bitmask
 
 log = logging.getLogger("kestrel.worker")
@@ -109,15 +111,16 @@ class RankWorker:
             from actors.spec.eagle_worker import EagleWorker
             self.eagle = EagleWorker(cfg, self)
         self.counts = OutputCounts(self.num_rows, a.vocab_size, self.device)
-        self.grammars = GrammarRows()
+        self.processing = ProcessingTable(self.num_rows, cfg.processing, self.device)
+        self.grammars = GrammarRows(cfg.processing.grammar_threads)
         self._last_end = None  # the end event of the last finished step (device idle time)
         self.future = FutureMap(self.num_rows, cfg.draft.topk,
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,
                                 self.dtype, self.device, spec)
-        self.decode_graphs = None
+        self.decode_graphs = self.processed_decode_graphs = None
         if cfg.attention.cuda_graphs:
             sizes = self._graph_batch_sizes()
-            self.decode_graphs = self._capture_decode_graphs(sizes)
+            self.capture_decode_graphs(sizes)
             if self.eagle is not None:  # verify, draft decode and draft extend replay too
                 self.eagle.capture_graphs(sizes)
         self.prefill_graphs = None
@@ -138,23 +141,40 @@ class RankWorker:
                              "(attention.backend=triton); torch_native plans on the host")
         return [b for b in self.cfg.attention.cuda_graph_batch_sizes if b < self.num_rows]
 
-    def _capture_decode_graphs(self, sizes: list[int]):
-        """Plain target decode as CUDA graphs, one per captured batch size (DESIGN.md 6)."""
+    def capture_decode_graphs(self, sizes: list[int], use_cuda_graph: bool | None = None) -> None:
+        """Plain target decode as graphs, one per captured batch size (DESIGN.md 6), and with
+        `attention.feature_graphs` a second set, in the same pool, for greedy steps with
+        logit processing: the rows' processing, the pick and its counting inside the graph
+        (-> processed logits [B, V], tokens [B]); on CPU (use_cuda_graph None) the eager
+        stand-in."""
         from actors.cuda_graph_runner import GraphKind, GraphRunner, graph_backend
-        runner = GraphRunner(GraphKind.TARGET_DECODE, sizes, graph_backend(self.target.backend),
-                             device=self.device)
+
+        def runner() -> GraphRunner:
+            return GraphRunner(GraphKind.TARGET_DECODE, sizes, graph_backend(self.target.backend),
+                               device=self.device, use_cuda_graph=use_cuda_graph)
 
         def forward(view):
             # Metadata is rebuilt inside the graph from the static inputs on every replay.
             return self._decode_logits(view.input_ids, view.seq_lens - 1, view.out_cache_loc,
                                        view.req_pool_indices)
 
+        def processed(view):
+            rows = view.req_pool_indices  # [bs] int64; padded lanes: row 0, whose processing is none
+            logits = self.process(rows, forward(view)[:, None])[:, 0]
+            tokens = logits.argmax(-1)  # [bs] int64
+            self.counts.record(rows, tokens[:, None], (rows > 0).to(torch.int64))  # padded lanes emit nothing
+            return logits, tokens
+
         t0 = time.time()
         with torch.inference_mode():
-            runner.capture(forward)
-        log.info("rank %d: captured decode graphs for batch sizes %s in %.1fs",
-                 self.rank, sizes, time.time() - t0)
-        return runner
+            self.decode_graphs, self.processed_decode_graphs = runner(), None
+            self.decode_graphs.capture(forward)
+            if self.cfg.attention.feature_graphs:
+                self.counts.ensure()  # the graphs read the counts' tensors: they must exist now
+                self.processed_decode_graphs = runner()
+                self.processed_decode_graphs.capture(processed, pool=self.decode_graphs.graph_pool)
+        log.info("rank %d: captured decode graphs for batch sizes %s in %.1fs%s", self.rank, sizes,
+                 time.time() - t0, " (and processed)" if self.processed_decode_graphs else "")
 
     def capture_prefill_graphs(self, batch_sizes: list[int], token_sizes: list[int],
                                max_tokens: int, use_cuda_graph: bool | None = None) -> None:
@@ -213,13 +233,14 @@ class RankWorker:
             self.req_to_token.write_many(plan.kv_writes)
         if plan.count_resets:
             self.counts.reset(plan.count_resets)
+        if plan.processing_resets:
+            self.processing.reset(plan.processing_resets)
         if plan.grammar_vocab is not None:
             self.grammars.set_vocab(plan.grammar_vocab)
         for row, compiled, outputs in plan.grammar_resets:
             self.grammars.reset(row, compiled, outputs)
         if plan.mode == "idle" or not plan.rows:
-            return LaunchedStep(plan, None, None, None, 0.0)
-        self.last_logprobs = None  # set by the step's path when the plan asks for logprobs
+            return LaunchedStep(plan, None, None, 0.0)
         self.last_prompt_logprobs = None
         if plan.mode == "extend":
             emitted = self._extend(plan)
@@ -227,8 +248,7 @@ class RankWorker:
             emitted = self.eagle.decode(plan)
         else:
             emitted = self._decode(plan)
-        return LaunchedStep(plan, emitted, self.last_logprobs, self.last_prompt_logprobs,
-                            time.perf_counter() - t0, start)
+        return LaunchedStep(plan, emitted, self.last_prompt_logprobs, time.perf_counter() - t0, start)
 
     @torch.inference_mode()
     def finish(self, step: LaunchedStep) -> StepOutput:
@@ -237,7 +257,9 @@ class RankWorker:
         if step.emitted is None:
             return StepOutput(plan.step_id, [[] for _ in plan.rows])
         t0 = time.perf_counter()
-        tokens = step.emitted.lists(step.emitted.copy.wait())
+        host = step.emitted.copy.wait()
+        tokens = step.emitted.lists(host)
+        logprobs = step.emitted.logprobs(host, tokens) if step.emitted.logprobs is not None else None
         self.grammars.advance(plan.rows, tokens)
         timings = {plan.mode: step.launch_s + time.perf_counter() - t0}
         end = step.emitted.copy.event
@@ -250,28 +272,38 @@ class RankWorker:
             timings["compile"] = self.compiles.take_seconds()
         if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
             timings.update(self.eagle.last_timings)
-        return StepOutput(plan.step_id, tokens, timings, step.logprobs, step.prompt_logprobs)
+        return StepOutput(plan.step_id, tokens, timings, logprobs, step.prompt_logprobs)
 
-    def sample(self, plan: StepPlan, rows: torch.Tensor, logits: torch.Tensor,
-               emitted: list[bool]) -> torch.Tensor:
+    def process(self, rows: torch.Tensor, logits: torch.Tensor, plan_rows: list[int] | None = None,
+                path_tokens: torch.Tensor | None = None, path_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The logit processing of request rows [B] (their processing table entries and output
+        counts) on logits [B, N, V] -> a new tensor; kernels/penalties.py for the tree's
+        path_tokens / path_mask. With the plan's rows on the host (eager steps), also the
+        entries past the tables' widths."""
+        c = self.counts
+        c.ensure()
+        return apply_processing(logits, self.processing.gather(rows, plan_rows), c.counts[rows],
+                                c.num_out[rows], c.prompt[rows], path_tokens, path_mask, c.tail[rows])
+
+    def sample(self, plan: StepPlan, rows: torch.Tensor,
+               logits: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """One token per request from logits [B, V] of rows [B], after the plan's logit
-        processing (penalties, bias, min_tokens, min_p) when it has any and the rows' grammars -> [B] int64;
-        the logprobs of the `emitted` ones too, when the plan asks."""
-        pp = plan.processing
-        if pp is not None:
-            logits = self.counts.process(plan, rows, logits[:, None])[:, 0]
+        processing and the rows' grammars -> (tokens [B] int64, and when the plan asks for
+        logprobs their device tensors: top_logprobs)."""
+        if plan.processing:
+            logits = self.process(rows, logits[:, None], plan.rows)[:, 0]
         masks = self.grammars.next_masks(plan.rows, logits.device)  # [B, W] int32 or None
         if masks is not None:
             logits = apply_token_bitmask(logits, masks)
-        tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins,
-                               None if pp is None else pp.min_p)
-        self.last_logprobs = plan_logprobs(plan.logprobs, logits, tokens, emitted)
-        return tokens
+        tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins, plan.min_p)
+        if plan.logprobs is None:
+            return tokens, None
+        return tokens, top_logprobs(logits, tokens, asked_top(plan.logprobs))
 
     def record(self, plan: StepPlan, rows: torch.Tensor, tokens: torch.Tensor,
                lens: torch.Tensor | None = None) -> None:
         """Count emitted tokens ([B] one each, or [B, L] with lens [B]) for processing."""
-        if plan.processing is None:
+        if not plan.processing:
             return
         if tokens.dim() == 1:
             tokens, lens = tokens[:, None], torch.ones_like(tokens)
@@ -304,7 +336,7 @@ class RankWorker:
             plan.extend_lens, plan.next_ids, plan.last_chunk)
         last = torch.cumsum(fb.seq_lens - fb.prefix_lens, 0) - 1  # [B] int64 last row per chunk
         logits = self.model.compute_logits(hidden[last])
-        tokens = self.sample(plan, fb.req_pool_indices, logits, plan.last_chunk)
+        tokens, lps = self.sample(plan, fb.req_pool_indices, logits)
         # [D] int64 positions in the plan of the prompts this chunk finishes (an index, not
         # a mask: a mask's result size would wait for the device)
         done = self._tensor([i for i, last in enumerate(plan.last_chunk) if last])
@@ -313,7 +345,7 @@ class RankWorker:
             self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done, last)
         else:
             self.future.store(fb.req_pool_indices[done], fb.seq_lens[done], tokens[done])
-        return first_tokens(plan, tokens)
+        return one_token_each(plan, tokens, plan.last_chunk, lps)
 
     def _decode_logits(self, ids, prefix_lens, loc, rows) -> torch.Tensor:
         """One token per request at position prefix_len -> logits [B, V] fp32 (eager, and
@@ -328,14 +360,20 @@ class RankWorker:
         c = self.future.resolve(rows)
         loc = self.req_to_token.req_to_token[rows, c.seq_lens]
         B = len(plan.rows)
-        if self.decode_graphs is not None and self.decode_graphs.pad_size(B) is not None:
-            from actors.cuda_graph_runner import GraphBatch
-            logits = self.decode_graphs.replay(
-                GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1))
+        from actors.cuda_graph_runner import GraphBatch
+        batch = GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1)
+        fits = lambda runner: runner is not None and runner.pad_size(B) is not None
+        if plan.processing and fits(self.processed_decode_graphs) and not any(t > 0 for t in plan.temperature) \
+                and not self.grammars.any(plan.rows) and not self.processing.has_extra(plan.rows):
+            logits, tokens = self.processed_decode_graphs.replay(batch)  # processed, picked, counted
+            lps = None if plan.logprobs is None else top_logprobs(logits, tokens, asked_top(plan.logprobs))
         else:
-            logits = self._decode_logits(c.bonus, c.seq_lens, loc, rows)
-        tokens = self.sample(plan, rows, logits, [True] * B)
-        self.record(plan, rows, tokens)
+            if fits(self.decode_graphs):
+                logits = self.decode_graphs.replay(batch)
+            else:
+                logits = self._decode_logits(c.bonus, c.seq_lens, loc, rows)
+            tokens, lps = self.sample(plan, rows, logits)
+            self.record(plan, rows, tokens)
         self.future.store(rows, c.seq_lens + 1, tokens)
-        return Emitted(HostCopy(tokens), lambda host: [[t] for t in host[0].tolist()])
+        return one_token_each(plan, tokens, [True] * B, lps)
 

@@ -19,21 +19,18 @@ def coins_per_request(cfg) -> int:
 
 
 @dataclass
-class PlanProcessing:
-    """Logit processing for a step's requests, in plan order (kernels/penalties.py); a plan
-    carries one only when some request asks for it."""
+class RowProcessing:
+    """One request's logit processing (kernels/penalties.py), sent once when it is admitted
+    to a row; the rank keeps it in its processing table (actors/processing_table.py)."""
 
-    presence: np.ndarray  # [B] float32
-    frequency: np.ndarray  # [B] float32
-    repetition: np.ndarray  # [B] float32, 1 = off
-    min_p: np.ndarray  # [B] float32, 0 = off
-    min_tokens: np.ndarray  # [B] int64
-    bias: np.ndarray  # [M, 2] int64 (request, token id), with bias_value [M] float32
-    bias_value: np.ndarray
-    stops: np.ndarray  # [S, 2] int64 (request, id banned while under min_tokens)
-    # [W, 2 + P] int64 per bad word token sequence: (request, last id, the P ids before it
-    # right-aligned, -1 padded); P = the longest such prefix in the plan.
-    bad_words: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0  # 1 = off
+    min_tokens: int = 0
+    bias_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [M] int64
+    bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # [M] float32
+    stop_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S] int64, under min_tokens
+    bad_words: list[list[int]] = field(default_factory=list)  # token sequences, each at most TAIL + 1 long
 
 
 @dataclass
@@ -55,7 +52,10 @@ class StepPlan:
     next_ids: list[int] = field(default_factory=list)  # prompt token after the chunk (-1 on the last)
     # decode only: requests whose future values were just created (sanity checking)
     use_spec: bool = False
-    processing: PlanProcessing | None = None
+    # Some request's logits are processed (penalties, bias, min_tokens, bad words): the rank
+    # applies its processing table's rows of the plan.
+    processing: bool = False
+    min_p: np.ndarray | None = None  # [B] float32 per request (0 = off); None: nobody
     # Per request, how many alternatives its logprobs list (-1: none asked); None: nobody.
     logprobs: list[int] | None = None
     # extend only: per request, the alternatives its prompt tokens' logprobs list (-1:
@@ -64,6 +64,9 @@ class StepPlan:
     # Rows whose output counts restart (a request admitted, or readmitted after preemption):
     # (row, prompt ids or None when no repetition penalty needs them, outputs so far).
     count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = field(default_factory=list)
+    # Rows whose processing table entry changes: a request admitted that asks for processing,
+    # or one admitted after such a request, which clears it (None).
+    processing_resets: list[tuple[int, RowProcessing | None]] = field(default_factory=list)
     # Rows that start a request with a grammar, or after one (actors/grammar_rows.py):
     # (row, serialized compiled grammar or None, outputs so far [n] int64).
     grammar_resets: list[tuple[int, str | None, np.ndarray]] = field(default_factory=list)

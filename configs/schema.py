@@ -100,6 +100,11 @@ class AttentionConfig(_Strict):
     # turns prefill graphs off.
     prefill_graph_tokens: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512])
     prefill_graph_max_tokens: int = Field(4096, ge=1)
+    # With cuda_graphs: decode steps and greedy speculative iterations whose requests ask for
+    # logit processing or logprobs replay as graphs too (a processed decode graph, and step
+    # graphs with processing and/or logprobs, per batch size, in the same memory pools);
+    # false: such steps run the eager processing and the per-phase speculative path.
+    feature_graphs: bool = True
 
     @model_validator(mode="after")
     def _sizes(self) -> "AttentionConfig":
@@ -110,6 +115,21 @@ class AttentionConfig(_Strict):
         self.__dict__["cuda_graph_batch_sizes"] = sorted(set(self.cuda_graph_batch_sizes))
         self.__dict__["prefill_graph_tokens"] = sorted(set(self.prefill_graph_tokens))
         return self
+
+
+class ProcessingConfig(_Strict):
+    """How a rank shapes logits for the requests that ask: per request row it keeps the
+    logit processing on the device, in tables of fixed width that the decode graphs read
+    (actors/processing_table.py); a request with more entries than these still gets all of
+    them, from steps that run its batch on the eager path. Grammar masks are filled on
+    the host (actors/grammar_rows.py)."""
+
+    logit_bias: int = Field(64, ge=1)  # logit_bias entries
+    stop_ids: int = Field(8, ge=1)  # ids banned while under min_tokens (EOS and stop_token_ids)
+    bad_words: int = Field(16, ge=1)  # bad_words token sequences
+    # Threads that fill a step's grammar masks (xgrammar's BatchGrammarMatcher); 1: the
+    # rank's own thread, which pays off for cheap grammars and a busy host.
+    grammar_threads: int = Field(1, ge=1, le=64)
 
 
 class ParallelConfig(_Strict):
@@ -182,6 +202,7 @@ class KestrelConfig(_Strict):
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    processing: ProcessingConfig = Field(default_factory=ProcessingConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
 

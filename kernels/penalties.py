@@ -28,22 +28,20 @@ import torch
 
 @dataclass
 class Processing:
-    """Per request (B rows), on the device."""
+    """Per request (B rows), on the device, in fixed-width tables whose unused entries hold
+    id -1 (so a CUDA graph sees the same shapes whatever the requests ask for)."""
 
     presence: torch.Tensor  # [B] float32
     frequency: torch.Tensor  # [B] float32
     repetition: torch.Tensor  # [B] float32, 1 = off
     min_tokens: torch.Tensor  # [B] int64
-    bias_index: torch.Tensor  # [M] int64, request b of each (b, token) bias entry
-    bias_token: torch.Tensor  # [M] int64
-    bias_value: torch.Tensor  # [M] float32
-    stop_index: torch.Tensor  # [S] int64, request of each (b, stop id) banned under min_tokens
-    stop_token: torch.Tensor  # [S] int64
-    # vLLM's bad_words as token sequences: word w's last token is banned for request
-    # bad_index[w] wherever the tokens before match bad_prefix[w] (right-aligned, -1 pads).
-    bad_index: torch.Tensor | None = None  # [W] int64
-    bad_last: torch.Tensor | None = None  # [W] int64
-    bad_prefix: torch.Tensor | None = None  # [W, P] int64
+    bias_token: torch.Tensor  # [B, M] int64, -1 = none
+    bias_value: torch.Tensor  # [B, M] float32
+    stop_token: torch.Tensor  # [B, S] int64, ids banned while under min_tokens, -1 = none
+    # vLLM's bad_words as token sequences: word w of request b bans bad_last[b, w] wherever
+    # the tokens before match bad_prefix[b, w] (right-aligned, -1 pads; -1 last: no word).
+    bad_last: torch.Tensor  # [B, W] int64
+    bad_prefix: torch.Tensor  # [B, W, P] int64
 
 
 def _penalize(x: torch.Tensor, count: torch.Tensor, in_prompt: torch.Tensor | None,
@@ -79,20 +77,24 @@ def node_context(tail: torch.Tensor, path_tokens: torch.Tensor | None,
     return torch.where(from_path, got_path, torch.where(on_tail, got_tail, -1))
 
 
-def _ban_bad_words(x: torch.Tensor, p: Processing, tail: torch.Tensor,
-                   path_tokens: torch.Tensor | None, path_mask: torch.Tensor | None) -> None:
-    """In place on x [B, N, V]: -inf at each bad word's last token where its prefix ends
-    the node's context (the accumulated writes keep duplicates of one id banned)."""
-    W, P = p.bad_prefix.shape
-    ctx = node_context(tail, path_tokens, path_mask, P)[p.bad_index]  # [W, N, P]
-    pre = p.bad_prefix[:, None, :]
-    match = ((pre < 0) | (ctx == pre)).all(-1)  # [W, N] bool
-    N = x.shape[1]
-    rows = p.bad_index[:, None].expand(W, N)
-    nodes = torch.arange(N, device=x.device)[None, :].expand(W, N)
-    last = p.bad_last[:, None].expand(W, N)
-    ban = torch.where(match, torch.full_like(match, float("-inf"), dtype=x.dtype), torch.zeros_like(match, dtype=x.dtype))
-    x.index_put_((rows, nodes, last), ban, accumulate=True)
+def _add_at(x: torch.Tensor, ids: torch.Tensor, add: torch.Tensor) -> None:
+    """In place on x [B, N, V] (contiguous): x[b, n, ids[b, e]] += add[b, e, n] for ids [B, E]
+    (-1: none, adds nothing). A scatter-add (no sort, no host read: it runs inside CUDA
+    graphs), so duplicate ids (padding, two words ending in one id) each add; unused entries
+    add 0 to id 0, which changes no value, and no entry meets another nonzero one at the
+    same place but -inf, so the order of the adds cannot change a result."""
+    B, N, V = x.shape
+    E = ids.shape[1]
+    lane = (torch.arange(B, device=x.device)[:, None] * N + torch.arange(N, device=x.device)) * V  # [B, N]
+    at = lane[:, None, :] + ids.clamp(min=0)[:, :, None]  # [B, E, N] int64 flat index into x
+    used = (ids >= 0)[:, :, None]  # [B, E, 1] bool
+    x.view(-1).scatter_add_(0, at.reshape(-1), torch.where(used, add, torch.zeros_like(add)).reshape(-1))
+
+
+def _ban(x: torch.Tensor, ids: torch.Tensor, banned: torch.Tensor) -> None:
+    """In place: -inf at ids [B, E] on the nodes where banned [B, E, N] (bool)."""
+    inf = torch.full_like(banned, float("-inf"), dtype=x.dtype)
+    _add_at(x, ids, torch.where(banned, inf, torch.zeros_like(inf)))
 
 
 def apply_processing(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
@@ -110,21 +112,21 @@ def apply_processing(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
         path_tokens: [B, N] int64 node tokens, path_mask [B, N, N] bool: node j is on the
             path of node i below the root (an ancestor or i itself, not the root), or None
             for plain rows (N = 1, no path).
-        tail: [B, T] int64, each request's last T emitted ids (-1 before the first), when
-            the plan has bad words.
+        tail: [B, T] int64, each request's last T emitted ids (-1 before the first); read
+            when p has bad-word columns (W > 0).
     """
     B, N, V = logits.shape
     x = logits.clone()
-    if p.bias_index.numel():
-        x[p.bias_index, :, p.bias_token] += p.bias_value[:, None]
-    if p.stop_index.numel():
-        depth = path_mask.sum(-1) if path_mask is not None else 0  # [B, N] outputs along the path
+    if p.bias_token.shape[1]:
+        _add_at(x, p.bias_token, p.bias_value[:, :, None].expand(*p.bias_token.shape, N).to(x.dtype))
+    if p.stop_token.shape[1]:
+        depth = path_mask.sum(-1) if path_mask is not None else torch.zeros_like(num_out)[:, None]
         early = (num_out[:, None] + depth) < p.min_tokens[:, None]  # [B, N] bool
-        banned = early[p.stop_index]  # [S, N] bool
-        cur = x[p.stop_index, :, p.stop_token]  # [S, N]
-        x[p.stop_index, :, p.stop_token] = torch.where(banned, torch.full_like(cur, float("-inf")), cur)
-    if p.bad_index is not None and p.bad_index.numel():
-        _ban_bad_words(x, p, tail, path_tokens, path_mask)
+        _ban(x, p.stop_token, early[:, None, :].expand(B, p.stop_token.shape[1], N))
+    if p.bad_last.shape[1]:
+        ctx = node_context(tail, path_tokens, path_mask, p.bad_prefix.shape[2])  # [B, N, P]
+        pre = p.bad_prefix[:, :, None, :]  # [B, W, 1, P]
+        _ban(x, p.bad_last, ((pre < 0) | (ctx[:, None] == pre)).all(-1))  # [B, W, N] bool
     rep = p.repetition.view(B, 1, 1)
     freq = p.frequency.view(B, 1, 1)
     pres = p.presence.view(B, 1, 1)

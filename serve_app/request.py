@@ -69,8 +69,9 @@ class SamplingParams:
                     or self.min_tokens or self.bad_words)
 
     @property
-    def needs_processing(self) -> bool:
-        return self.needs_counts or bool(self.logit_bias or self.min_p)
+    def processes_logits(self) -> bool:
+        """Whether the worker processes this request's logits (its processing table row)."""
+        return self.needs_counts or bool(self.logit_bias)
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from actors.kv_cache import RowAllocator, SlotAllocator
-from actors.step_plan import PlanProcessing, StepOutput, StepPlan, coins_per_request
+from actors.step_plan import RowProcessing, StepOutput, StepPlan, coins_per_request
 from configs.schema import KestrelConfig
 from serve_app.radix_cache import RadixCache
 from serve_app.request import CoinStream, Request, RequestOutput
@@ -37,27 +37,15 @@ def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
                          f"at most {limit} (model.max_model_len={max_model_len})")
 
 
-def plan_processing(reqs: list[Request]) -> PlanProcessing:
-    """The logit processing of a step's requests, in plan order."""
-    params = [r.params for r in reqs]
-    f32 = lambda vals: np.asarray(vals, dtype=np.float32)
-    bias = [(b, t, v) for b, p in enumerate(params) for t, v in p.logit_bias.items()]
-    stops = [(b, t) for b, (r, p) in enumerate(zip(reqs, params)) if p.min_tokens
-             for t in sorted(r.stop_ids)]
-    words = [(b, w) for b, p in enumerate(params) for w in p.bad_words]
-    P = max((len(w) - 1 for _, w in words), default=0)
-    bad = np.full((len(words), 2 + P), -1, dtype=np.int64)  # [W, 2 + P]
-    for k, (b, w) in enumerate(words):
-        bad[k, 0], bad[k, 1] = b, w[-1]
-        if len(w) > 1:
-            bad[k, 2 + P - (len(w) - 1):] = w[:-1]
-    return PlanProcessing(
-        f32([p.presence_penalty for p in params]), f32([p.frequency_penalty for p in params]),
-        f32([p.repetition_penalty for p in params]), f32([p.min_p for p in params]),
-        np.asarray([p.min_tokens for p in params], dtype=np.int64),
-        np.asarray([(b, t) for b, t, _ in bias], dtype=np.int64).reshape(-1, 2),
-        f32([v for _, _, v in bias]),
-        np.asarray(stops, dtype=np.int64).reshape(-1, 2), bad)
+def row_processing(req: Request) -> RowProcessing:
+    """A request's logit processing, as its rank keeps it for the request's row."""
+    p = req.params
+    return RowProcessing(
+        p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens,
+        np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias)),
+        np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)),
+        np.asarray(sorted(req.stop_ids) if p.min_tokens else [], dtype=np.int64),
+        [list(w) for w in p.bad_words])
 
 
 class Scheduler:
@@ -88,6 +76,8 @@ class Scheduler:
         self._count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = []  # the same way
         self._grammar_resets: list[tuple[int, str | None, np.ndarray]] = []  # the same way
         self._grammar_rows: set[int] = set()  # rows whose worker holds a grammar matcher
+        self._processing_resets: list[tuple[int, RowProcessing | None]] = []  # the same way
+        self._processing_rows: set[int] = set()  # rows whose worker holds a request's processing
         self.grammar_vocab: str | None = None  # set_grammar_vocab; the worker gets it once
         self._vocab_sent = False
         self.coins_per_request = coins_per_request(cfg)
@@ -115,8 +105,7 @@ class Scheduler:
             req.coin_stream = CoinStream(seed, self.coins_per_request)
         if self.detokenizer_factory is not None:
             req.text_stream = self.detokenizer_factory(req)
-        req.quiet = (req.on_output is None and p.logprobs is None
-                     and (req.text_stream is None or not req.text_stream.has_stops))
+        req.quiet = req.on_output is None and (req.text_stream is None or not req.text_stream.has_stops)
         self.requests[req.rid] = req
         self.waiting.append(req)
 
@@ -227,6 +216,7 @@ class Scheduler:
             self._kv_writes = []
             plan.count_resets, self._count_resets = self._count_resets, []
             plan.grammar_resets, self._grammar_resets = self._grammar_resets, []
+            plan.processing_resets, self._processing_resets = self._processing_resets, []
             if plan.grammar_resets and not self._vocab_sent:
                 plan.grammar_vocab, self._vocab_sent = self.grammar_vocab, True
         return plan
@@ -256,6 +246,12 @@ class Scheduler:
         if p.needs_counts:  # from its outputs so far: a preempted request brings them back
             prompt = np.asarray(req.prompt_ids, dtype=np.int64) if p.repetition_penalty != 1.0 else None
             self._count_resets.append((row, prompt, np.asarray(req.output_ids, dtype=np.int64)))
+        if p.processes_logits or row in self._processing_rows:
+            self._processing_resets.append((row, row_processing(req) if p.processes_logits else None))
+            if p.processes_logits:
+                self._processing_rows.add(row)
+            else:
+                self._processing_rows.discard(row)
         if p.grammar is not None or row in self._grammar_rows:
             self._grammar_resets.append((row, p.grammar, np.asarray(req.output_ids, dtype=np.int64)))
             if p.grammar is not None:
@@ -393,8 +389,9 @@ class Scheduler:
         plan.temperature += [p.temperature for p in params]
         plan.top_p += [p.top_p for p in params]
         plan.top_k += [p.top_k for p in params]
-        if any(p.needs_processing for p in params):
-            plan.processing = plan_processing(reqs)
+        plan.processing = any(p.processes_logits for p in params)
+        if any(p.min_p for p in params):
+            plan.min_p = np.asarray([p.min_p for p in params], dtype=np.float32)
         if any(p.logprobs is not None for p in params):
             plan.logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
 
@@ -440,6 +437,8 @@ class Scheduler:
                 if (req.quiet and req.first_token_time is not None and req.stop_ids.isdisjoint(toks)
                         and len(req.output_ids) + len(toks) < req.max_output):
                     req.output_ids += toks
+                    if lps is not None and lps[i] is not None:
+                        req.token_logprobs += lps[i]
                     continue
             ev = self._emit(req, toks, accepted, lps[i] if lps is not None else None)
             if ev is not None:

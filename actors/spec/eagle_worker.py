@@ -31,9 +31,9 @@ import torch
 from actors.cuda_graph_runner import GraphBatch, GraphRunner, VerifyPath
 from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
-from actors.host_copy import HostCopy, to_device
-from actors.launched_step import Emitted
-from actors.logprobs import tree_logprobs
+from actors.host_copy import to_device
+from actors.launched_step import Emitted, accepted_tokens
+from actors.logprobs import MAX_TOP, asked_top, node_logprobs
 from actors.kv_cache import TokenToKVPool
 from actors.model_runner import ModelRunner
 from actors.models.eagle import load_eagle_head, resolve_draft_path
@@ -43,12 +43,23 @@ from actors.spec.step_graph import StepGraph
 from actors.step_plan import StepPlan
 from configs.schema import KestrelConfig
 from kernels.sampling import process_logits
+from kernels.spec_tree import TreeInfo
 from kernels.spec_ops import (assign_cache_locs, build_tree, expand_level, greedy_verify,
                               organize_draft, tree_sampling_verify)
 from kernels.token_bitmask import apply_token_bitmask
 from kernels.verify import select_last_index
 
 log = logging.getLogger("kestrel.worker")
+
+
+@dataclasses.dataclass
+class Drafted:
+    """What the draft part of a greedy iteration (EagleWorker.step_draft) leaves for the rest."""
+    rows: torch.Tensor  # [bs] int64 request rows, padded lanes at row 0
+    valid: torch.Tensor  # [bs] bool, not a padded lane
+    seq: torch.Tensor  # [bs] int64 lengths (FILL in padded lanes)
+    tree: TreeInfo
+    loc: torch.Tensor  # [bs*N] int64 tree node slots
 
 
 class PhaseClock:
@@ -146,12 +157,17 @@ class EagleWorker:
                      "host; one graph per forward", self.w.rank, self.cfg.attention.backend)
             return
         t0 = time.time()
-        self.step_graph = StepGraph(self.step_body, sizes, self.w.device, real)
+        variants = ((False, False),)
+        if self.cfg.attention.feature_graphs:
+            variants = ((False, False), (True, False), (False, True), (True, True))
+            self.w.counts.ensure()  # the graphs read the counts' tensors: they must exist now
+        words = -(-self.w.arch.vocab_size // 32) if self.cfg.attention.feature_graphs else 0  # grammar masks
+        self.step_graph = StepGraph(self, sizes, self.w.device, real, variants, words)
         with torch.inference_mode():
             self.step_graph.capture()
-        log.info("rank %d: captured speculative step graphs for batch sizes %s in %.1fs%s",
-                 self.w.rank, self.step_graph.sizes, time.time() - t0,
-                 "" if real else " (eager stand-in)")
+        log.info("rank %d: captured speculative step graphs for batch sizes %s, variants "
+                 "(processed, logprobs) %s in %.1fs%s", self.w.rank, self.step_graph.sizes,
+                 variants, time.time() - t0, "" if real else " (eager stand-in)")
 
     @staticmethod
     def _fits(runner: GraphRunner | None, bs: int) -> bool:
@@ -166,13 +182,20 @@ class EagleWorker:
         dev = w.device
         clock = PhaseClock(self.cfg.profile_steps, w.device)
         g = self.step_graph
-        if g is not None and g.pad_size(len(plan.rows)) is not None and plan.processing is None \
-                and plan.logprobs is None and not any(t > 0 for t in plan.temperature) \
-                and not w.grammars.any(plan.rows):
-            out = HostCopy(g.run(list(plan.rows)))  # the iteration's one copy to the host
-            clock.mark("step_graph")
-            self.last_timings = clock.times
-            return Emitted(out, lambda host: [r[1:1 + r[0]] for r in host[0].tolist()])
+        variant = (plan.processing, plan.logprobs is not None)
+        if g is not None and g.holds(len(plan.rows), variant) and not any(t > 0 for t in plan.temperature) \
+                and not (plan.processing and w.processing.has_extra(plan.rows)) \
+                and (plan.logprobs is None or asked_top(plan.logprobs) <= MAX_TOP):
+            if not w.grammars.any(plan.rows):
+                out, *lps = g.run(list(plan.rows), variant)
+            elif g.holds_parts(len(plan.rows), variant) and w.grammars.fits(g.masks.shape[-1]):
+                out, *lps = self._run_parts(g, plan, variant)
+            else:
+                out = None
+            if out is not None:
+                clock.mark("step_graph")
+                self.last_timings = clock.times
+                return accepted_tokens(plan, out, tuple(lps) or None)  # the iteration's one copy to the host
         rows = to_device(plan.rows, torch.int64, dev)  # [B] int64
         B = rows.numel()
         c = w.future.resolve(rows)
@@ -200,9 +223,9 @@ class EagleWorker:
         clock.mark("verify")
         accept_index, accept_length, predict, logits = self._accept(plan, rows, tree, logits, grammar_masks)
         w.record(plan, rows, predict, accept_length)
+        lps = None
         if plan.logprobs is not None:  # before draft extend, which may reuse the logits' buffer
-            w.last_logprobs = tree_logprobs(plan.logprobs, logits, accept_index, predict,
-                                            accept_length.tolist())
+            lps = node_logprobs(logits, accept_index, predict, asked_top(plan.logprobs))
         self._keep_accepted_kv(loc, accept_index)
         # -- draft extend over N rows per request
         topk_p, topk_index, last = self._draft_extend(batch, accept_index, accept_length,
@@ -210,8 +233,19 @@ class EagleWorker:
         self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
         clock.mark("accept_and_draft_extend")
         self.last_timings = clock.times
-        return Emitted(HostCopy(predict, accept_length),
-                       lambda host: [p[:n] for p, n in zip(host[0].tolist(), host[1].tolist())])
+        return accepted_tokens(plan, torch.cat([accept_length[:, None], predict], 1), lps)
+
+    def _run_parts(self, g: StepGraph, plan: StepPlan, variant) -> tuple[torch.Tensor, ...]:
+        """A greedy iteration with grammar rows as the step graph's three parts: the tree
+        goes to the host behind the draft part, and is walked there while the verify part
+        runs; the masks go into the accept part's static buffer."""
+        B, grammars = len(plan.rows), self.w.grammars
+        d = g.run_draft(list(plan.rows))
+        tree_copy = grammars.copy_tree(plan.rows, d.tree.tokens, d.tree.first_child, d.tree.next_sibling)
+        g.run_verify(B)
+        bs = g.pad_size(B)
+        grammars.tree_masks(tree_copy, bs, out=g.masks[:bs])
+        return g.run_accept(B, variant)
 
     def _keep_accepted_kv(self, loc: torch.Tensor, accept_index: torch.Tensor) -> None:
         """Move accepted nodes' target KV from their verify slots ``loc`` [B, N] to the
@@ -233,14 +267,25 @@ class EagleWorker:
         bonus = predict.gather(1, (accept_length - 1)[:, None])[:, 0]  # [B] int64
         self.w.future.store(rows, seq + accept_length, bonus, topk_p, topk_index, last)
 
-    def step_body(self, rows: torch.Tensor) -> torch.Tensor:
+    def step_body(self, rows: torch.Tensor, processed: bool = False,
+                  logprobs: bool = False) -> tuple[torch.Tensor, ...]:
         """One greedy iteration for ``rows`` [bs] int64 (-1: a padded lane), from the future
-        map back into it -> [bs, S+2] int64: the accept length, then the S+1 predicted
-        tokens, of which the first accept-length are emitted.
+        map back into it -> ([bs, S+2] int64: the accept length, then the S+1 predicted
+        tokens, of which the first accept-length are emitted; with ``logprobs`` then their
+        logprobs: chosen [bs, S+1], top MAX_TOP logprobs and ids [bs, S+1, MAX_TOP]).
+        ``processed``: each node's logits get the rows' logit processing along its path, and
+        the emitted tokens are counted, as on the eager path.
 
-        The eager path's steps without host reads, so StepGraph records it whole. Padded
-        lanes use row 0 and slot 0 (both reserved), length FILL and zero draft state.
+        The eager path's steps without host reads, so StepGraph records it whole, or in
+        its three parts (draft, verify, accept) with the grammar masks put in between.
+        Padded lanes use row 0 and slot 0 (both reserved), length FILL and zero draft
+        state; row 0's processing is none and its counts never grow (its lanes emit nothing).
         """
+        drafted = self.step_draft(rows)
+        return self.step_accept(drafted, *self.step_verify(drafted), None, processed, logprobs)
+
+    def step_draft(self, rows: torch.Tensor) -> Drafted:
+        """A greedy iteration's draft decode and tree, for ``rows`` as in step_body."""
         w, K, S, N = self.w, self.K, self.S, self.N
         B = rows.numel()
         valid = rows >= 0  # [bs] bool
@@ -261,11 +306,34 @@ class EagleWorker:
         draft_tokens, parent_node = self.draft_body(draft)
         tree = build_tree(real(c.bonus, 0), draft_tokens, parent_node, seq)
         loc = assign_cache_locs(table, rows, seq, N)  # [bs*N] int64 tree node slots
+        return Drafted(rows, valid, seq, tree, loc)
+
+    def step_verify(self, d: Drafted) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's verify forward over the drafted tree -> (logits [bs, N, V] fp32,
+        draft features [bs*N, F])."""
+        B, N = d.tree.tokens.shape
         logits, feats = self.verify_body(GraphBatch(
-            B, tree.tokens.reshape(-1), tree.positions.reshape(-1), loc, rows, seq, width=N,
-            custom_mask=tree.tree_mask))
+            B, d.tree.tokens.reshape(-1), d.tree.positions.reshape(-1), d.loc, d.rows, d.seq,
+            width=N, custom_mask=d.tree.tree_mask))
+        return logits.view(B, N, -1), feats
+
+    def step_accept(self, d: Drafted, logits: torch.Tensor, feats: torch.Tensor,
+                    masks: torch.Tensor | None, processed: bool, logprobs: bool) -> tuple[torch.Tensor, ...]:
+        """The rest of the iteration after verify: processing, the grammar ``masks`` [bs, N,
+        W] int32 (all ones where a row has none), the greedy accept, the KV move, draft
+        extend and the future-map store -> step_body's outputs."""
+        w, S, N = self.w, self.S, self.N
+        rows, seq, tree, loc = d.rows, d.seq, d.tree, d.loc
+        B = rows.numel()
+        if processed:
+            logits = w.process(rows, logits, None, tree.tokens, self._path(tree))
+        if masks is not None:
+            logits = apply_token_bitmask(logits, masks)
         accept_index, accept_length, predict = greedy_verify(
-            tree.tokens, logits.view(B, N, -1).argmax(-1), tree.first_child, tree.next_sibling, S)
+            tree.tokens, logits.argmax(-1), tree.first_child, tree.next_sibling, S)
+        if processed:
+            w.counts.record(rows, predict, torch.where(d.valid, accept_length, 0))
+        lps = node_logprobs(logits, accept_index, predict, MAX_TOP) if logprobs else ()
         self._keep_accepted_kv(loc.view(B, N), accept_index)
         fb = prepare_draft_extend(rows, seq, loc.view(B, N), accept_index,
                                   draft_extend_ids(predict), feats, N)
@@ -273,7 +341,15 @@ class EagleWorker:
             B, fb.input_ids, fb.positions, loc, rows, seq + N, width=N,
             accept_lens=accept_length, hidden=fb.hidden_in))
         self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
-        return torch.cat([accept_length[:, None], predict], 1)  # [bs, S+2] int64
+        return (torch.cat([accept_length[:, None], predict], 1), *lps)  # [bs, S+2] int64, ...
+
+    @staticmethod
+    def _path(tree) -> torch.Tensor:
+        """[B, N, N] bool: node j is on node i's path below the root (processing's path_mask;
+        the root is the last emitted token, counted already)."""
+        path = tree.tree_mask.clone()
+        path[:, :, 0] = False
+        return path
 
     def _draft(self, batch: GraphBatch):
         """Draft decode, replayed when a captured size holds the batch."""
@@ -382,11 +458,8 @@ class EagleWorker:
     def _accept(self, plan: StepPlan, rows, tree, logits, grammar_masks=None):
         S = self.S
         B, N = tree.tokens.shape
-        pp = plan.processing
-        if pp is not None:  # each node processed with the counts along its own path
-            path = tree.tree_mask.clone()
-            path[:, :, 0] = False  # the root is the last emitted token: counted already
-            logits = self.w.counts.process(plan, rows, logits, tree.tokens, path)
+        if plan.processing:  # each node processed with the counts along its own path
+            logits = self.w.process(rows, logits, plan.rows, tree.tokens, self._path(tree))
         if grammar_masks is not None:  # each node's grammar state after its path
             logits = apply_token_bitmask(logits, grammar_masks)
         accept_index, accept_length, predict = greedy_verify(
@@ -399,7 +472,7 @@ class EagleWorker:
             probs = process_logits(logits[idx].reshape(len(hot) * N, -1),
                                    rep(plan.temperature, torch.float32), rep(plan.top_p, torch.float32),
                                    rep(plan.top_k, torch.int64),
-                                   None if pp is None else rep(pp.min_p, torch.float32)).view(len(hot), N, -1)
+                                   None if plan.min_p is None else rep(plan.min_p, torch.float32)).view(len(hot), N, -1)
             coins = to_device(plan.coins[hot], torch.float32, dev)  # [b, N+1]: N node coins, then the final coin
             ai, al, pr = tree_sampling_verify(tree.tokens[idx], probs, tree.first_child[idx],
                                               tree.next_sibling[idx], S, coins[:, :N], coins[:, N])

@@ -13,10 +13,24 @@ Padded lanes carry row -1: the body maps them to row 0 and slot 0 (both reserved
 length FILL and zero draft state, rewritten on every replay (C06). Sampled batches and
 batches above the largest size take the per-phase path. On CPU the "graph" is the body
 run on the same padded rows buffer, so CPU tests drive the same padding path.
+
+A variant is (processed, logprobs): whether the body applies the rows' logit processing
+(actors/processing_table.py: read by row on the device, so it needs no host input) and
+computes the emitted tokens' logprobs (MAX_TOP alternatives). Each captured variant is
+a graph per size, all in one pool (replays never overlap).
+
+Grammars need the host in the middle of an iteration: their masks are walked over the
+drafted tree on the host while the target verifies it. For them (``mask_words``) the
+iteration is also captured in three parts, chained through the parts' static outputs:
+draft (draft decode and tree), verify, and accept (processing, the masks from a static
+buffer the host fills, the accept, draft extend, the store), one accept graph per
+variant; the host walks between the first two replays' ends.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,37 +38,88 @@ from actors.cuda_graph_runner import EagerGraph, capture_cuda_graph, padded_size
 from actors.host_copy import to_device
 
 
+Variant = tuple[bool, bool]  # (processed, logprobs)
+
+
 class StepGraph:
-    def __init__(self, body: Callable[[torch.Tensor], torch.Tensor], sizes: list[int],
-                 device: torch.device, use_cuda_graph: bool):
-        self.body, self.sizes, self.device = body, sorted(set(sizes)), device
-        self.use_cuda_graph = use_cuda_graph
-        self.rows = torch.full((self.sizes[-1],), -1, dtype=torch.int64, device=device)  # [M] int64
-        self._graphs: dict = {}
+    def __init__(self, eagle: Any, sizes: list[int], device: torch.device, use_cuda_graph: bool,
+                 variants: tuple[Variant, ...] = ((False, False),), mask_words: int = 0):
+        """``eagle``: the EagleWorker whose step_body (whole) and step_draft / step_verify /
+        step_accept (parts, with ``mask_words`` > 0: int32 words of a grammar mask) it records."""
+        self.eagle, self.sizes, self.device = eagle, sorted(set(sizes)), device
+        self.use_cuda_graph, self.variants = use_cuda_graph, variants
+        M = self.sizes[-1]
+        self.rows = torch.full((M,), -1, dtype=torch.int64, device=device)  # [M] int64
+        self.masks = None  # [M, N, W] int32, each node's grammar mask (all ones: none)
+        if mask_words:
+            self.masks = torch.full((M, eagle.N, mask_words), -1, dtype=torch.int32, device=device)
+        self._graphs: dict = {}  # ("whole", variant, bs) / ("draft", bs) / ("verify", bs) / ("accept", variant, bs)
 
     def pad_size(self, raw_bs: int) -> int | None:
         """The smallest captured size >= raw_bs, or None (too big: the per-phase path)."""
         return padded_size(self.sizes, raw_bs)
 
+    def holds(self, raw_bs: int, variant: Variant) -> bool:
+        return variant in self.variants and self.pad_size(raw_bs) is not None
+
+    def holds_parts(self, raw_bs: int, variant: Variant) -> bool:
+        return self.masks is not None and self.holds(raw_bs, variant)
+
+    def _forwards(self, bs: int) -> list[tuple[tuple, Callable, Any]]:
+        """(key, forward, its input) of every graph of size bs, in capture order. The parts
+        read the parts before them from their graphs' outputs (static on a GPU)."""
+        e, rows, out = self.eagle, self.rows[:bs], lambda *key: self._graphs[key].output
+        whole = [(("whole", v, bs), functools.partial(e.step_body, processed=v[0], logprobs=v[1]), rows)
+                 for v in self.variants]
+        if self.masks is None:
+            return whole
+        masks = self.masks[:bs]
+        return whole + [(("draft", bs), e.step_draft, rows),
+                        (("verify", bs), lambda _: e.step_verify(out("draft", bs)), None)] + [
+            (("accept", v, bs), lambda _, v=v: e.step_accept(out("draft", bs), *out("verify", bs), masks, *v), None)
+            for v in self.variants]
+
     def capture(self) -> None:
         if not self.use_cuda_graph:
-            self._graphs = {bs: EagerGraph(self.body, self.rows[:bs]) for bs in self.sizes}
+            self._graphs = {key: EagerGraph(f, view) for bs in self.sizes for key, f, view in self._forwards(bs)}
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         self.rows.fill_(-1)  # capture with every lane padded: it writes only row 0 and slot 0
         for bs in reversed(self.sizes):  # largest first: smaller sizes reuse its pool blocks
-            self._graphs[bs] = capture_cuda_graph(self.body, self.rows[:bs], pool, stream)
+            for key, f, view in self._forwards(bs):
+                self._graphs[key] = capture_cuda_graph(f, view, pool, stream)
         torch.cuda.synchronize(self.device)
 
-    def run(self, rows: list[int]) -> torch.Tensor:
-        """One iteration for request ``rows`` -> [len(rows), S+2] int64 (see step_body);
-        a view of the graph's output, overwritten by the next replay of that size."""
+    def _load(self, rows: list[int], key: Callable[[int], tuple]) -> int:
         raw = len(rows)
         bs = self.pad_size(raw)
-        if bs is None or bs not in self._graphs:
+        if bs is None or key(bs) not in self._graphs:
             raise ValueError(f"no step graph holds a batch of {raw} (captured {sorted(self._graphs)})")
         self.rows[:bs].copy_(to_device(rows + [-1] * (bs - raw), torch.int64, self.device))
-        graph = self._graphs[bs]
+        return bs
+
+    def run(self, rows: list[int], variant: Variant = (False, False)) -> tuple[torch.Tensor, ...]:
+        """One iteration for request ``rows`` -> step_body's outputs cut to len(rows) rows:
+        [len(rows), S+2] int64, then with logprobs their three tensors. Views of the graph's
+        outputs, overwritten by the next replay of that graph."""
+        bs = self._load(rows, lambda bs: ("whole", variant, bs))
+        graph = self._graphs["whole", variant, bs]
         graph.replay()
-        return graph.output[:raw]
+        return tuple(t[:len(rows)] for t in graph.output)
+
+    def run_draft(self, rows: list[int]):
+        """The draft part for request ``rows`` -> its Drafted (all bs lanes, padded ones last)."""
+        bs = self._load(rows, lambda bs: ("draft", bs))
+        graph = self._graphs["draft", bs]
+        graph.replay()
+        return graph.output
+
+    def run_verify(self, raw_bs: int) -> None:
+        self._graphs["verify", self.pad_size(raw_bs)].replay()
+
+    def run_accept(self, raw_bs: int, variant: Variant) -> tuple[torch.Tensor, ...]:
+        """The accept part, after self.masks[:bs] holds the batch's masks -> run's outputs."""
+        graph = self._graphs["accept", variant, self.pad_size(raw_bs)]
+        graph.replay()
+        return tuple(t[:raw_bs] for t in graph.output)

@@ -1,6 +1,6 @@
 """Penalties, logit bias and min_tokens on the GPU (the h200 preset's engine in fp32: prefill
-graphs, the per-phase speculative path that processing takes): the processing changes the
-answer, and speculative output equals plain output with the same processing. In bf16 the
+graphs, the processed decode and step graphs): the processing changes the answer, and
+speculative output equals plain output with the same processing. In bf16 the
 first run (2026-12-01) kept 2 of 8 prompts identical, parting as early as the third token,
 against 8 of 8 for the same check in fp32 on the CPU: fp32 here tells precision from a
 GPU-only fault."""

@@ -22,16 +22,23 @@ MAX = 24
 
 
 def processing(B: int, words: list[tuple[int, list[int]]]) -> Processing:
+    """Bad words per request (b, word) in the dense tables, one unused (-1) column more than
+    the most words a request has, which must change nothing."""
     z = torch.zeros(B)
     P = max(len(w) - 1 for _, w in words)
-    prefix = torch.full((len(words), P), -1, dtype=torch.int64)
-    for k, (_, w) in enumerate(words):
+    W = 1 + max(sum(b == r for b, _ in words) for r in range(B))
+    last = torch.full((B, W), -1, dtype=torch.int64)
+    prefix = torch.full((B, W, P), -1, dtype=torch.int64)
+    used = [0] * B
+    for b, w in words:
+        k = used[b]
+        used[b] += 1
+        last[b, k] = w[-1]
         if len(w) > 1:
-            prefix[k, P - len(w) + 1:] = torch.tensor(w[:-1])
-    empty = torch.zeros(0, dtype=torch.int64)
-    return Processing(z, z, torch.ones(B), torch.zeros(B, dtype=torch.int64), empty, empty,
-                      torch.zeros(0), empty, empty, torch.tensor([b for b, _ in words]),
-                      torch.tensor([w[-1] for _, w in words]), prefix)
+            prefix[b, k, P - len(w) + 1:] = torch.tensor(w[:-1])
+    empty = torch.zeros(B, 0, dtype=torch.int64)
+    return Processing(z, z, torch.ones(B), torch.zeros(B, dtype=torch.int64), empty,
+                      empty.float(), empty, last, prefix)
 
 
 def ends_with(seq: list[int], prefix: list[int]) -> bool:

@@ -129,3 +129,34 @@ def test_sampled_tree_outputs_follow_the_grammar(grammar_model, tokenizer, compi
         if r.finish_reason == "stop":
             assert m.is_terminated() and valid(kind, tokenizer.decode(r.output_ids[:-1]))
     assert kind == "json_schema" or any(r.finish_reason == "stop" for r in reqs)
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex"])
+def test_step_graph_parts_under_a_grammar_equal_plain(grammar_model, tokenizer, plain_engine, compiled,
+                                                      kind, monkeypatch):
+    """Greedy grammar batches under the tree replay the step graph in its three parts (CPU:
+    their eager stand-ins), the masks walked on the host between the draft and the accept
+    part and read from its static buffer; a penalized grammar row makes it the processed
+    accept part (the plain one once it has ended), and the rows without a grammar (all-ones
+    masks) are unconstrained. An oracle draft for long accepts: speculative output equals
+    eager plain output."""
+    from test_penalties_lossless import GRAPH_SIZES
+    prompts = random_prompts(4, vocab=len(tokenizer), seed=7)
+    g = compiled[kind]
+    penalized = SamplingParams(max_tokens=24, grammar=g, presence_penalty=0.5,
+                               logit_bias={tokenizer.encode("1")[0]: 3.0})
+    plist = [params(g), SamplingParams(max_tokens=24), penalized, SamplingParams(max_tokens=24)]
+    plain = [r.output_ids for r in plain_engine.generate(prompts, plist)]
+    eng = LLMEngine(tiny_config(grammar_model, *TREE), tokenizer=tokenizer)
+    eagle = eng.workers[0].eagle
+    eagle.capture_graphs(GRAPH_SIZES)
+    seen, accept = [], eagle.step_graph.run_accept
+
+    def spy(raw_bs, variant):
+        seen.append(variant)
+        return accept(raw_bs, variant)
+
+    eagle.step_graph.run_accept = spy
+    monkeypatch.setattr(eagle, "_accept", None)  # the per-phase path must not run
+    speculate_and_compare(eng, prompts, plist, plain, "oracle", monkeypatch)
+    assert (True, False) in seen and set(seen) <= {(True, False), (False, False)}

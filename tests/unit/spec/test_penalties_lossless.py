@@ -24,13 +24,14 @@ MAX = 24
 
 
 def processing(B: int, V: int, min_tokens: int = 0, stops=(2,)) -> Processing:
+    """PENALIZED for B requests, each table with an unused (-1) column, which must change nothing."""
     f = lambda v: torch.full((B,), v, dtype=torch.float32)
-    bias = [(b, t, v) for b in range(B) for t, v in PENALIZED["logit_bias"].items()]
-    stop = [(b, t) for b in range(B) for t in stops]
+    pad = lambda row: torch.tensor([list(row) + [-1]] * B)
+    bias = PENALIZED["logit_bias"]
+    no_words = torch.zeros(B, 0, dtype=torch.int64)
     return Processing(f(0.7), f(0.4), f(1.3), torch.full((B,), min_tokens, dtype=torch.int64),
-                      torch.tensor([b for b, _, _ in bias]), torch.tensor([t for _, t, _ in bias]),
-                      torch.tensor([v for _, _, v in bias]), torch.tensor([b for b, _ in stop]),
-                      torch.tensor([t for _, t in stop]))
+                      pad(bias), pad(bias.values()).float(), pad(stops), no_words,
+                      no_words.view(B, 0, 0))
 
 
 def test_tree_nodes_are_processed_with_their_paths_counts():
@@ -79,19 +80,99 @@ def test_greedy_penalties_speculative_equals_plain(tiny_llama_dir, shape, draft,
 
 
 def speculate_and_compare(eng, prompts, params, plain, draft, monkeypatch) -> None:
-    """Run `eng` (speculative) on the prompts, with its own random head or ("oracle") a draft
-    proposing the plain answers among decoys, and check it emits the plain answers."""
-    reqs = [eng.add_request(p, params) for p in prompts]
+    """Run `eng` (speculative) on the prompts (one params, or one per prompt), with its own
+    random head or ("oracle") a draft proposing the plain answers among decoys, and check
+    it emits the plain answers."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, plist)]
     eng.step()  # the prefill: rows are assigned now
     if draft == "oracle":
         eagle = eng.workers[0].eagle
-        refs = {r.row: r.prompt_ids + ref for r, ref in zip(reqs, plain)}
-        monkeypatch.setattr(eagle, "_draft", OracleDraft(eagle, refs, 128))
+        refs = {0: [], **{r.row: r.prompt_ids + ref for r, ref in zip(reqs, plain)}}  # 0: padded lanes
+        oracle = OracleDraft(eagle, refs, 128)
+        monkeypatch.setattr(eagle, "_draft", oracle)
+        monkeypatch.setattr(eagle, "draft_body", oracle)  # what the step graph's body calls
     while eng.has_work:
         eng.step()
     assert [r.output_ids for r in reqs] == plain
     if draft == "oracle":
         assert max(a for r in reqs for a in r.accept_lengths) >= 3
+
+
+GRAPH_SIZES = [1, 2, 4, 8]
+WORDS = [[9, 10], [12], [3, 4, 5]]  # bad words the tiny model's answers come near
+
+
+def spy_variants(eagle) -> list[tuple[bool, bool]]:
+    """Log the variant of each step-graph run."""
+    seen, run = [], eagle.step_graph.run
+
+    def spy(rows, variant=(False, False)):
+        seen.append(variant)
+        return run(rows, variant)
+
+    eagle.step_graph.run = spy
+    return seen
+
+
+def spy_decode_replays(worker) -> list[str]:
+    """Log which decode graph set ("plain" or "processed") each plain decode step replays."""
+    seen = []
+    for name, runner in (("plain", worker.decode_graphs), ("processed", worker.processed_decode_graphs)):
+        def replay(batch, _name=name, _replay=runner.replay, **kw):
+            seen.append(_name)
+            return _replay(batch, **kw)
+        runner.replay = replay
+    return seen
+
+
+@pytest.mark.parametrize("shape", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
+def test_processing_on_the_graph_paths_equals_eager_plain(tiny_llama_dir, shape, monkeypatch):
+    """Penalties, bias, min_tokens and bad words read from the rows' processing tables inside
+    the decode graphs (CPU: their eager stand-ins, the same bodies on padded lanes): the
+    processed decode graph for plain decoding, the processed step graph under speculation
+    (an oracle draft: long accepts). A batch of processed and unprocessed requests gives
+    the eager plain answer of each, and no step leaves the graph path."""
+    prompts = random_prompts(5, seed=7)
+    processed = greedy(**PENALIZED, min_tokens=4, bad_words=WORDS)
+    plist = [processed if i % 2 == 0 else greedy() for i in range(len(prompts))]
+    plain = [r.output_ids for r in tiny_engine(tiny_llama_dir, spec=False).generate(prompts, plist)]
+    alone = [r.output_ids for r in tiny_engine(tiny_llama_dir, spec=False).generate(prompts, greedy())]
+    assert plain[0] != alone[0] and plain[1] == alone[1]  # processing changes only its requests
+    eng = tiny_engine(tiny_llama_dir, *(shape or ()), spec=shape is not None)
+    w = eng.workers[0]
+    if shape is None:
+        w.capture_decode_graphs(GRAPH_SIZES)
+        seen = spy_decode_replays(w)
+        assert [r.output_ids for r in eng.generate(prompts, plist)] == plain
+        assert set(seen) == {"processed"}
+        return
+    w.eagle.capture_graphs(GRAPH_SIZES)
+    seen = spy_variants(w.eagle)
+    speculate_and_compare(eng, prompts, plist, plain, "oracle", monkeypatch)
+    assert set(seen) == {(True, False)}
+
+
+@pytest.mark.parametrize("shape", [None, TREE], ids=["plain", "tree"])
+def test_entries_past_the_table_widths_run_eagerly(tiny_llama_dir, shape, monkeypatch):
+    """A request with more bias entries, stop ids and bad words than the tables hold gets
+    all of them, on the eager path: the answer of tables wide enough for it."""
+    prompts = random_prompts(3, seed=8)
+    params = greedy(**PENALIZED, min_tokens=4, stop_token_ids=[7, 11], bad_words=WORDS)
+    plain = [r.output_ids for r in tiny_engine(tiny_llama_dir, spec=False).generate(prompts, params)]
+    narrow = ("processing.logit_bias=1", "processing.stop_ids=1", "processing.bad_words=1")
+    eng = tiny_engine(tiny_llama_dir, *narrow, *(shape or ()), spec=shape is not None)
+    w = eng.workers[0]
+    if shape is None:
+        w.capture_decode_graphs(GRAPH_SIZES)
+        seen = spy_decode_replays(w)
+        assert [r.output_ids for r in eng.generate(prompts, params)] == plain
+        assert set(seen) == {"plain"}  # the processing ran after the graph, with every entry
+        return
+    w.eagle.capture_graphs(GRAPH_SIZES)
+    seen = spy_variants(w.eagle)
+    speculate_and_compare(eng, prompts, params, plain, "oracle", monkeypatch)
+    assert seen == []
 
 
 @pytest.mark.parametrize("shape", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
@@ -163,9 +244,9 @@ def test_sampled_tree_with_penalties_keeps_the_target_distribution(tiny_llama_di
         prompt_mask = torch.zeros(1, V, dtype=torch.bool)
         prompt_mask[0, prompt] = True
         f = lambda v: torch.tensor([v])
-        none = torch.zeros(0, dtype=torch.int64)
-        p = Processing(f(1.0), f(0.5), f(1.5), torch.zeros(1, dtype=torch.int64), none, none,
-                       torch.zeros(0), none, none)
+        none = torch.zeros(1, 0, dtype=torch.int64)
+        p = Processing(f(1.0), f(0.5), f(1.5), torch.zeros(1, dtype=torch.int64), none,
+                       none.float(), none, none, none.view(1, 0, 0))
         x = apply_processing(logits[None, None], p, counts, torch.tensor([len(outputs)]), prompt_mask)[0]
         return process_logits(x, f(1.0), f(1.0), torch.tensor([2]))[0]
 

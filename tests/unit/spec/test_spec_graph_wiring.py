@@ -42,9 +42,9 @@ def spy_step_graph(eagle) -> list[tuple[int, int]]:
     seen = []
     g = eagle.step_graph
 
-    def run(rows):
+    def run(rows, variant=(False, False)):
         seen.append((len(rows), g.pad_size(len(rows))))
-        return StepGraph.run(g, rows)
+        return StepGraph.run(g, rows, variant)
 
     g.run = run
     return seen
@@ -124,25 +124,35 @@ def test_iteration_prepares_verify_and_draft_extend_on_plan_stream(tiny_llama_di
 
 
 # ----------------------------------------------------------------------- step graph
-def test_step_graph_padded_lanes_touch_only_reserved_row_and_slot(tiny_llama_dir):
+@pytest.mark.parametrize("variant,parts", [((False, False), False), ((True, True), False), ((True, True), True)],
+                         ids=["greedy", "processed_logprobs", "parts"])
+def test_step_graph_padded_lanes_touch_only_reserved_row_and_slot(tiny_llama_dir, variant, parts):
     """Padded lanes read and write row 0 and slot 0 only: after real requests ran, an
     all-padded iteration leaves every other row's carried state and every other slot's
-    KV (target and draft) as it was."""
+    KV (target and draft) as it was; with processing, no row's output counts change (the
+    padded lanes emit nothing). The same for the three parts grammar batches replay."""
     import torch
     eng = tiny_engine(tiny_llama_dir, *TREE)
     eagle = eng.workers[0].eagle
     eagle.capture_graphs(SIZES)
     outputs(eng, random_prompts(3, seed=11), MAX_TOKENS)
     w = eagle.w
+    w.counts.ensure()
     state = lambda: [t[1:].clone() for t in (w.future.seq_lens, w.future.bonus, w.future.topk_p,
                                              w.future.topk_index, w.future.hidden,
                                              *w.kv_pool.k, *w.kv_pool.v,
                                              *eagle.kv_pool.k, *eagle.kv_pool.v)]
-    before = state()
+    counts = lambda: [t.clone() for t in (w.counts.counts, w.counts.num_out, w.counts.tail)]
+    before, counted = state(), counts()
     assert any(int(t.abs().sum()) for t in before[:2])  # the real requests left state behind
-    out = eagle.step_graph.body(torch.full((4,), -1, dtype=torch.int64))
-    assert out.shape == (4, eagle.S + 2)
-    for old, new in zip(before, state()):
+    rows = torch.full((4,), -1, dtype=torch.int64)
+    if parts:
+        d = eagle.step_draft(rows)
+        out = eagle.step_accept(d, *eagle.step_verify(d), eagle.step_graph.masks[:4], *variant)
+    else:
+        out = eagle.step_body(rows, *variant)
+    assert out[0].shape == (4, eagle.S + 2) and len(out) == (4 if variant[1] else 1)
+    for old, new in zip(before + counted, state() + counts()):
         assert torch.equal(old, new)
 
 
