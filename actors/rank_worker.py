@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
@@ -115,14 +116,20 @@ class RankWorker:
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,
                                 self.dtype, self.device, spec)
         self.decode_graphs = None
-        if cfg.attention.cuda_graphs:
-            sizes = self._graph_batch_sizes()
-            self.decode_graphs = self._capture_decode_graphs(sizes)
+        # Under dp_attention the group picks each step's graph size, for all its forwards
+        # (actors/dp/group_graphs.py): a callable -> that size, None for an eager step.
+        self.group_graph_size: Callable[[], int | None] | None = None
+        # Under dp_attention the forwards hold collectives: graphs are captured once the
+        # model is sharded and the group formed (actors/dp/group_graphs.py).
+        graphs = cfg.attention.cuda_graphs and not cfg.parallel.dp_attention
+        if graphs:
+            sizes = self.graph_batch_sizes()
+            self.decode_graphs = self.capture_decode_graphs(sizes)
             if self.eagle is not None:  # verify, draft decode and draft extend replay too
                 self.eagle.capture_graphs(sizes)
         self.prefill_graphs = None
-        if cfg.attention.cuda_graphs and cfg.attention.prefill_graph_tokens:
-            self.capture_prefill_graphs(self._graph_batch_sizes(), cfg.attention.prefill_graph_tokens,
+        if graphs and cfg.attention.prefill_graph_tokens:
+            self.capture_prefill_graphs(self.graph_batch_sizes(), cfg.attention.prefill_graph_tokens,
                                         cfg.attention.prefill_graph_max_tokens)
         if self.device.type == "cuda":  # compile eager paths' kernels now, not at a first request
             from actors.warmup import warm_up_prefill, warm_up_sampled_decode
@@ -130,7 +137,7 @@ class RankWorker:
             warm_up_sampled_decode(self)
             self.compiles.arm()
 
-    def _graph_batch_sizes(self) -> list[int]:
+    def graph_batch_sizes(self) -> list[int]:
         if self.device.type != "cuda":
             raise ValueError("attention.cuda_graphs needs a CUDA device (set it false on CPU)")
         if self.cfg.attention.backend == "torch_native":
@@ -138,11 +145,12 @@ class RankWorker:
                              "(attention.backend=triton); torch_native plans on the host")
         return [b for b in self.cfg.attention.cuda_graph_batch_sizes if b < self.num_rows]
 
-    def _capture_decode_graphs(self, sizes: list[int]):
-        """Plain target decode as CUDA graphs, one per captured batch size (DESIGN.md 6)."""
+    def capture_decode_graphs(self, sizes: list[int], use_cuda_graph: bool | None = None):
+        """Plain target decode as CUDA graphs, one per captured batch size (DESIGN.md 6);
+        on CPU (use_cuda_graph None) the eager stand-in."""
         from actors.cuda_graph_runner import GraphKind, GraphRunner, graph_backend
         runner = GraphRunner(GraphKind.TARGET_DECODE, sizes, graph_backend(self.target.backend),
-                             device=self.device)
+                             device=self.device, use_cuda_graph=use_cuda_graph)
 
         def forward(view):
             # Metadata is rebuilt inside the graph from the static inputs on every replay.
@@ -155,6 +163,15 @@ class RankWorker:
         log.info("rank %d: captured decode graphs for batch sizes %s in %.1fs",
                  self.rank, sizes, time.time() - t0)
         return runner
+
+    def graph_size(self, runner, raw_bs: int) -> int | None:
+        """The captured size a forward of raw_bs requests replays at on `runner` (a
+        GraphRunner or StepGraph, None when not captured); None: it runs eagerly."""
+        if runner is None:
+            return None
+        if self.group_graph_size is not None:
+            return self.group_graph_size()
+        return runner.pad_size(raw_bs)
 
     def capture_prefill_graphs(self, batch_sizes: list[int], token_sizes: list[int],
                                max_tokens: int, use_cuda_graph: bool | None = None) -> None:
@@ -328,10 +345,11 @@ class RankWorker:
         c = self.future.resolve(rows)
         loc = self.req_to_token.req_to_token[rows, c.seq_lens]
         B = len(plan.rows)
-        if self.decode_graphs is not None and self.decode_graphs.pad_size(B) is not None:
+        bs = self.graph_size(self.decode_graphs, B)
+        if bs is not None:
             from actors.cuda_graph_runner import GraphBatch
             logits = self.decode_graphs.replay(
-                GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1))
+                GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1), bs=bs)
         else:
             logits = self._decode_logits(c.bonus, c.seq_lens, loc, rows)
         tokens = self.sample(plan, rows, logits, [True] * B)

@@ -185,14 +185,6 @@ class KestrelConfig(_Strict):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
 
-    @model_validator(mode="after")
-    def _dp_attention_eager(self) -> "KestrelConfig":
-        if self.parallel.dp_attention and self.attention.cuda_graphs:
-            raise ValueError("parallel.dp_attention runs its steps eagerly: set "
-                             "attention.cuda_graphs=false (graphs with collectives inside "
-                             "are not built yet)")
-        return self
-
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device

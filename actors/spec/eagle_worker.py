@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, GraphRunner, VerifyPath
+from actors.cuda_graph_runner import GraphBatch, VerifyPath
 from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
 from actors.host_copy import HostCopy, to_device
@@ -153,11 +153,6 @@ class EagleWorker:
                  self.w.rank, self.step_graph.sizes, time.time() - t0,
                  "" if real else " (eager stand-in)")
 
-    @staticmethod
-    def _fits(runner: GraphRunner | None, bs: int) -> bool:
-        """Replay when a captured size holds the batch; larger batches run eagerly."""
-        return runner is not None and runner.pad_size(bs) is not None
-
     # ---- one speculative decode iteration ---------------------------------------------------
     def decode(self, plan: StepPlan) -> Emitted:
         """One iteration for the plan's rows, queued on the device -> the accepted tokens
@@ -166,10 +161,11 @@ class EagleWorker:
         dev = w.device
         clock = PhaseClock(self.cfg.profile_steps, w.device)
         g = self.step_graph
-        if g is not None and g.pad_size(len(plan.rows)) is not None and plan.processing is None \
+        g_bs = w.graph_size(g, len(plan.rows))  # None: too large (or an eager dp_attention step)
+        if g_bs is not None and plan.processing is None \
                 and plan.logprobs is None and not any(t > 0 for t in plan.temperature) \
                 and not w.grammars.any(plan.rows):
-            out = HostCopy(g.run(list(plan.rows)))  # the iteration's one copy to the host
+            out = HostCopy(g.run(list(plan.rows), g_bs))  # the iteration's one copy to the host
             clock.mark("step_graph")
             self.last_timings = clock.times
             return Emitted(out, lambda host: [r[1:1 + r[0]] for r in host[0].tolist()])
@@ -188,12 +184,13 @@ class EagleWorker:
         # -- verify: the batch moves from draft decode to verify on the plan stream (C16/C17)
         verify = VerifyInputs(tree.tokens.reshape(-1), tree.tree_mask, tree.positions.reshape(-1),
                               tree.retrieve_index, tree.first_child, tree.next_sibling)
-        prepared = self.verify_path.prepare_verify(batch, self._fits(self.verify_path.runner, B),
-                                                   verify, build=self._verify_inputs)
+        verify_bs = w.graph_size(self.verify_path.runner, B)
+        prepared = self.verify_path.prepare_verify(batch, verify_bs is not None, verify,
+                                                   build=self._verify_inputs, graph_bs=verify_bs)
         # Rows with a grammar: the tree goes to the host behind the draft, and is walked
         # there while verify runs (the masks apply to verify's logits, not its inputs).
         tree_copy = w.grammars.copy_tree(plan.rows, tree.tokens, tree.first_child, tree.next_sibling)
-        logits, feats = self.verify_path.forward_verify(prepared)
+        logits, feats = self.verify_path.forward_verify(prepared, verify_bs)
         grammar_masks = w.grammars.tree_masks(tree_copy)  # [B, N, W] int32 or None
         logits = logits.view(B, N, -1)  # [B, N, V] fp32
         loc = batch.out_cache_loc.view(B, N)  # [B, N] int64 verify slots
@@ -278,8 +275,9 @@ class EagleWorker:
     def _draft(self, batch: GraphBatch):
         """Draft decode, replayed when a captured size holds the batch."""
         runner = self.graphs.draft_decode if self.graphs else None
-        if self._fits(runner, batch.batch_size):
-            return runner.replay(batch)
+        bs = self.w.graph_size(runner, batch.batch_size)
+        if bs is not None:
+            return runner.replay(batch, bs=bs)
         return self.draft_body(batch)
 
     def _verify_inputs(self, batch: GraphBatch, verify: VerifyInputs) -> dict:
@@ -298,7 +296,8 @@ class EagleWorker:
         N, B = self.N, verified.batch_size
         rows, seq, loc = verified.req_pool_indices, verified.seq_lens, verified.out_cache_loc
         runner = self.graphs.draft_extend if self.graphs else None
-        use_graph = self._fits(runner, B)
+        graph_bs = self.w.graph_size(runner, B)
+        use_graph = graph_bs is not None
         ids = draft_extend_ids(predict)  # C01: int64 on the compute stream, before the plan stream
         # Until preparation rebinds them, the batch holds verify's results; its lengths are
         # the forward-side view seq + N (C09: seq itself is never written).
@@ -309,12 +308,12 @@ class EagleWorker:
             fb = prepare_draft_extend(rows, seq, loc.view(B, N), accept_index, ids, feats, N)
             new = {"input_ids": fb.input_ids, "positions": fb.positions, "hidden": fb.hidden_in}
             if use_graph:
-                runner.init_replay_metadata(dataclasses.replace(batch, **new))
+                runner.init_replay_metadata(dataclasses.replace(batch, **new), bs=graph_bs)
             return new
 
         prepare_draft_extend_inputs(self.plan, batch, build)
         if use_graph:
-            return runner.replay(batch, metadata_ready=True)
+            return runner.replay(batch, bs=graph_bs, metadata_ready=True)
         return self.extend_body(batch)
 
     # ---- forward bodies: run eagerly, or captured once per graph size ------------------------

@@ -47,14 +47,19 @@ class StepGraph:
             self._graphs[bs] = capture_cuda_graph(self.body, self.rows[:bs], pool, stream)
         torch.cuda.synchronize(self.device)
 
-    def run(self, rows: list[int]) -> torch.Tensor:
-        """One iteration for request ``rows`` -> [len(rows), S+2] int64 (see step_body);
-        a view of the graph's output, overwritten by the next replay of that size."""
+    def run(self, rows: list[int], bs: int | None = None) -> torch.Tensor:
+        """One iteration for request ``rows`` at captured size ``bs`` (default: the next)
+        -> [len(rows), S+2] int64 (see step_body); a view of the graph's output,
+        overwritten by the next replay of that size."""
         raw = len(rows)
-        bs = self.pad_size(raw)
-        if bs is None or bs not in self._graphs:
+        bs = self.pad_size(raw) if bs is None else bs
+        if bs is None or bs not in self._graphs or bs < raw:
             raise ValueError(f"no step graph holds a batch of {raw} (captured {sorted(self._graphs)})")
         self.rows[:bs].copy_(to_device(rows + [-1] * (bs - raw), torch.int64, self.device))
         graph = self._graphs[bs]
         graph.replay()
         return graph.output[:raw]
+
+    def wrap_graphs(self, wrap) -> None:
+        """Put each size's graph inside ``wrap(bs, graph)`` (GraphRunner.wrap_graphs)."""
+        self._graphs = {bs: wrap(bs, g) for bs, g in self._graphs.items()}

@@ -4,7 +4,9 @@ target in fp32. The group's greedy tokens equal one rank's, plain and speculativ
 steps really mix idle ranks, different batch sizes, prefills beside decodes and a
 preemption; an int32 producer never puts an int32 tensor into a collective; a rank
 that leaves the protocol, hangs or dies fails the requests with an error, never a hang;
-the weights are split; the real model on two ranks picks one rank's tokens."""
+the weights are split; the real model on two ranks picks one rank's tokens. With
+CUDA graphs (the CPU's eager stand-in, through the same collectives) the same tokens
+come out, and the recorded steps show which were replayed at one size by every rank."""
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +19,10 @@ import pytest
 import torch
 
 import dp_rank_hooks
-from actors.dp.step_phases import DraftShape, step_phases
-from actors.dp.sync import DPSyncResult, ForwardMode
+from actors.cuda_graph_runner import padded_size
+from actors.dp.attention_group import DPAttentionGroup
+from actors.dp.step_phases import DraftShape, GraphStep, Phase, graph_step, step_phases
+from actors.dp.sync import DPSyncResult, ForwardMode, make_sync_row
 from local_dp_engine import LocalDPEngine, collect
 from serve_app.request import SamplingParams
 from serve_app.request_stream import StreamFailed
@@ -130,6 +134,74 @@ def test_ranks_in_lockstep_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, t
         assert info["weight_bytes"] == _expected_weight_bytes(info, arch, W, rank)
 
 
+def _draft(shape: str) -> tuple[int, int, int]:
+    """(K, S, N) of a shape; plain: one token per request."""
+    return tuple(int(o.split("=")[1]) for o in SHAPES[shape]) or (1, 1, 1)
+
+
+def _graph_phases(shape: str, bs: int) -> list[tuple[str, int]]:
+    """(phase, padded tokens) of a graph step of size bs, as this test counts them."""
+    if shape == "plain":
+        return [("target", bs)]
+    K, S, N = _draft(shape)
+    return [(f"draft_decode.{i}", bs * K) for i in range(S - 1)] + [
+        ("target", bs * N), ("draft_extend", bs * N)]
+
+
+@pytest.mark.parametrize("shape", ["plain", "chain", "tree"])
+def test_graph_steps_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, shape):
+    """attention.cuda_graphs under dp_attention, captured at sizes [1, 2, 4] as the CPU's eager
+    stand-in (the padded static buffers of a replay, through the gloo collectives): 2
+    ranks' greedy tokens equal one rank's. From the steps every rank recorded: a rank's
+    row can run a graph iff it idles or decodes at most 4 requests; the group replays
+    graphs iff every row can, at the next captured size over the largest batch, and
+    then every rank, an idle one too, replays graphs holding exactly the step's phases
+    at that size; otherwise no rank replays any. Among them: graph steps beside an idle
+    rank and with a rank padded past its own size, an eager step for a prefill beside a
+    decode and one for a batch above 4. The chain replays whole iterations (the step
+    graph), the tree one graph per phase."""
+    per_phase = ("attention.spec_step_graph=false",) if shape == "tree" else ()
+    cfg = dp_cfg(2, shape, *per_phase)
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.stand_in_graphs)
+        try:
+            got = await _mixed_run(eng)
+        finally:
+            reports = await eng.stop()
+        return got, reports
+
+    got, reports = loop(run())
+    for prompt, tokens in got:
+        assert tokens == one_rank[tuple(prompt)], prompt
+    sizes, lane = dp_rank_hooks.GRAPH_SIZES, _draft(shape)[2]
+    work = VERIFY if shape != "plain" else DECODE
+    per_rank = [r["graph_steps"] for r in reports]
+    assert len({len(s) for s in per_rank}) == 1
+    seen = set()
+    for step in zip(*per_rank):
+        modes, tokens, bs = step[0]["modes"], step[0]["tokens"], step[0]["graph_bs"]
+        assert all((s["modes"], s["tokens"], s["graph_bs"]) == (modes, tokens, bs) for s in step)
+        batches = [t // lane for t in tokens]
+        can = [m == IDLE or (m == work and b <= sizes[-1]) for m, b in zip(modes, batches)]
+        assert [bool(s["can_run_graph"]) for s in step] == can, step
+        want = padded_size(sizes, max(batches)) if all(can) and set(modes) != {IDLE} else None
+        assert bs == want, step
+        for s in step:  # graphs on every rank in a graph step, none in an eager one
+            assert [p for r in s["replays"] for p in r] == (_graph_phases(shape, bs) if bs else [])
+            if bs:
+                assert len(s["replays"]) == (3 if shape == "tree" else 1)
+        if bs and IDLE in modes:
+            seen.add("graph beside an idle rank")
+        if bs and any(m == work and padded_size(sizes, b) < bs for m, b in zip(modes, batches)):
+            seen.add("graph padded past a rank's own size")
+        if EXTEND in modes and work in modes:
+            seen.add("eager prefill beside a decode")
+        if bs is None and EXTEND not in modes and max(batches) > sizes[-1]:
+            seen.add("eager above the largest size")
+    assert len(seen) == 4, seen
+
+
 def test_seed_scenario_int32_producer_beside_an_idle_rank(loop, one_rank, dp_cfg):
     """Rank 0 verifies with an int32 producer while rank 1 idles through every phase: each
     tensor either hands to torch.distributed is int64 or floating, both hand the same
@@ -159,6 +231,83 @@ def test_seed_scenario_int32_producer_beside_an_idle_rank(loop, one_rank, dp_cfg
             ("target", big * N, big * N), ("draft_extend", big * N, big)]
     assert [p[:3] for p in busy["big_phases"]] == want == [p[:3] for p in idle["big_phases"]]
     assert [p[3] for p in idle["big_phases"]] == [0, 0, 0, 0]
+
+
+def test_seed_scenario_on_the_graph_path(loop, one_rank, dp_cfg):
+    """C02/C03 with graphs (the stand-in): rank 0 verifies with an int32 producer inside
+    its graphs while rank 1, idle, replays the same graphs with every lane padded: each
+    integer either hands to torch.distributed is int64, both hand the same collectives,
+    the tokens are one rank's, and the decode steps were graph steps on both ranks."""
+    cfg = dp_cfg(2, "chain")
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.seed_scenario_with_graphs)
+        try:
+            got = (await eng.run(FIRST, [greedy(FIRST_TOKENS)]))[0][0]
+        finally:
+            reports = await eng.stop()
+        return got, reports
+
+    got, (busy, idle) = loop(run())
+    assert got == one_rank[tuple(FIRST[0])]
+    assert busy["int32_outputs"] > 0
+    for r in (busy, idle):
+        ints = {d for _, d, _ in r["collectives"] if not d.is_floating_point}
+        assert ints == {torch.int64}, ints
+    assert busy["collectives"] == idle["collectives"]
+    graphs = [(b["modes"], b["graph_bs"], bool(b["replays"]), bool(i["replays"]))
+              for b, i in zip(busy["graph_steps"], idle["graph_steps"])]
+    assert ([VERIFY, IDLE], 1, True, True) in graphs, graphs
+    assert all(bs is None for m, bs, _, _ in graphs if EXTEND in m)
+
+
+def test_graph_step_choice():
+    """The group's graph for a step, from its rows: every rank able, one busy mode (the
+    graphs'), the next captured size over the largest batch; its phases are the same on
+    every rank, an idle one's too. Otherwise eager."""
+    draft = DraftShape(num_steps=3, topk=2, num_draft_tokens=4)
+    V, I, E, D = ForwardMode.TARGET_VERIFY, ForwardMode.IDLE, ForwardMode.EXTEND, ForwardMode.DECODE
+
+    def sync(modes, tokens, can=True):
+        return DPSyncResult(tokens, tokens, can, E in modes, max(tokens), modes)
+
+    mixed = sync([V, V, I], [3 * 4, 1 * 4, 0])
+    graph = graph_step(mixed, [1, 2, 4], draft)
+    assert graph == GraphStep(V, 4)
+    want = [("draft_decode.0", 8, 8), ("draft_decode.1", 8, 8), ("target", 16, 16),
+            ("draft_extend", 16, 4)]
+    for rank in range(3):
+        assert [(p.name, p.tokens, p.rows) for p in step_phases(mixed, rank, draft, graph)] == want
+        assert all((p.own_tokens, p.own_rows) == (p.tokens, p.rows)
+                   for p in step_phases(mixed, rank, draft, graph))
+    assert graph_step(sync([D, I], [3, 0]), [1, 2, 4], None) == GraphStep(D, 4)
+    assert graph_step(sync([D, D], [2, 1]), [1, 2, 4], None) == GraphStep(D, 2)
+    for eager, sizes, d in [(sync([V, I], [4, 0], can=False), [1, 2, 4], draft),  # a rank can't
+                            (sync([E, V], [30, 4]), [1, 2, 4], draft),  # a prefill beside
+                            (sync([I, I], [0, 0]), [1, 2, 4], draft),  # nothing to run
+                            (sync([D, I], [4, 0]), [1, 2, 4], draft),  # not the graphs' mode
+                            (sync([D, I], [1, 0]), None, None)]:  # nothing captured
+        assert graph_step(eager, sizes, d) is None
+
+
+def test_a_graph_replay_takes_exactly_its_phases():
+    """A replayed graph must hold the step's next phases; a CUDA graph (no Python inside)
+    takes them at once, the stand-in through its forwards, and must take exactly them."""
+    dp = DPAttentionGroup(0, 1, num_target_layers=1, draft=None, timeout_s=5)
+    dp.join("127.0.0.1", None)
+    dp.graph_sizes = [1, 2]
+    dp.begin_step(make_sync_row(2, 2, True, False, ForwardMode.DECODE))
+    assert dp.graph == GraphStep(ForwardMode.DECODE, 2)
+    target = Phase("target", 2, 2, 2, 2)
+    with pytest.raises(RuntimeError, match="replays a graph of"):
+        dp.replay_graph([Phase("target", 1, 1, 1, 1)], lambda: None, runs_python=False)
+    with pytest.raises(RuntimeError, match="ran other forwards"):  # a stand-in that ran none
+        dp.replay_graph([target], lambda: None, runs_python=True)
+    replayed = []
+    dp.replay_graph([target], lambda: replayed.append(1), runs_python=False)
+    assert replayed == [1] and not dp.pending
+    dp.end_step()
+    assert dp.graph is None
 
 
 def test_an_idle_rank_that_skips_its_collectives_fails_the_requests_not_hangs(loop, dp_cfg):

@@ -42,9 +42,9 @@ def spy_step_graph(eagle) -> list[tuple[int, int]]:
     seen = []
     g = eagle.step_graph
 
-    def run(rows):
-        seen.append((len(rows), g.pad_size(len(rows))))
-        return StepGraph.run(g, rows)
+    def run(rows, bs=None):
+        seen.append((len(rows), bs))
+        return StepGraph.run(g, rows, bs)
 
     g.run = run
     return seen
