@@ -128,6 +128,13 @@ def record_graph_steps(rank: int):
     return lambda: {"graph_steps": steps}
 
 
+def own_gpu(rank: int):
+    """GPU `rank` for this rank's process (a RankActor gets its own from Ray), and its
+    graph steps recorded (record_graph_steps)."""
+    torch.cuda.set_device(rank)
+    return record_graph_steps(rank)
+
+
 def seed_scenario_with_graphs(rank: int):
     """The seed scenario (below) with the stand-in graphs on."""
     graphs = stand_in_graphs(rank)

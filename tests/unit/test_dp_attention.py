@@ -19,27 +19,19 @@ import pytest
 import torch
 
 import dp_rank_hooks
-from actors.cuda_graph_runner import padded_size
 from actors.dp.attention_group import DPAttentionGroup
 from actors.dp.step_phases import DraftShape, GraphStep, Phase, graph_step, step_phases
 from actors.dp.sync import DPSyncResult, ForwardMode, make_sync_row
+from dp_scenario import (EXTEND, FIRST, FIRST_TOKENS, IDLE, LENGTHS, SHAPES, VERIFY, DECODE,
+                         check_graph_steps, greedy, mixed_run)
 from local_dp_engine import LocalDPEngine, collect
 from serve_app.request import SamplingParams
 from serve_app.request_stream import StreamFailed
-from spec_helpers import CHAIN, TREE, random_prompts, tiny_config, tiny_engine
+from spec_helpers import tiny_config, tiny_engine
 
 pytestmark = pytest.mark.timeout(600)
 
-SHAPES = {"plain": (), "chain": CHAIN, "tree": TREE}
-IDLE, DECODE, EXTEND, VERIFY = (int(m) for m in (ForwardMode.IDLE, ForwardMode.DECODE,
-                                                 ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY))
-# One request first (the other ranks idle), then a batch that the engine spreads unevenly
-# (different batch sizes, some finishing early), then long prompts in 16-token chunks
-# while the batch decodes; rank 0's KV is short, so it preempts.
-FIRST, BATCH, LATE = random_prompts(1, seed=1), random_prompts(7, seed=2), random_prompts(3, seed=3)
-BATCH_TOKENS = [24, 6, 24, 10, 24, 16, 20]
-LATE = [p * 3 for p in LATE]  # 15-120 tokens: several chunks each
-LATE_TOKENS, FIRST_TOKENS = 12, 24
+# In the mixed run (tests/dp_scenario.py) rank 0's KV is short, so it preempts.
 RANK0_SLOTS = 200  # rank 0's KV: less than its share of the batch needs at once
 
 
@@ -67,29 +59,8 @@ def loop():
 def one_rank(tiny_llama_dir):
     """Every prompt's greedy tokens from one plain rank (the in-process engine)."""
     eng = tiny_engine(tiny_llama_dir, spec=False)
-    prompts = FIRST + BATCH + LATE
-    lens = [FIRST_TOKENS] + BATCH_TOKENS + [LATE_TOKENS] * len(LATE)
-    reqs = eng.generate(prompts, [SamplingParams(**greedy(n)) for n in lens])
-    return {tuple(p): r.output_ids for p, r in zip(prompts, reqs)}
-
-
-def greedy(n: int) -> dict:
-    return dict(max_tokens=n, ignore_eos=True)
-
-
-async def _mixed_run(eng: LocalDPEngine) -> list[tuple[list[int], list[int]]]:
-    """FIRST alone, BATCH once FIRST decodes, LATE once BATCH decodes -> (prompt, tokens)."""
-    c = eng.client
-    first = c.add_request(FIRST[0], greedy(FIRST_TOKENS), "first")
-    head = await first.__anext__()  # prefilled (the other ranks idled through it)
-    batch = [c.add_request(p, greedy(n), f"b{i}") for i, (p, n) in enumerate(zip(BATCH, BATCH_TOKENS))]
-    heads = [await s.__anext__() for s in batch]
-    late = [c.add_request(p, greedy(LATE_TOKENS), f"l{i}") for i, p in enumerate(LATE)]
-    rest = await asyncio.gather(collect(first), *(collect(s) for s in batch + late))
-    got = [head.new_token_ids + rest[0][0]]
-    got += [h.new_token_ids + r[0] for h, r in zip(heads, rest[1:1 + len(batch)])]
-    got += [r[0] for r in rest[1 + len(batch):]]
-    return list(zip(FIRST + BATCH + LATE, got))
+    reqs = eng.generate([p for p, _ in LENGTHS], [SamplingParams(**greedy(n)) for _, n in LENGTHS])
+    return {tuple(p): r.output_ids for (p, _), r in zip(LENGTHS, reqs)}
 
 
 def _expected_weight_bytes(info: dict, arch, W: int, rank: int) -> int:
@@ -110,7 +81,7 @@ def test_ranks_in_lockstep_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, t
         eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.record_steps,
                                         info_overrides={0: {"num_slots": RANK0_SLOTS}})
         try:
-            got = await _mixed_run(eng)
+            got = await mixed_run(eng)
             stats = await eng.stats()
         finally:
             reports = await eng.stop()
@@ -134,20 +105,6 @@ def test_ranks_in_lockstep_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, t
         assert info["weight_bytes"] == _expected_weight_bytes(info, arch, W, rank)
 
 
-def _draft(shape: str) -> tuple[int, int, int]:
-    """(K, S, N) of a shape; plain: one token per request."""
-    return tuple(int(o.split("=")[1]) for o in SHAPES[shape]) or (1, 1, 1)
-
-
-def _graph_phases(shape: str, bs: int) -> list[tuple[str, int]]:
-    """(phase, padded tokens) of a graph step of size bs, as this test counts them."""
-    if shape == "plain":
-        return [("target", bs)]
-    K, S, N = _draft(shape)
-    return [(f"draft_decode.{i}", bs * K) for i in range(S - 1)] + [
-        ("target", bs * N), ("draft_extend", bs * N)]
-
-
 @pytest.mark.parametrize("shape", ["plain", "chain", "tree"])
 def test_graph_steps_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, shape):
     """attention.cuda_graphs under dp_attention, captured at sizes [1, 2, 4] as the CPU's eager
@@ -166,7 +123,7 @@ def test_graph_steps_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, shape):
     async def run():
         eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.stand_in_graphs)
         try:
-            got = await _mixed_run(eng)
+            got = await mixed_run(eng)
         finally:
             reports = await eng.stop()
         return got, reports
@@ -174,31 +131,8 @@ def test_graph_steps_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, shape):
     got, reports = loop(run())
     for prompt, tokens in got:
         assert tokens == one_rank[tuple(prompt)], prompt
-    sizes, lane = dp_rank_hooks.GRAPH_SIZES, _draft(shape)[2]
-    work = VERIFY if shape != "plain" else DECODE
-    per_rank = [r["graph_steps"] for r in reports]
-    assert len({len(s) for s in per_rank}) == 1
-    seen = set()
-    for step in zip(*per_rank):
-        modes, tokens, bs = step[0]["modes"], step[0]["tokens"], step[0]["graph_bs"]
-        assert all((s["modes"], s["tokens"], s["graph_bs"]) == (modes, tokens, bs) for s in step)
-        batches = [t // lane for t in tokens]
-        can = [m == IDLE or (m == work and b <= sizes[-1]) for m, b in zip(modes, batches)]
-        assert [bool(s["can_run_graph"]) for s in step] == can, step
-        want = padded_size(sizes, max(batches)) if all(can) and set(modes) != {IDLE} else None
-        assert bs == want, step
-        for s in step:  # graphs on every rank in a graph step, none in an eager one
-            assert [p for r in s["replays"] for p in r] == (_graph_phases(shape, bs) if bs else [])
-            if bs:
-                assert len(s["replays"]) == (3 if shape == "tree" else 1)
-        if bs and IDLE in modes:
-            seen.add("graph beside an idle rank")
-        if bs and any(m == work and padded_size(sizes, b) < bs for m, b in zip(modes, batches)):
-            seen.add("graph padded past a rank's own size")
-        if EXTEND in modes and work in modes:
-            seen.add("eager prefill beside a decode")
-        if bs is None and EXTEND not in modes and max(batches) > sizes[-1]:
-            seen.add("eager above the largest size")
+    seen = check_graph_steps(reports, shape, dp_rank_hooks.GRAPH_SIZES,
+                             replays_per_step=3 if shape == "tree" else 1)
     assert len(seen) == 4, seen
 
 
