@@ -116,11 +116,10 @@ class RankWorker:
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,
                                 self.dtype, self.device, spec)
         self.decode_graphs = None
-        # Under dp_attention the group picks each step's graph size, for all its forwards
-        # (actors/dp/group_graphs.py): a callable -> that size, None for an eager step.
+        # dp_attention: the group's graph size for every forward of the running step, None
+        # when it runs eagerly (set with the graphs, which it captures once the model is
+        # sharded and the group formed: their forwards hold collectives; group_graphs.py).
         self.group_graph_size: Callable[[], int | None] | None = None
-        # Under dp_attention the forwards hold collectives: graphs are captured once the
-        # model is sharded and the group formed (actors/dp/group_graphs.py).
         graphs = cfg.attention.cuda_graphs and not cfg.parallel.dp_attention
         if graphs:
             sizes = self.graph_batch_sizes()
