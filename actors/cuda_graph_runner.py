@@ -371,6 +371,11 @@ class GraphRunner:
             self._graphs[bs] = capture_cuda_graph(forward, view, self.graph_pool, stream)
         torch.cuda.synchronize(self.device)
 
+    def wrap_graphs(self, wrap: Callable[[int, Any], Any]) -> None:
+        """Put each captured size's graph inside ``wrap(bs, graph)``, an object with the
+        graph's ``replay()`` and ``output`` (dp_attention: a replay takes the step's phases)."""
+        self._graphs = {bs: wrap(bs, g) for bs, g in self._graphs.items()}
+
     def _load_all_padding(self, bs: int) -> None:
         v = self._views[bs]
         for t, value in ((v.input_ids, 0), (v.positions, 0), (v.out_cache_loc, 0),
@@ -484,6 +489,15 @@ class GraphRunner:
                 setattr(batch, f, value)
 
 
+    def replay_all_padded(self, bs: int) -> None:
+        """Replay size ``bs`` with no request, every lane padding (a dp_attention rank with
+        no work in a graph step: its captured collectives pair with its peers')."""
+        empty = self.input_ids[:0]  # [0] int64
+        none = {name: getattr(self, name)[:0] for name in self._needs}  # [0, ...] of each buffer's dtype
+        self.replay(GraphBatch(0, empty, empty, empty, empty, empty, width=self.width, **none),
+                    bs=bs)
+
+
 # ----------------------------------------------------------------------------- C15
 @dataclass
 class PreparedVerify:
@@ -520,9 +534,11 @@ class VerifyPath:
 
     def prepare_verify(self, batch: GraphBatch, use_graph: bool,
                        verify: VerifyInputs | None = None,
-                       build: Callable[[GraphBatch, VerifyInputs], dict] | None = None) -> PreparedVerify:
+                       build: Callable[[GraphBatch, VerifyInputs], dict] | None = None,
+                       graph_bs: int | None = None) -> PreparedVerify:
         """Verify preparation; with ``verify``/``build`` also rebinds the batch's inputs
-        (``build`` returns the new fields; plan-stream rules C16/C17 apply)."""
+        (``build`` returns the new fields; plan-stream rules C16/C17 apply). ``graph_bs``:
+        the captured size to replay at (dp_attention: the group's), default the next one."""
         if use_graph and (self.runner is None or self.runner.pad_size(batch.batch_size) is None):
             raise ValueError("graph verify needs a runner with a captured size for this batch")
         prepared = PreparedVerify(batch, use_graph)
@@ -531,7 +547,7 @@ class VerifyPath:
             new = build(batch, verify) if build is not None else {}
             if use_graph:  # metadata for the inputs the forward will run
                 target = dataclasses.replace(batch, **new) if new else batch
-                prepared.graph_bs = self.runner.init_replay_metadata(target)
+                prepared.graph_bs = self.runner.init_replay_metadata(target, bs=graph_bs)
                 prepared.metadata_ready = True
             return new
 

@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
@@ -118,14 +119,19 @@ class RankWorker:
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,
                                 self.dtype, self.device, spec)
         self.decode_graphs = self.processed_decode_graphs = None
-        if cfg.attention.cuda_graphs:
-            sizes = self._graph_batch_sizes()
+        # dp_attention: the group's graph size for every forward of the running step, None
+        # when it runs eagerly (set with the graphs, which it captures once the model is
+        # sharded and the group formed: their forwards hold collectives; group_graphs.py).
+        self.group_graph_size: Callable[[], int | None] | None = None
+        graphs = cfg.attention.cuda_graphs and not cfg.parallel.dp_attention
+        if graphs:
+            sizes = self.graph_batch_sizes()
             self.capture_decode_graphs(sizes)
             if self.eagle is not None:  # verify, draft decode and draft extend replay too
                 self.eagle.capture_graphs(sizes)
         self.prefill_graphs = None
-        if cfg.attention.cuda_graphs and cfg.attention.prefill_graph_tokens:
-            self.capture_prefill_graphs(self._graph_batch_sizes(), cfg.attention.prefill_graph_tokens,
+        if graphs and cfg.attention.prefill_graph_tokens:
+            self.capture_prefill_graphs(self.graph_batch_sizes(), cfg.attention.prefill_graph_tokens,
                                         cfg.attention.prefill_graph_max_tokens)
         if self.device.type == "cuda":  # compile eager paths' kernels now, not at a first request
             from actors.warmup import warm_up_prefill, warm_up_sampled_decode
@@ -133,7 +139,7 @@ class RankWorker:
             warm_up_sampled_decode(self)
             self.compiles.arm()
 
-    def _graph_batch_sizes(self) -> list[int]:
+    def graph_batch_sizes(self) -> list[int]:
         if self.device.type != "cuda":
             raise ValueError("attention.cuda_graphs needs a CUDA device (set it false on CPU)")
         if self.cfg.attention.backend == "torch_native":
@@ -141,10 +147,16 @@ class RankWorker:
                              "(attention.backend=triton); torch_native plans on the host")
         return [b for b in self.cfg.attention.cuda_graph_batch_sizes if b < self.num_rows]
 
+    @property
+    def feature_graphs(self) -> bool:
+        """attention.feature_graphs, where it applies: not under dp_attention, whose group
+        replays the plain graphs only (a processed batch takes the eager processing)."""
+        return self.cfg.attention.feature_graphs and not self.cfg.parallel.dp_attention
+
     def capture_decode_graphs(self, sizes: list[int], use_cuda_graph: bool | None = None) -> None:
         """Plain target decode as graphs, one per captured batch size (DESIGN.md 6), and with
-        `attention.feature_graphs` a second set, in the same pool, for greedy steps with
-        logit processing: the rows' processing, the pick and its counting inside the graph
+        `feature_graphs` a second set, in the same pool, for greedy steps with logit
+        processing: the rows' processing, the pick and its counting inside the graph
         (-> processed logits [B, V], tokens [B]); on CPU (use_cuda_graph None) the eager
         stand-in."""
         from actors.cuda_graph_runner import GraphKind, GraphRunner, graph_backend
@@ -169,12 +181,21 @@ class RankWorker:
         with torch.inference_mode():
             self.decode_graphs, self.processed_decode_graphs = runner(), None
             self.decode_graphs.capture(forward)
-            if self.cfg.attention.feature_graphs:
+            if self.feature_graphs:
                 self.counts.ensure()  # the graphs read the counts' tensors: they must exist now
                 self.processed_decode_graphs = runner()
                 self.processed_decode_graphs.capture(processed, pool=self.decode_graphs.graph_pool)
         log.info("rank %d: captured decode graphs for batch sizes %s in %.1fs%s", self.rank, sizes,
                  time.time() - t0, " (and processed)" if self.processed_decode_graphs else "")
+
+    def graph_size(self, runner, raw_bs: int) -> int | None:
+        """The captured size a forward of raw_bs requests replays at on `runner` (a
+        GraphRunner or StepGraph, None when not captured); None: it runs eagerly."""
+        if runner is None:
+            return None
+        if self.group_graph_size is not None:
+            return self.group_graph_size()
+        return runner.pad_size(raw_bs)
 
     def capture_prefill_graphs(self, batch_sizes: list[int], token_sizes: list[int],
                                max_tokens: int, use_cuda_graph: bool | None = None) -> None:
@@ -362,14 +383,16 @@ class RankWorker:
         B = len(plan.rows)
         from actors.cuda_graph_runner import GraphBatch
         batch = GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1)
-        fits = lambda runner: runner is not None and runner.pad_size(B) is not None
-        if plan.processing and fits(self.processed_decode_graphs) and not any(t > 0 for t in plan.temperature) \
+        processed = self.processed_decode_graphs
+        if plan.processing and processed is not None and processed.pad_size(B) is not None \
+                and not any(t > 0 for t in plan.temperature) \
                 and not self.grammars.any(plan.rows) and not self.processing.has_extra(plan.rows):
-            logits, tokens = self.processed_decode_graphs.replay(batch)  # processed, picked, counted
+            logits, tokens = processed.replay(batch)  # processed, picked, counted
             lps = None if plan.logprobs is None else top_logprobs(logits, tokens, asked_top(plan.logprobs))
         else:
-            if fits(self.decode_graphs):
-                logits = self.decode_graphs.replay(batch)
+            bs = self.graph_size(self.decode_graphs, B)  # the group's size under dp_attention
+            if bs is not None:
+                logits = self.decode_graphs.replay(batch, bs=bs)
             else:
                 logits = self._decode_logits(c.bonus, c.seq_lens, loc, rows)
             tokens, lps = self.sample(plan, rows, logits)

@@ -104,6 +104,7 @@ class AttentionConfig(_Strict):
     # logit processing or logprobs replay as graphs too (a processed decode graph, and step
     # graphs with processing and/or logprobs, per batch size, in the same memory pools);
     # false: such steps run the eager processing and the per-phase speculative path.
+    # Not under parallel.dp_attention, whose group replays the plain graphs only.
     feature_graphs: bool = True
 
     @model_validator(mode="after")
@@ -205,14 +206,6 @@ class KestrelConfig(_Strict):
     processing: ProcessingConfig = Field(default_factory=ProcessingConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
-
-    @model_validator(mode="after")
-    def _dp_attention_eager(self) -> "KestrelConfig":
-        if self.parallel.dp_attention and self.attention.cuda_graphs:
-            raise ValueError("parallel.dp_attention runs its steps eagerly: set "
-                             "attention.cuda_graphs=false (graphs with collectives inside "
-                             "are not built yet)")
-        return self
 
     def resolved_device(self) -> str:
         if self.device != "auto":

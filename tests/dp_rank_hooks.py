@@ -11,6 +11,7 @@ from actors.dp.sync import ForwardMode, make_sync_row
 
 COLLECTIVES = ("all_gather", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
 BIG = 2**40 + 3  # requests a rank claims in the last sync of the seed scenario
+GRAPH_SIZES = [1, 2, 4]  # captured batch sizes of the graph tests (the stand-in's)
 
 
 def record_steps(rank: int):
@@ -87,3 +88,55 @@ def idle_rank_skips_its_collectives(rank: int):
         LockstepWorker._run_idle_phases = lambda self: None
         DPAttentionGroup.end_step = lambda self: self.pending.clear()
     return None
+
+
+def stand_in_graphs(rank: int):
+    """Graphs on, as the CPU's eager stand-in (GRAPH_SIZES), captured once the group
+    forms; every step recorded as this rank saw it: its own row's can_run_graph, the
+    group's modes and tokens per rank, the graph size chosen (None: eager), and the
+    (phase, padded tokens) of each graph this rank replayed."""
+    from actors.dp.lockstep_worker import LockstepWorker
+    join = LockstepWorker.join
+
+    def join_and_capture(self, *args, **kwargs):
+        join(self, *args, **kwargs)
+        self.capture_graphs(GRAPH_SIZES, use_cuda_graph=False)
+
+    LockstepWorker.join = join_and_capture
+    return record_graph_steps(rank)
+
+
+def record_graph_steps(rank: int):
+    """Per step: can_run_graph of this rank's row, modes and tokens per rank, the group's
+    graph size (None: eager), the phases of each graph this rank replayed."""
+    steps = []
+    begin, replay = DPAttentionGroup.begin_step, DPAttentionGroup.replay_graph
+
+    def recording(self, row):
+        sync = begin(self, row)
+        steps.append({"can_run_graph": int(row[2]), "modes": [int(m) for m in sync.forward_mode_per_rank],
+                      "tokens": list(sync.tokens_per_rank),
+                      "graph_bs": None if self.graph is None else self.graph.bs, "replays": []})
+        return sync
+
+    def recording_replay(self, phases, run, runs_python):
+        steps[-1]["replays"].append([(p.name, p.tokens) for p in phases])
+        return replay(self, phases, run, runs_python)
+
+    DPAttentionGroup.begin_step = recording
+    DPAttentionGroup.replay_graph = recording_replay
+    return lambda: {"graph_steps": steps}
+
+
+def own_gpu(rank: int):
+    """GPU `rank` for this rank's process (a RankActor gets its own from Ray), and its
+    graph steps recorded (record_graph_steps)."""
+    torch.cuda.set_device(rank)
+    return record_graph_steps(rank)
+
+
+def seed_scenario_with_graphs(rank: int):
+    """The seed scenario (below) with the stand-in graphs on."""
+    graphs = stand_in_graphs(rank)
+    seed = seed_scenario(rank)
+    return lambda: {**seed(), **graphs()}

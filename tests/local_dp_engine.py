@@ -16,13 +16,17 @@ WAIT_S = 120.0  # for the ranks to load and join (spawned interpreters import to
 
 
 def _rank_main(rank: int, cfg_json: dict, port: int, conn, hook) -> None:
+    import torch
+
     from actors.dp.lockstep_worker import LockstepWorker
     from actors.step_channel import StepServer
     from configs.schema import KestrelConfig
     report = hook(rank) if hook is not None else None
     worker = LockstepWorker(KestrelConfig.model_validate(cfg_json), rank)
     worker.join("127.0.0.1", port)
-    server = StepServer(worker)
+    # The channel thread runs the steps: on the GPU this process loaded on (as a RankActor).
+    index = torch.cuda.current_device() if worker.device.type == "cuda" else None
+    server = StepServer(worker, on_start=None if index is None else lambda: torch.cuda.set_device(index))
     conn.send((server.address, server.token, worker.info(), os.getpid()))
     conn.recv()  # "stop": the engine closed its channel; the steps queued still run
     deadline = time.monotonic() + 60
@@ -37,9 +41,10 @@ class LocalDPEngine:
         self.client, self.core, self.procs, self.conns, self.infos = client, core, procs, conns, infos
 
     @classmethod
-    async def start(cls, cfg, tokenizer=None, hook=None, info_overrides=None) -> "LocalDPEngine":
+    async def start(cls, cfg, tokenizer=None, hook=None, info_overrides=None,
+                    wait_s: float = WAIT_S) -> "LocalDPEngine":
         """`info_overrides`: per rank, entries laid over what the rank reports (fewer KV
-        slots for one rank, say)."""
+        slots for one rank, say). `wait_s`: for the ranks to load, join and capture."""
         from actors.dp.group import find_free_port
         from serve_app.engine_client import EngineClient
         from serve_app.engine_core import EngineCore
@@ -62,9 +67,9 @@ class LocalDPEngine:
             conns.append(parent)
         ready = []
         for rank, conn in enumerate(conns):
-            if not await asyncio.to_thread(conn.poll, WAIT_S):
+            if not await asyncio.to_thread(conn.poll, wait_s):
                 cls._kill(procs)
-                raise TimeoutError(f"rank {rank} did not start within {WAIT_S:.0f}s")
+                raise TimeoutError(f"rank {rank} did not start within {wait_s:.0f}s")
             ready.append(conn.recv())
         infos = [{**info, **((info_overrides or {}).get(r, {}))} for r, (_, _, info, _) in enumerate(ready)]
         channels = [await RankChannel.connect(*addr, token, r) for r, (addr, token, _, _) in enumerate(ready)]

@@ -113,12 +113,12 @@ class DPGroup:
         if master_port is None:
             raise ValueError("master_port is required when world_size > 1")
         be = resolve_backend(backend)
-        if device is not None:
-            dev = torch.device(device)
-        elif be == "nccl":
+        dev = torch.device(device) if device is not None else torch.device(
+            "cuda" if be == "nccl" else "cpu")
+        if dev.type == "cuda" and dev.index is None:
+            # A worker's device is plain "cuda" (the one its process was given); NCCL and
+            # set_device need the index.
             dev = torch.device("cuda", torch.cuda.current_device())
-        else:
-            dev = torch.device("cpu")
         if be == "nccl":
             torch.cuda.set_device(dev)
 

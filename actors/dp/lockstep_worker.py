@@ -7,7 +7,9 @@ actors/dp/sync.py). Every rank derives the same phases from the rows
 in order, and an empty batch through each phase its plan has no part in: a prefill
 rank, for one, runs the S-1 draft-decode phases of a peer's speculative iteration
 before its own prefill, an idle rank all of them. So every rank issues the same
-collectives with the same padded shapes, whatever it has to do.
+collectives with the same padded shapes, whatever it has to do. With
+attention.cuda_graphs, a step where every rank can replay a graph is replayed at one
+size by all of them, idle ranks with every lane padded (actors/dp/group_graphs.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import logging
 import torch
 
 from actors.dp.attention_group import DPAttentionGroup
+from actors.dp.group_graphs import GroupGraphs
 from actors.dp.sharded_layers import shard_model, weight_bytes
 from actors.dp.step_phases import DRAFT_EXTEND, DraftShape, Phase
 from actors.dp.sync import ForwardMode, idle_sync_row, make_sync_row
@@ -43,6 +46,7 @@ class LockstepWorker:
         self.full_weight_bytes = self._weight_bytes()
         shard_model(w.model, self.dp)
         self.weight_bytes = self._weight_bytes()
+        self.graphs: GroupGraphs | None = None  # capture_graphs() sets them
         log.info("rank %d: dp_attention over %d ranks: weights %.1f MiB (%.1f MiB whole)", rank,
                  cfg.parallel.dp_size, self.weight_bytes / 2**20, self.full_weight_bytes / 2**20)
 
@@ -64,8 +68,17 @@ class LockstepWorker:
         return self.worker.device
 
     def join(self, master_addr: str, master_port: int | None) -> None:
-        """Join the replica's group (every rank at once; rank 0 published the address)."""
+        """Join the replica's group (every rank at once; rank 0 published the address),
+        then capture the graphs, whose forwards hold the group's collectives."""
         self.dp.join(master_addr, master_port, device=self.worker.device)
+        if self.cfg.attention.cuda_graphs:
+            self.capture_graphs(self.worker.graph_batch_sizes())
+
+    def capture_graphs(self, sizes: list[int], use_cuda_graph: bool | None = None) -> None:
+        """Replay decode steps as graphs of `sizes` from now on, every rank at once; on CPU
+        (use_cuda_graph None) the eager stand-in."""
+        self.graphs = GroupGraphs(self.worker, self.dp)
+        self.graphs.capture(sizes, use_cuda_graph)
 
     def info(self) -> dict:
         return {**self.worker.info(), "weight_bytes": self.weight_bytes,
@@ -73,16 +86,17 @@ class LockstepWorker:
 
     # ---- one step -----------------------------------------------------------------------
     def sync_row(self, plan: StepPlan) -> torch.Tensor:
-        """This rank's int64 row for the step (C03); eager steps, so can_run_graph is 0."""
+        """This rank's int64 row for the step (C03)."""
         if plan.mode == "idle" or not plan.rows:
             return idle_sync_row()
         B = len(plan.rows)
+        graph = self.graphs is not None and self.graphs.can_run(plan)
         if plan.mode == "extend":
-            return make_sync_row(len(plan.input_ids), B, False, True, ForwardMode.EXTEND)
+            return make_sync_row(len(plan.input_ids), B, graph, True, ForwardMode.EXTEND)
         if self.worker.eagle is not None and plan.use_spec:
             T = B * self.cfg.draft.num_draft_tokens
-            return make_sync_row(T, T, False, False, ForwardMode.TARGET_VERIFY)
-        return make_sync_row(B, B, False, False, ForwardMode.DECODE)
+            return make_sync_row(T, T, graph, False, ForwardMode.TARGET_VERIFY)
+        return make_sync_row(B, B, graph, False, ForwardMode.DECODE)
 
     # The step channel's StepRunner: every rank launches the same steps in the same order,
     # so the collectives inside `launch` pair; `finish` only waits for the tokens.
@@ -93,9 +107,14 @@ class LockstepWorker:
             raise ValueError("prompt_logprobs is not available with parallel.dp_attention")
         dp = self.dp
         dp.begin_step(self.sync_row(plan))
-        self._run_idle_phases()  # those before this rank's own (all, for an idle plan)
-        step = self.worker.launch(plan)  # an idle plan applies what it carries, no forward
-        self._run_idle_phases()  # any after them
+        if dp.graph is not None:  # every rank replays the graphs of one size
+            step = self.worker.launch(plan)  # its forwards at that size (RankWorker.graph_size)
+            if step.emitted is None:  # no work: every lane padded
+                self.graphs.replay_idle(dp.graph)
+        else:
+            self._run_idle_phases()  # those before this rank's own (all, for an idle plan)
+            step = self.worker.launch(plan)  # an idle plan applies what it carries, no forward
+            self._run_idle_phases()  # any after them
         dp.end_step()
         return step
 

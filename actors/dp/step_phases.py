@@ -12,6 +12,12 @@ and without it the target forward alone. A rank takes part in the phases its own
 has and runs an empty batch through the others; each padded size is the maximum over
 the ranks of their own sizes in that phase.
 
+With CUDA graphs captured, a step whose rows all say `can_run_graph` and whose busy ranks
+all run the one mode the graphs hold (plain decode, or a speculative iteration) is a
+graph step (:func:`graph_step`): every rank, an idle one too, replays the graphs of one
+captured size, the next one at or above the largest rank's batch, so every phase has
+that size's shapes on every rank (:func:`graph_phases`). Other steps run eagerly.
+
 Each rank's sizes follow from its row alone:
     EXTEND         [T, B]: target (T tokens, B rows: each chunk's last), draft extend (T, B)
     DECODE         [B, B]: target (B, B)
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.cuda_graph_runner import padded_size
 from actors.dp.sync import DPSyncResult, ForwardMode
 
 TARGET, DRAFT_EXTEND = "target", "draft_extend"
@@ -50,8 +57,20 @@ class Phase:
         return self.name == TARGET
 
 
+@dataclass(frozen=True)
+class GraphStep:
+    """A step the group replays as CUDA graphs, all of one captured batch size."""
+
+    mode: ForwardMode  # the busy ranks' one mode: TARGET_VERIFY with a draft, else DECODE
+    bs: int  # the captured size every rank replays, its lanes past its own batch padded
+
+
 def _draft_decode(i: int) -> str:
     return f"draft_decode.{i}"
+
+
+def is_draft_decode(name: str) -> bool:
+    return name.startswith("draft_decode.")
 
 
 def own_sizes(mode: ForwardMode, num_tokens: int, num_rows: int,
@@ -81,8 +100,38 @@ def own_sizes(mode: ForwardMode, num_tokens: int, num_rows: int,
     raise ValueError(f"no dp_attention step starts in mode {mode.name}")
 
 
-def step_phases(sync: DPSyncResult, rank: int, draft: DraftShape | None) -> list[Phase]:
-    """The step's phases in order, padded for the group, with `rank`'s own sizes."""
+def graph_step(sync: DPSyncResult, sizes: list[int] | None,
+               draft: DraftShape | None) -> GraphStep | None:
+    """The step's graphs, or None: the group runs it eagerly. Graphs need every rank able
+    to replay (can_run_graph is the minimum over the rows: a rank's batch fits a captured
+    size and its step is a decode), and one busy mode, the graphs': a prefill's forwards
+    have shapes of their own (chunks x chunk length, one LM-head row per chunk) that no
+    decode graph shares, so a prefill anywhere makes the step eager."""
+    if not sizes or not sync.can_run_graph or sync.all_idle:
+        return None
+    mode = ForwardMode.TARGET_VERIFY if draft is not None else ForwardMode.DECODE
+    if any(m not in (mode, ForwardMode.IDLE) for m in sync.forward_mode_per_rank):
+        return None
+    per_lane = draft.num_draft_tokens if draft is not None else 1
+    # Every rank's batch fits a captured size (its row says so), so the largest does.
+    return GraphStep(mode, padded_size(sizes, sync.max_tokens // per_lane))
+
+
+def graph_phases(graph: GraphStep, draft: DraftShape | None) -> list[Phase]:
+    """The phases of a graph step, the same on every rank: each rank's own sizes are the
+    padded ones, since every rank replays all `graph.bs` lanes."""
+    per_lane = draft.num_draft_tokens if draft is not None else 1
+    tokens = graph.bs * per_lane
+    return [Phase(name, t, r, t, r)
+            for name, (t, r) in own_sizes(graph.mode, tokens, tokens, draft).items()]
+
+
+def step_phases(sync: DPSyncResult, rank: int, draft: DraftShape | None,
+                graph: GraphStep | None = None) -> list[Phase]:
+    """The step's phases in order, padded for the group, with `rank`'s own sizes (those of
+    `graph`, when the step replays graphs)."""
+    if graph is not None:
+        return graph_phases(graph, draft)
     per_rank = [own_sizes(m, t, r, draft) for m, t, r in
                 zip(sync.forward_mode_per_rank, sync.tokens_per_rank, sync.logprob_tokens_per_rank)]
     names = []

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, GraphRunner, VerifyPath
+from actors.cuda_graph_runner import GraphBatch, VerifyPath
 from actors.dp.sync import ForwardMode, draft_extend_ids
 from actors.forward_batch import ForwardBatch
 from actors.host_copy import to_device
@@ -158,21 +158,16 @@ class EagleWorker:
             return
         t0 = time.time()
         variants = ((False, False),)
-        if self.cfg.attention.feature_graphs:
+        if self.w.feature_graphs:
             variants = ((False, False), (True, False), (False, True), (True, True))
             self.w.counts.ensure()  # the graphs read the counts' tensors: they must exist now
-        words = -(-self.w.arch.vocab_size // 32) if self.cfg.attention.feature_graphs else 0  # grammar masks
+        words = -(-self.w.arch.vocab_size // 32) if self.w.feature_graphs else 0  # grammar masks
         self.step_graph = StepGraph(self, sizes, self.w.device, real, variants, words)
         with torch.inference_mode():
             self.step_graph.capture()
         log.info("rank %d: captured speculative step graphs for batch sizes %s, variants "
                  "(processed, logprobs) %s in %.1fs%s", self.w.rank, self.step_graph.sizes,
                  variants, time.time() - t0, "" if real else " (eager stand-in)")
-
-    @staticmethod
-    def _fits(runner: GraphRunner | None, bs: int) -> bool:
-        """Replay when a captured size holds the batch; larger batches run eagerly."""
-        return runner is not None and runner.pad_size(bs) is not None
 
     # ---- one speculative decode iteration ---------------------------------------------------
     def decode(self, plan: StepPlan) -> Emitted:
@@ -183,12 +178,13 @@ class EagleWorker:
         clock = PhaseClock(self.cfg.profile_steps, w.device)
         g = self.step_graph
         variant = (plan.processing, plan.logprobs is not None)
-        if g is not None and g.holds(len(plan.rows), variant) and not any(t > 0 for t in plan.temperature) \
+        g_bs = w.graph_size(g, len(plan.rows))  # None: too large (or an eager dp_attention step)
+        if g_bs is not None and g.holds(g_bs, variant) and not any(t > 0 for t in plan.temperature) \
                 and not (plan.processing and w.processing.has_extra(plan.rows)) \
                 and (plan.logprobs is None or asked_top(plan.logprobs) <= MAX_TOP):
             if not w.grammars.any(plan.rows):
-                out, *lps = g.run(list(plan.rows), variant)
-            elif g.holds_parts(len(plan.rows), variant) and w.grammars.fits(g.masks.shape[-1]):
+                out, *lps = g.run(list(plan.rows), variant, g_bs)
+            elif g.holds_parts(g_bs, variant) and w.grammars.fits(g.masks.shape[-1]):
                 out, *lps = self._run_parts(g, plan, variant)
             else:
                 out = None
@@ -211,12 +207,13 @@ class EagleWorker:
         # -- verify: the batch moves from draft decode to verify on the plan stream (C16/C17)
         verify = VerifyInputs(tree.tokens.reshape(-1), tree.tree_mask, tree.positions.reshape(-1),
                               tree.retrieve_index, tree.first_child, tree.next_sibling)
-        prepared = self.verify_path.prepare_verify(batch, self._fits(self.verify_path.runner, B),
-                                                   verify, build=self._verify_inputs)
+        verify_bs = w.graph_size(self.verify_path.runner, B)
+        prepared = self.verify_path.prepare_verify(batch, verify_bs is not None, verify,
+                                                   build=self._verify_inputs, graph_bs=verify_bs)
         # Rows with a grammar: the tree goes to the host behind the draft, and is walked
         # there while verify runs (the masks apply to verify's logits, not its inputs).
         tree_copy = w.grammars.copy_tree(plan.rows, tree.tokens, tree.first_child, tree.next_sibling)
-        logits, feats = self.verify_path.forward_verify(prepared)
+        logits, feats = self.verify_path.forward_verify(prepared, verify_bs)
         grammar_masks = w.grammars.tree_masks(tree_copy)  # [B, N, W] int32 or None
         logits = logits.view(B, N, -1)  # [B, N, V] fp32
         loc = batch.out_cache_loc.view(B, N)  # [B, N] int64 verify slots
@@ -354,8 +351,9 @@ class EagleWorker:
     def _draft(self, batch: GraphBatch):
         """Draft decode, replayed when a captured size holds the batch."""
         runner = self.graphs.draft_decode if self.graphs else None
-        if self._fits(runner, batch.batch_size):
-            return runner.replay(batch)
+        bs = self.w.graph_size(runner, batch.batch_size)
+        if bs is not None:
+            return runner.replay(batch, bs=bs)
         return self.draft_body(batch)
 
     def _verify_inputs(self, batch: GraphBatch, verify: VerifyInputs) -> dict:
@@ -374,7 +372,8 @@ class EagleWorker:
         N, B = self.N, verified.batch_size
         rows, seq, loc = verified.req_pool_indices, verified.seq_lens, verified.out_cache_loc
         runner = self.graphs.draft_extend if self.graphs else None
-        use_graph = self._fits(runner, B)
+        graph_bs = self.w.graph_size(runner, B)
+        use_graph = graph_bs is not None
         ids = draft_extend_ids(predict)  # C01: int64 on the compute stream, before the plan stream
         # Until preparation rebinds them, the batch holds verify's results; its lengths are
         # the forward-side view seq + N (C09: seq itself is never written).
@@ -385,12 +384,12 @@ class EagleWorker:
             fb = prepare_draft_extend(rows, seq, loc.view(B, N), accept_index, ids, feats, N)
             new = {"input_ids": fb.input_ids, "positions": fb.positions, "hidden": fb.hidden_in}
             if use_graph:
-                runner.init_replay_metadata(dataclasses.replace(batch, **new))
+                runner.init_replay_metadata(dataclasses.replace(batch, **new), bs=graph_bs)
             return new
 
         prepare_draft_extend_inputs(self.plan, batch, build)
         if use_graph:
-            return runner.replay(batch, metadata_ready=True)
+            return runner.replay(batch, bs=graph_bs, metadata_ready=True)
         return self.extend_body(batch)
 
     # ---- forward bodies: run eagerly, or captured once per graph size ------------------------

@@ -91,19 +91,23 @@ class StepGraph:
                 self._graphs[key] = capture_cuda_graph(f, view, pool, stream)
         torch.cuda.synchronize(self.device)
 
-    def _load(self, rows: list[int], key: Callable[[int], tuple]) -> int:
+    def _load(self, rows: list[int], key: Callable[[int], tuple], bs: int | None = None) -> int:
+        """Put ``rows`` padded to ``bs`` (default: the next captured size; under
+        dp_attention the group's) into the rows buffer; returns bs."""
         raw = len(rows)
-        bs = self.pad_size(raw)
-        if bs is None or key(bs) not in self._graphs:
+        bs = self.pad_size(raw) if bs is None else bs
+        if bs is None or key(bs) not in self._graphs or bs < raw:
             raise ValueError(f"no step graph holds a batch of {raw} (captured {sorted(self._graphs)})")
         self.rows[:bs].copy_(to_device(rows + [-1] * (bs - raw), torch.int64, self.device))
         return bs
 
-    def run(self, rows: list[int], variant: Variant = (False, False)) -> tuple[torch.Tensor, ...]:
-        """One iteration for request ``rows`` -> step_body's outputs cut to len(rows) rows:
-        [len(rows), S+2] int64, then with logprobs their three tensors. Views of the graph's
-        outputs, overwritten by the next replay of that graph."""
-        bs = self._load(rows, lambda bs: ("whole", variant, bs))
+    def run(self, rows: list[int], variant: Variant = (False, False),
+            bs: int | None = None) -> tuple[torch.Tensor, ...]:
+        """One iteration for request ``rows`` at captured size ``bs`` (default: the next)
+        -> step_body's outputs cut to len(rows) rows: [len(rows), S+2] int64, then with
+        logprobs their three tensors. Views of the graph's outputs, overwritten by the next
+        replay of that graph."""
+        bs = self._load(rows, lambda bs: ("whole", variant, bs), bs)
         graph = self._graphs["whole", variant, bs]
         graph.replay()
         return tuple(t[:len(rows)] for t in graph.output)
@@ -123,3 +127,8 @@ class StepGraph:
         graph = self._graphs["accept", variant, self.pad_size(raw_bs)]
         graph.replay()
         return tuple(t[:raw_bs] for t in graph.output)
+
+    def wrap_graphs(self, wrap) -> None:
+        """Put each graph inside ``wrap(bs, graph)`` (GraphRunner.wrap_graphs); every key
+        ends with its size."""
+        self._graphs = {key: wrap(key[-1], g) for key, g in self._graphs.items()}

@@ -19,7 +19,8 @@ def spy_step_graph(eng) -> list:
     """Log what the step graph replays: ("whole" | "parts", variant)."""
     g, seen = eng.workers[0].eagle.step_graph, []
     run, accept = g.run, g.run_accept
-    g.run = lambda rows, variant=(False, False): seen.append(("whole", variant)) or run(rows, variant)
+    g.run = lambda rows, variant=(False, False), bs=None: \
+        seen.append(("whole", variant)) or run(rows, variant, bs)
     g.run_accept = lambda raw, variant: seen.append(("parts", variant)) or accept(raw, variant)
     return seen
 

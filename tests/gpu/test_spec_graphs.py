@@ -106,7 +106,8 @@ def test_engine_graphs_and_plan_stream_equal_eager(tokenizer, chat_prompts, shap
         assert eagle.step_graph.use_cuda_graph
         ran = []
         real_run = eagle.step_graph.run
-        eagle.step_graph.run = lambda rows: ran.append(len(rows)) or real_run(rows)
+        eagle.step_graph.run = lambda rows, variant=(False, False), bs=None: \
+            ran.append(len(rows)) or real_run(rows, variant, bs)
     assert generate(eng, prompts) == want
     if step_graph:
         assert 5 in ran and min(ran) >= 1  # the padded batch replayed, and smaller ones

@@ -4,7 +4,9 @@ target in fp32. The group's greedy tokens equal one rank's, plain and speculativ
 steps really mix idle ranks, different batch sizes, prefills beside decodes and a
 preemption; an int32 producer never puts an int32 tensor into a collective; a rank
 that leaves the protocol, hangs or dies fails the requests with an error, never a hang;
-the weights are split; the real model on two ranks picks one rank's tokens."""
+the weights are split; the real model on two ranks picks one rank's tokens. With
+CUDA graphs (the CPU's eager stand-in, through the same collectives) the same tokens
+come out, and the recorded steps show which were replayed at one size by every rank."""
 from __future__ import annotations
 
 import asyncio
@@ -17,25 +19,19 @@ import pytest
 import torch
 
 import dp_rank_hooks
-from actors.dp.step_phases import DraftShape, step_phases
-from actors.dp.sync import DPSyncResult, ForwardMode
+from actors.dp.attention_group import DPAttentionGroup
+from actors.dp.step_phases import DraftShape, GraphStep, Phase, graph_step, step_phases
+from actors.dp.sync import DPSyncResult, ForwardMode, make_sync_row
+from dp_scenario import (EXTEND, FIRST, FIRST_TOKENS, IDLE, LENGTHS, SHAPES, VERIFY, DECODE,
+                         check_graph_steps, greedy, mixed_run)
 from local_dp_engine import LocalDPEngine, collect
 from serve_app.request import SamplingParams
 from serve_app.request_stream import StreamFailed
-from spec_helpers import CHAIN, TREE, random_prompts, tiny_config, tiny_engine
+from spec_helpers import tiny_config, tiny_engine
 
 pytestmark = pytest.mark.timeout(600)
 
-SHAPES = {"plain": (), "chain": CHAIN, "tree": TREE}
-IDLE, DECODE, EXTEND, VERIFY = (int(m) for m in (ForwardMode.IDLE, ForwardMode.DECODE,
-                                                 ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY))
-# One request first (the other ranks idle), then a batch that the engine spreads unevenly
-# (different batch sizes, some finishing early), then long prompts in 16-token chunks
-# while the batch decodes; rank 0's KV is short, so it preempts.
-FIRST, BATCH, LATE = random_prompts(1, seed=1), random_prompts(7, seed=2), random_prompts(3, seed=3)
-BATCH_TOKENS = [24, 6, 24, 10, 24, 16, 20]
-LATE = [p * 3 for p in LATE]  # 15-120 tokens: several chunks each
-LATE_TOKENS, FIRST_TOKENS = 12, 24
+# In the mixed run (tests/dp_scenario.py) rank 0's KV is short, so it preempts.
 RANK0_SLOTS = 200  # rank 0's KV: less than its share of the batch needs at once
 
 
@@ -63,29 +59,8 @@ def loop():
 def one_rank(tiny_llama_dir):
     """Every prompt's greedy tokens from one plain rank (the in-process engine)."""
     eng = tiny_engine(tiny_llama_dir, spec=False)
-    prompts = FIRST + BATCH + LATE
-    lens = [FIRST_TOKENS] + BATCH_TOKENS + [LATE_TOKENS] * len(LATE)
-    reqs = eng.generate(prompts, [SamplingParams(**greedy(n)) for n in lens])
-    return {tuple(p): r.output_ids for p, r in zip(prompts, reqs)}
-
-
-def greedy(n: int) -> dict:
-    return dict(max_tokens=n, ignore_eos=True)
-
-
-async def _mixed_run(eng: LocalDPEngine) -> list[tuple[list[int], list[int]]]:
-    """FIRST alone, BATCH once FIRST decodes, LATE once BATCH decodes -> (prompt, tokens)."""
-    c = eng.client
-    first = c.add_request(FIRST[0], greedy(FIRST_TOKENS), "first")
-    head = await first.__anext__()  # prefilled (the other ranks idled through it)
-    batch = [c.add_request(p, greedy(n), f"b{i}") for i, (p, n) in enumerate(zip(BATCH, BATCH_TOKENS))]
-    heads = [await s.__anext__() for s in batch]
-    late = [c.add_request(p, greedy(LATE_TOKENS), f"l{i}") for i, p in enumerate(LATE)]
-    rest = await asyncio.gather(collect(first), *(collect(s) for s in batch + late))
-    got = [head.new_token_ids + rest[0][0]]
-    got += [h.new_token_ids + r[0] for h, r in zip(heads, rest[1:1 + len(batch)])]
-    got += [r[0] for r in rest[1 + len(batch):]]
-    return list(zip(FIRST + BATCH + LATE, got))
+    reqs = eng.generate([p for p, _ in LENGTHS], [SamplingParams(**greedy(n)) for _, n in LENGTHS])
+    return {tuple(p): r.output_ids for (p, _), r in zip(LENGTHS, reqs)}
 
 
 def _expected_weight_bytes(info: dict, arch, W: int, rank: int) -> int:
@@ -106,7 +81,7 @@ def test_ranks_in_lockstep_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, t
         eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.record_steps,
                                         info_overrides={0: {"num_slots": RANK0_SLOTS}})
         try:
-            got = await _mixed_run(eng)
+            got = await mixed_run(eng)
             stats = await eng.stats()
         finally:
             reports = await eng.stop()
@@ -128,6 +103,37 @@ def test_ranks_in_lockstep_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, t
     arch, _ = load_model_weights(tiny_llama_dir)
     for rank, info in enumerate(infos):  # (a draft head's weights are in both figures)
         assert info["weight_bytes"] == _expected_weight_bytes(info, arch, W, rank)
+
+
+@pytest.mark.parametrize("shape", ["plain", "chain", "tree"])
+def test_graph_steps_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, shape):
+    """attention.cuda_graphs under dp_attention, captured at sizes [1, 2, 4] as the CPU's eager
+    stand-in (the padded static buffers of a replay, through the gloo collectives): 2
+    ranks' greedy tokens equal one rank's. From the steps every rank recorded: a rank's
+    row can run a graph iff it idles or decodes at most 4 requests; the group replays
+    graphs iff every row can, at the next captured size over the largest batch, and
+    then every rank, an idle one too, replays graphs holding exactly the step's phases
+    at that size; otherwise no rank replays any. Among them: graph steps beside an idle
+    rank and with a rank padded past its own size, an eager step for a prefill beside a
+    decode and one for a batch above 4. The chain replays whole iterations (the step
+    graph), the tree one graph per phase."""
+    per_phase = ("attention.spec_step_graph=false",) if shape == "tree" else ()
+    cfg = dp_cfg(2, shape, *per_phase)
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.stand_in_graphs)
+        try:
+            got = await mixed_run(eng)
+        finally:
+            reports = await eng.stop()
+        return got, reports
+
+    got, reports = loop(run())
+    for prompt, tokens in got:
+        assert tokens == one_rank[tuple(prompt)], prompt
+    seen = check_graph_steps(reports, shape, dp_rank_hooks.GRAPH_SIZES,
+                             replays_per_step=3 if shape == "tree" else 1)
+    assert len(seen) == 4, seen
 
 
 def test_seed_scenario_int32_producer_beside_an_idle_rank(loop, one_rank, dp_cfg):
@@ -159,6 +165,83 @@ def test_seed_scenario_int32_producer_beside_an_idle_rank(loop, one_rank, dp_cfg
             ("target", big * N, big * N), ("draft_extend", big * N, big)]
     assert [p[:3] for p in busy["big_phases"]] == want == [p[:3] for p in idle["big_phases"]]
     assert [p[3] for p in idle["big_phases"]] == [0, 0, 0, 0]
+
+
+def test_seed_scenario_on_the_graph_path(loop, one_rank, dp_cfg):
+    """C02/C03 with graphs (the stand-in): rank 0 verifies with an int32 producer inside
+    its graphs while rank 1, idle, replays the same graphs with every lane padded: each
+    integer either hands to torch.distributed is int64, both hand the same collectives,
+    the tokens are one rank's, and the decode steps were graph steps on both ranks."""
+    cfg = dp_cfg(2, "chain")
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.seed_scenario_with_graphs)
+        try:
+            got = (await eng.run(FIRST, [greedy(FIRST_TOKENS)]))[0][0]
+        finally:
+            reports = await eng.stop()
+        return got, reports
+
+    got, (busy, idle) = loop(run())
+    assert got == one_rank[tuple(FIRST[0])]
+    assert busy["int32_outputs"] > 0
+    for r in (busy, idle):
+        ints = {d for _, d, _ in r["collectives"] if not d.is_floating_point}
+        assert ints == {torch.int64}, ints
+    assert busy["collectives"] == idle["collectives"]
+    graphs = [(b["modes"], b["graph_bs"], bool(b["replays"]), bool(i["replays"]))
+              for b, i in zip(busy["graph_steps"], idle["graph_steps"])]
+    assert ([VERIFY, IDLE], 1, True, True) in graphs, graphs
+    assert all(bs is None for m, bs, _, _ in graphs if EXTEND in m)
+
+
+def test_graph_step_choice():
+    """The group's graph for a step, from its rows: every rank able, one busy mode (the
+    graphs'), the next captured size over the largest batch; its phases are the same on
+    every rank, an idle one's too. Otherwise eager."""
+    draft = DraftShape(num_steps=3, topk=2, num_draft_tokens=4)
+    V, I, E, D = ForwardMode.TARGET_VERIFY, ForwardMode.IDLE, ForwardMode.EXTEND, ForwardMode.DECODE
+
+    def sync(modes, tokens, can=True):
+        return DPSyncResult(tokens, tokens, can, E in modes, max(tokens), modes)
+
+    mixed = sync([V, V, I], [3 * 4, 1 * 4, 0])
+    graph = graph_step(mixed, [1, 2, 4], draft)
+    assert graph == GraphStep(V, 4)
+    want = [("draft_decode.0", 8, 8), ("draft_decode.1", 8, 8), ("target", 16, 16),
+            ("draft_extend", 16, 4)]
+    for rank in range(3):
+        assert [(p.name, p.tokens, p.rows) for p in step_phases(mixed, rank, draft, graph)] == want
+        assert all((p.own_tokens, p.own_rows) == (p.tokens, p.rows)
+                   for p in step_phases(mixed, rank, draft, graph))
+    assert graph_step(sync([D, I], [3, 0]), [1, 2, 4], None) == GraphStep(D, 4)
+    assert graph_step(sync([D, D], [2, 1]), [1, 2, 4], None) == GraphStep(D, 2)
+    for eager, sizes, d in [(sync([V, I], [4, 0], can=False), [1, 2, 4], draft),  # a rank can't
+                            (sync([E, V], [30, 4]), [1, 2, 4], draft),  # a prefill beside
+                            (sync([I, I], [0, 0]), [1, 2, 4], draft),  # nothing to run
+                            (sync([D, I], [4, 0]), [1, 2, 4], draft),  # not the graphs' mode
+                            (sync([D, I], [1, 0]), None, None)]:  # nothing captured
+        assert graph_step(eager, sizes, d) is None
+
+
+def test_a_graph_replay_takes_exactly_its_phases():
+    """A replayed graph must hold the step's next phases; a CUDA graph (no Python inside)
+    takes them at once, the stand-in through its forwards, and must take exactly them."""
+    dp = DPAttentionGroup(0, 1, num_target_layers=1, draft=None, timeout_s=5)
+    dp.join("127.0.0.1", None)
+    dp.graph_sizes = [1, 2]
+    dp.begin_step(make_sync_row(2, 2, True, False, ForwardMode.DECODE))
+    assert dp.graph == GraphStep(ForwardMode.DECODE, 2)
+    target = Phase("target", 2, 2, 2, 2)
+    with pytest.raises(RuntimeError, match="replays a graph of"):
+        dp.replay_graph([Phase("target", 1, 1, 1, 1)], lambda: None, runs_python=False)
+    with pytest.raises(RuntimeError, match="ran other forwards"):  # a stand-in that ran none
+        dp.replay_graph([target], lambda: None, runs_python=True)
+    replayed = []
+    dp.replay_graph([target], lambda: replayed.append(1), runs_python=False)
+    assert replayed == [1] and not dp.pending
+    dp.end_step()
+    assert dp.graph is None
 
 
 def test_an_idle_rank_that_skips_its_collectives_fails_the_requests_not_hangs(loop, dp_cfg):

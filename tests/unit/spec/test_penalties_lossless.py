@@ -107,9 +107,9 @@ def spy_variants(eagle) -> list[tuple[bool, bool]]:
     """Log the variant of each step-graph run."""
     seen, run = [], eagle.step_graph.run
 
-    def spy(rows, variant=(False, False)):
+    def spy(rows, variant=(False, False), bs=None):
         seen.append(variant)
-        return run(rows, variant)
+        return run(rows, variant, bs)
 
     eagle.step_graph.run = spy
     return seen

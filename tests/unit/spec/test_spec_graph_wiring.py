@@ -42,9 +42,9 @@ def spy_step_graph(eagle) -> list[tuple[int, int]]:
     seen = []
     g = eagle.step_graph
 
-    def run(rows, variant=(False, False)):
-        seen.append((len(rows), g.pad_size(len(rows))))
-        return StepGraph.run(g, rows, variant)
+    def run(rows, variant=(False, False), bs=None):
+        seen.append((len(rows), g.pad_size(len(rows)) if bs is None else bs))
+        return StepGraph.run(g, rows, variant, bs)
 
     g.run = run
     return seen
