@@ -136,46 +136,15 @@ def test_graph_steps_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, shape):
     assert len(seen) == 4, seen
 
 
-def test_seed_scenario_int32_producer_beside_an_idle_rank(loop, one_rank, dp_cfg):
-    """Rank 0 verifies with an int32 producer while rank 1 idles through every phase: each
-    tensor either hands to torch.distributed is int64 or floating, both hand the same
-    collectives of the same shapes, and the tokens are one rank's. The engine's own step
-    sync then carries a count above 2**32 exactly."""
+def run_seed_scenario(loop, one_rank, dp_cfg, hook):
+    """The seed scenario on two ranks (rank 0 busy with an int32 producer, rank 1 idle)
+    under `hook`: the tokens are one rank's, rank 0 produced int32, every integer either
+    rank hands to torch.distributed is int64, and both hand the same collectives.
+    Returns the two ranks' reports."""
     cfg = dp_cfg(2, "chain")
 
     async def run():
-        eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.seed_scenario)
-        try:
-            got = (await eng.run(FIRST, [greedy(FIRST_TOKENS)]))[0][0]
-        finally:
-            reports = await eng.stop()
-        return got, reports
-
-    got, (busy, idle) = loop(run())
-    assert got == one_rank[tuple(FIRST[0])]
-    assert busy["int32_outputs"] > 0 and idle["int32_outputs"] == 0
-    assert {tuple(m) for m, _ in busy["steps"]} >= {(EXTEND, IDLE), (VERIFY, IDLE)}, busy["steps"]
-    for r in (busy, idle):
-        ints = {d for _, d, _ in r["collectives"] if not d.is_floating_point}
-        assert ints == {torch.int64}, ints
-    assert busy["collectives"] == idle["collectives"]
-    big = dp_rank_hooks.BIG
-    K, N = 1, 4  # CHAIN
-    want = [("draft_decode.0", big * K, big * K), ("draft_decode.1", big * K, big * K),
-            ("target", big * N, big * N), ("draft_extend", big * N, big)]
-    assert [p[:3] for p in busy["big_phases"]] == want == [p[:3] for p in idle["big_phases"]]
-    assert [p[3] for p in idle["big_phases"]] == [0, 0, 0, 0]
-
-
-def test_seed_scenario_on_the_graph_path(loop, one_rank, dp_cfg):
-    """C02/C03 with graphs (the stand-in): rank 0 verifies with an int32 producer inside
-    its graphs while rank 1, idle, replays the same graphs with every lane padded: each
-    integer either hands to torch.distributed is int64, both hand the same collectives,
-    the tokens are one rank's, and the decode steps were graph steps on both ranks."""
-    cfg = dp_cfg(2, "chain")
-
-    async def run():
-        eng = await LocalDPEngine.start(cfg, hook=dp_rank_hooks.seed_scenario_with_graphs)
+        eng = await LocalDPEngine.start(cfg, hook=hook)
         try:
             got = (await eng.run(FIRST, [greedy(FIRST_TOKENS)]))[0][0]
         finally:
@@ -189,6 +158,31 @@ def test_seed_scenario_on_the_graph_path(loop, one_rank, dp_cfg):
         ints = {d for _, d, _ in r["collectives"] if not d.is_floating_point}
         assert ints == {torch.int64}, ints
     assert busy["collectives"] == idle["collectives"]
+    return busy, idle
+
+
+def test_seed_scenario_int32_producer_beside_an_idle_rank(loop, one_rank, dp_cfg):
+    """Rank 0 verifies with an int32 producer while rank 1 idles through every phase: each
+    tensor either hands to torch.distributed is int64 or floating, both hand the same
+    collectives of the same shapes, and the tokens are one rank's. The engine's own step
+    sync then carries a count above 2**32 exactly."""
+    busy, idle = run_seed_scenario(loop, one_rank, dp_cfg, dp_rank_hooks.seed_scenario)
+    assert idle["int32_outputs"] == 0
+    assert {tuple(m) for m, _ in busy["steps"]} >= {(EXTEND, IDLE), (VERIFY, IDLE)}, busy["steps"]
+    big = dp_rank_hooks.BIG
+    K, N = 1, 4  # CHAIN
+    want = [("draft_decode.0", big * K, big * K), ("draft_decode.1", big * K, big * K),
+            ("target", big * N, big * N), ("draft_extend", big * N, big)]
+    assert [p[:3] for p in busy["big_phases"]] == want == [p[:3] for p in idle["big_phases"]]
+    assert [p[3] for p in idle["big_phases"]] == [0, 0, 0, 0]
+
+
+def test_seed_scenario_on_the_graph_path(loop, one_rank, dp_cfg):
+    """C02/C03 with graphs (the stand-in): rank 0 verifies with an int32 producer inside
+    its graphs while rank 1, idle, replays the same graphs with every lane padded: each
+    integer either hands to torch.distributed is int64, both hand the same collectives,
+    the tokens are one rank's, and the decode steps were graph steps on both ranks."""
+    busy, idle = run_seed_scenario(loop, one_rank, dp_cfg, dp_rank_hooks.seed_scenario_with_graphs)
     graphs = [(b["modes"], b["graph_bs"], bool(b["replays"]), bool(i["replays"]))
               for b, i in zip(busy["graph_steps"], idle["graph_steps"])]
     assert ([VERIFY, IDLE], 1, True, True) in graphs, graphs
