@@ -5,6 +5,11 @@
 #   bash benchmarks/h200_http.sh proxy OUT        h200 preset through Serve's Python proxy instead
 #   bash benchmarks/h200_http.sh vllm-plain OUT   vllm serve, the same client
 #   bash benchmarks/h200_http.sh vllm-eagle OUT   vllm serve with our head (EAGLE, 3 tokens)
+# and on two GPUs (issue 18), HTTP only, at 64 and 128 streams:
+#   bash benchmarks/h200_http.sh dp1 OUT          one replica, one GPU (the baseline)
+#   bash benchmarks/h200_http.sh dp2 OUT          one replica, two independent DP ranks
+#   bash benchmarks/h200_http.sh dp2-attention OUT  one replica, parallel.dp_attention
+#   bash benchmarks/h200_http.sh replicas2 OUT    two replicas of one GPU each (Serve)
 # Needs Kestrel's bundle unstaged (../shared/device/stage.sh full, benchmarks/pack_for_device.sh;
 # source .stage/tools/unstage.sh)
 # and, for the vllm parts, vLLM's (../shared/peers/stage_vllm.sh). Every run writes
@@ -37,6 +42,16 @@ case $part in
     bench 560 --config configs/h200.yaml --set serve.http_proxy=serve --name kestrel-tree-serve-proxy --no-in-process ;;
   vllm-plain)
     vllm_serve vllm-plain ;;
+  dp1|dp2|dp2-attention|replicas2)
+    levels="64 128"
+    case $part in
+      dp1) extra=() ;;
+      dp2) extra=(--set parallel.dp_size=2) ;;
+      dp2-attention) extra=(--set parallel.dp_size=2 --set parallel.dp_attention=true) ;;
+      replicas2) extra=(--set serve.engine_autoscaling.min_replicas=2 --set serve.engine_autoscaling.max_replicas=2) ;;
+    esac
+    bench 560 --config configs/h200.yaml --set scheduler.max_running_requests=128 "${extra[@]}" \
+      --name "kestrel-$part" --no-in-process ;;
   vllm-eagle)
     vllm_serve vllm-eagle3 --speculative-config '{"method": "eagle", "model": "/tmp/vwork/head_vllm", "num_speculative_tokens": 3}' ;;
   *) echo "unknown part $part"; exit 2 ;;
