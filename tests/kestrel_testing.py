@@ -17,6 +17,16 @@ def mt_bench_first_turns(n: int) -> list[str]:
     return [r["turns"][0] for r in rows[:n]]
 
 
+async def streamed_completion_text(client, model: str, prompt: str, max_tokens: int) -> str:
+    """A greedy completion streamed through the official client (AsyncOpenAI), its text
+    joined from the chunks."""
+    text = ""
+    async for chunk in await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True):
+        text += "".join(c.text for c in chunk.choices)
+    return text
+
+
 def assert_same_or_near_tie(hf_model, prompt, ours, theirs, tol=1e-4):
     """Equal token for token, or the first divergence is at a near-tie of the reference
     (top-2 logit gap below tol), where fp32 rounding may pick either."""

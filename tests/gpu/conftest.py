@@ -1,4 +1,5 @@
 """Fixtures of the GPU engine tests; every test here is marked `gpu` and needs CUDA."""
+import os
 from pathlib import Path
 
 import pytest
@@ -20,3 +21,27 @@ def fp32_ref(smollm_path):
     from actors.models.loader import build_model
     model, _ = build_model(smollm_path, torch.float32, "cuda")
     return model
+
+
+@pytest.fixture(scope="module")
+def h200_serve_port():
+    """Ray and Serve started as `kestrel serve` starts them for the h200 preset (its HTTP
+    front's environment), Serve's HTTP on a free loopback port: yields the port."""
+    import ray
+    from ray import serve
+
+    from actors.dp.group import find_free_port
+    from configs.schema import load_config
+    from kestrel_testing import ROOT
+    from serve_app.app import local_ray_env
+    os.environ.update(local_ray_env(load_config(path=str(ROOT / "configs" / "h200.yaml"))))
+    # The GPU machine's packages (Ray among them) come from its own PYTHONPATH: keep it.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    port = find_free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()

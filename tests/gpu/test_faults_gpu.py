@@ -5,7 +5,6 @@ the killed replica's rank process must let go of the GPU (the scenario is the CP
 tests/fault_scenario.py)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 
@@ -25,29 +24,17 @@ def gpu_pids() -> dict[int, int]:
 
 
 @pytest.fixture(scope="module")
-def h200_url():
-    import ray
+def h200_url(h200_serve_port):
     from ray import serve
 
     from configs.schema import load_config
-    from serve_app.app import build_app, local_ray_env
-    from actors.dp.group import find_free_port
     from kestrel_testing import ROOT
+    from serve_app.app import build_app
     cfg = load_config(path=str(ROOT / "configs" / "h200.yaml"))
-    os.environ.update(local_ray_env(cfg))
-    # The GPU machine's packages (Ray among them) come from its own PYTHONPATH: keep it.
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = find_free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     # A health check each second instead of each 10: the replacement starts sooner.
     serve.run(build_app(cfg, engine_options={"health_check_period_s": 1.0}), name=APP,
               route_prefix="/")
-    try:
-        yield f"http://127.0.0.1:{port}/v1/completions"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    yield f"http://127.0.0.1:{h200_serve_port}/v1/completions"
 
 
 @pytest.mark.parametrize("victim,message", [("rank0", "rank 0"), ("replica", None)])

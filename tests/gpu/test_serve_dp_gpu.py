@@ -7,7 +7,6 @@ CPU (gloo) twins."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
@@ -20,31 +19,8 @@ FP32 = ["model.dtype=float32", "kv_cache.num_slots=65536", "scheduler.max_runnin
         "attention.cuda_graph_batch_sizes=[1,2,4,8,16]"]
 
 
-@pytest.fixture(scope="module")
-def serve_port():
-    import ray
-    from ray import serve
-
-    from actors.dp.group import find_free_port
-    from configs.schema import load_config
-    from kestrel_testing import ROOT
-    from serve_app.app import local_ray_env
-    cfg = load_config(path=str(ROOT / "configs" / "h200.yaml"))
-    os.environ.update(local_ray_env(cfg))
-    # The GPU machine's packages (Ray among them) come from its own PYTHONPATH: keep it.
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = find_free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield port
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
 @pytest.mark.parametrize("attention", [False, True], ids=["independent", "dp_attention"])
-def test_two_gpu_ranks_over_http_equal_one_gpu(serve_port, tokenizer, attention):
+def test_two_gpu_ranks_over_http_equal_one_gpu(h200_serve_port, tokenizer, attention):
     import openai
     from ray import serve
 
@@ -61,7 +37,7 @@ def test_two_gpu_ranks_over_http_equal_one_gpu(serve_port, tokenizer, attention)
     prompts = [f"Write a haiku about the number {i}." for i in range(12)]
     try:
         async def run_all():
-            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{serve_port}/{app}/v1",
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{h200_serve_port}/{app}/v1",
                                         api_key="x", max_retries=0, timeout=300)
             async with client:
                 outs = await asyncio.gather(*(client.completions.create(

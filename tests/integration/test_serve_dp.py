@@ -11,6 +11,8 @@ import asyncio
 import openai
 import pytest
 
+from kestrel_testing import streamed_completion_text
+
 pytestmark = pytest.mark.timeout(300)
 
 APP = "dp2"
@@ -35,18 +37,12 @@ def test_two_dp_ranks_share_the_load_and_match_the_in_process_engine(server, tok
         engine = serve.get_deployment_handle("EngineDeployment", app_name=APP)
         prompts = [f"Write a haiku about the number {i}." for i in range(6)]
 
-        async def one(client, prompt):
-            text = ""
-            async for chunk in await client.completions.create(
-                    model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True):
-                text += "".join(c.text for c in chunk.choices)
-            return text
-
         async def run_all():
             client = openai.AsyncOpenAI(base_url=server.base_url + "/dp/v1", api_key="x",
                                         max_retries=0, timeout=180)
             async with client:
-                return await asyncio.gather(*(one(client, p) for p in prompts))
+                return await asyncio.gather(*(streamed_completion_text(client, MODEL, p, 12)
+                                              for p in prompts))
 
         served = asyncio.run(run_all())
         ranks = engine.rank_stats.remote().result(timeout_s=30)

@@ -11,6 +11,7 @@ import asyncio
 import openai
 import pytest
 from fault_scenario import kill_mid_stream_and_recover
+from kestrel_testing import streamed_completion_text
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,18 +49,12 @@ def test_lockstep_ranks_serve_the_tokens_of_one_rank(server, dp_attention_cfg, t
     prompts = [f"Write a haiku about the number {i}." for i in range(5)]
     lens = [12, 4, 12, 8, 12]  # some finish early: steps with an idle rank
 
-    async def one(client, prompt, n):
-        text = ""
-        async for chunk in await client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True):
-            text += "".join(c.text for c in chunk.choices)
-        return text
-
     async def run_all():
         client = openai.AsyncOpenAI(base_url=server.base_url + "/dpattn/v1", api_key="x",
                                     max_retries=0, timeout=180)
         async with client:
-            served = await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lens)))
+            served = await asyncio.gather(*(streamed_completion_text(client, MODEL, p, n)
+                                          for p, n in zip(prompts, lens)))
             with pytest.raises(openai.BadRequestError, match="dp_attention"):
                 await client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
                                                 extra_body={"prompt_logprobs": 1})
