@@ -11,6 +11,7 @@ from serve_app.request import SamplingParams
 
 MAX = 64
 FP32 = "model.dtype=float32"
+ON = "attention.feature_graphs=true"  # the h200 preset keeps them off until this file passes
 FEATURES = dict(presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2,
                 logit_bias={13: -5.0}, min_tokens=4, bad_words=[[28705], [30, 31]], logprobs=5)
 
@@ -34,11 +35,11 @@ def test_processing_and_logprobs_replay_and_equal_eager(tokenizer, chat_prompts)
     params = SamplingParams(max_tokens=MAX, ignore_eos=True, **FEATURES)
     eager = engine(tokenizer, FP32, "draft.enabled=false", "attention.feature_graphs=false")
     want = eager.generate(chat_prompts, params)
-    plain = engine(tokenizer, FP32, "draft.enabled=false")
+    plain = engine(tokenizer, FP32, ON, "draft.enabled=false")
     assert plain.workers[0].processed_decode_graphs.use_cuda_graph
     got = plain.generate(chat_prompts, params)
     same_or_all_but_one([r.output_ids for r in got], [r.output_ids for r in want], "processed decode graph")
-    spec = engine(tokenizer, FP32)
+    spec = engine(tokenizer, FP32, ON)
     seen = spy_step_graph(spec)
     tree = spec.generate(chat_prompts, params)
     assert set(seen) == {("whole", (True, True))}
@@ -57,7 +58,7 @@ def test_grammar_batches_replay_the_step_graph_parts(tokenizer, chat_prompts):
     grammar = compiler_for(tokenizer).compile(("json_schema", json.dumps(schema)))
     params = SamplingParams(max_tokens=MAX, grammar=grammar, presence_penalty=0.3)
     plain = engine(tokenizer, FP32, "draft.enabled=false").generate(chat_prompts, params)
-    spec = engine(tokenizer, FP32)
+    spec = engine(tokenizer, FP32, ON)
     seen = spy_step_graph(spec)
     tree = spec.generate(chat_prompts, params)
     assert ("parts", (True, False)) in seen and all(kind == "parts" for kind, _ in seen)
