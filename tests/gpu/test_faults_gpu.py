@@ -39,13 +39,13 @@ def h200_url(h200_serve_port):
 
 @pytest.mark.parametrize("victim,message", [("rank0", "rank 0"), ("replica", None)])
 def test_killed_actor_on_the_gpu_fails_fast_and_frees_the_gpu(h200_url, victim, message):
-    from ray.util.state import list_actors
-
     from fault_scenario import kill_mid_stream_and_recover, wait_until_serving
     wait_until_serving(h200_url)
     before = gpu_pids()
-    ranks = [a.pid for a in list_actors(filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])]
-    assert len(ranks) == 1 and ranks[0] in before, (ranks, before)
+    # The one RankActor is the only process on the GPU (Ray's state API needs the
+    # dashboard, which the fixture leaves off).
+    ranks = list(before)
+    assert len(ranks) == 1, before
     got = kill_mid_stream_and_recover(h200_url, APP, victim, message)
     deadline = time.monotonic() + 30
     while ranks[0] in gpu_pids() and time.monotonic() < deadline:
