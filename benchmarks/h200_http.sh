@@ -10,6 +10,8 @@
 #   bash benchmarks/h200_http.sh dp2 OUT          one replica, two independent DP ranks
 #   bash benchmarks/h200_http.sh dp2-attention OUT  one replica, parallel.dp_attention
 #   bash benchmarks/h200_http.sh replicas2 OUT    two replicas of one GPU each (Serve)
+# A third argument `sampled` runs the part at temperature 0.7, top_p 0.9 (names end in -sampled):
+#   bash benchmarks/h200_http.sh kestrel-tree OUT sampled
 # Needs Kestrel's bundle unstaged (../shared/device/stage.sh full, benchmarks/pack_for_device.sh;
 # source .stage/tools/unstage.sh)
 # and, for the vllm parts, vLLM's (../shared/peers/stage_vllm.sh). Every run writes
@@ -19,7 +21,14 @@ part=$1
 out=${2:-${OUT:-.}}
 cd "$(dirname "$0")/.."
 levels="1 8 32 64"
-bench() { timeout "$1" python3 -m benchmarks.http_bench --concurrency $levels --max-tokens 256 --repeats 3 --out "$out" "${@:2}"; }
+sampling=() suffix=""
+if [ "${3:-}" = sampled ]; then sampling=(--sampling '{"temperature": 0.7, "top_p": 0.9}'); suffix=-sampled; fi
+bench() {  # limit, args...; the part's --name gets the suffix
+  local args=("${@:2}")
+  for i in "${!args[@]}"; do [ "${args[$i]}" = --name ] && args[$((i + 1))]+=$suffix; done
+  timeout "$1" python3 -m benchmarks.http_bench --concurrency $levels --max-tokens 256 --repeats 3 \
+    --out "$out" "${sampling[@]}" "${args[@]}"
+}
 
 vllm_serve() {  # name, extra args: start vllm serve in its own environment, bench it, stop it
   local name=$1; shift

@@ -2,12 +2,13 @@
 
     python -m benchmarks.http_bench [--config configs/h200.yaml] [--set KEY=VALUE ...]
         [--concurrency 1 8 32 64] [--max-tokens 256] [--c1-prompts 10] [--repeats 3] [--out DIR]
+        [--sampling '{"temperature": 0.7, "top_p": 0.9}']
     python -m benchmarks.http_bench --url http://127.0.0.1:8011 --name vllm   # any server
     python -m benchmarks.http_bench --tiny-model --concurrency 1 4 16 64 256  # CPU, control plane
 
 Starts `kestrel serve` with the config on a free port (unless --url names a running
 OpenAI-compatible server) and sends MT-bench first turns as streamed chat completions
-(greedy, ignore_eos, stream_options.include_usage): concurrency 1 runs the first
+(greedy unless --sampling says otherwise, ignore_eos, stream_options.include_usage): concurrency 1 runs the first
 --c1-prompts prompts one after another, concurrency c the first c at once. Per level it
 reports tokens/s, TTFT p50/p99, TPOT (time per output token after the first) and the gap
 between streamed chunks (p50/p99), and for Kestrel the server's side read from /metrics:
@@ -117,14 +118,15 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 # ---- in-process -----------------------------------------------------------------------------
 def in_process(config: str | None, overrides: list[str], questions: list[str], levels: list[int],
-               max_tokens: int, c1_prompts: int, repeats: int = 1) -> dict[int, dict]:
+               max_tokens: int, c1_prompts: int, repeats: int = 1,
+               sampling: dict | None = None) -> dict[int, dict]:
     from configs.schema import load_config
     from serve_app.llm_engine import LLMEngine
     from serve_app.request import SamplingParams
     from serve_app.tokenizer import apply_chat_template
     eng = LLMEngine(load_config(config, overrides))
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in questions]
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {}))
     out = {}
     for c in levels:
         batches = [[p] for p in prompts[:c1_prompts]] if c == 1 else [prompts[:c]]
@@ -198,8 +200,12 @@ def main(argv=None) -> None:
                     help="runs per level, HTTP and in-process alike; the median (by tok/s) is reported")
     ap.add_argument("--streams-per-client", type=int, default=16,
                     help="streams per client process (more streams: more processes)")
+    ap.add_argument("--sampling", default=None, metavar="JSON",
+                    help='sampling fields for every request, over HTTP and in-process, e.g. '
+                         '\'{"temperature": 0.7, "top_p": 0.9}\' (default: greedy)')
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
+    sampling = json.loads(args.sampling) if args.sampling else None
     overrides = list(args.set)
     if args.tiny_model:
         overrides = TINY + [f"model.path={make_tiny_model(tempfile.mkdtemp(prefix='kestrel-tiny-'))}"] + overrides
@@ -211,7 +217,8 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"name": name, "config": args.config, "overrides": args.set, "url": args.url,
             "max_tokens": args.max_tokens, "c1_prompts": args.c1_prompts, "cpus": os.cpu_count(),
-            "repeats": args.repeats, "streams_per_client": args.streams_per_client}
+            "repeats": args.repeats, "streams_per_client": args.streams_per_client,
+            "sampling": sampling}
     levels: list[dict] = []
 
     def save() -> None:  # after every level: a run stopped at its time limit keeps its figures
@@ -230,7 +237,7 @@ def main(argv=None) -> None:
         for c in args.concurrency:
             levels.append(median_run([asyncio.run(run_level(
                 url, args.model, questions, c, args.max_tokens, args.c1_prompts,
-                args.streams_per_client)) for _ in range(args.repeats)]))
+                args.streams_per_client, sampling)) for _ in range(args.repeats)]))
             save()
             lv = levels[-1]
             print(f"{name} c={c}: {lv['tok_s']:.1f} tok/s, TTFT p50 {lv['ttft_p50_ms']:.1f} ms, "
@@ -245,11 +252,12 @@ def main(argv=None) -> None:
             shutil.copy(log, out / f"server_{name}.log")  # compile warnings, step errors
     if args.url is None and not args.no_in_process:
         ip = in_process(args.config, overrides, questions, args.concurrency, args.max_tokens,
-                        args.c1_prompts, args.repeats)
+                        args.c1_prompts, args.repeats, sampling)
         for lv in levels:
             lv["in_process"] = ip[lv["concurrency"]]
         save()
-    print(f"\n{name}: {os.cpu_count()} cpus, {args.max_tokens} new tokens, greedy, streamed chat\n")
+    print(f"\n{name}: {os.cpu_count()} cpus, {args.max_tokens} new tokens, {sampling or 'greedy'}, "
+          "streamed chat\n")
     print(table(name, levels))
 
 

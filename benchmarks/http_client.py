@@ -31,10 +31,13 @@ async def sse_chunks(response):
         yield json.loads(data)
 
 
-async def one_request(session, url: str, model: str, question: str, max_tokens: int) -> dict:
+async def one_request(session, url: str, model: str, question: str, max_tokens: int,
+                      extra: dict | None = None) -> dict:
+    """One streamed chat; `extra` fields (sampling settings, a response_format) go into
+    the body over the greedy defaults."""
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "messages": [{"role": "user", "content": question}],
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
@@ -128,16 +131,17 @@ def _session(streams: int):
                                  timeout=aiohttp.ClientTimeout(total=1800))
 
 
-def _client_process(conn, url: str, model: str, questions: list[str], max_tokens: int) -> None:
+def _client_process(conn, url: str, model: str, questions: list[str], max_tokens: int,
+                    extra: dict | None) -> None:
     """A child: warm its connections at its share of the batch, say ready, start its
     streams at the wall-clock time the parent sends, and send back (rows, end time)."""
     async def run() -> None:
         async with _session(len(questions)) as session:
-            await asyncio.gather(*(one_request(session, url, model, q, 4) for q in questions))
+            await asyncio.gather(*(one_request(session, url, model, q, 4, extra) for q in questions))
             conn.send("ready")
             start_at = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            rows = await asyncio.gather(*(one_request(session, url, model, q, max_tokens)
+            rows = await asyncio.gather(*(one_request(session, url, model, q, max_tokens, extra)
                                           for q in questions))
             conn.send((rows, time.time()))
     try:
@@ -147,14 +151,14 @@ def _client_process(conn, url: str, model: str, questions: list[str], max_tokens
 
 
 async def _run_split(url: str, model: str, questions: list[str], max_tokens: int,
-                     procs: int, session) -> tuple[list[dict], float, dict, dict]:
+                     procs: int, session, extra: dict | None) -> tuple[list[dict], float, dict, dict]:
     ctx = mp.get_context("spawn")
     per = math.ceil(len(questions) / procs)
     shares = [questions[i:i + per] for i in range(0, len(questions), per)]
     pipes, children = [], []
     for share in shares:
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_client_process, args=(child, url, model, share, max_tokens), daemon=True)
+        p = ctx.Process(target=_client_process, args=(child, url, model, share, max_tokens, extra), daemon=True)
         p.start()
         pipes.append(parent)
         children.append(p)
@@ -184,23 +188,25 @@ async def _run_split(url: str, model: str, questions: list[str], max_tokens: int
 
 
 async def run_level(url: str, model: str, questions: list[str], concurrency: int,
-                    max_tokens: int, c1_prompts: int, streams_per_client: int = 16) -> dict:
+                    max_tokens: int, c1_prompts: int, streams_per_client: int = 16,
+                    extra: dict | None = None) -> dict:
     procs = max(1, math.ceil(concurrency / streams_per_client)) if concurrency > 1 else 1
     async with _session(concurrency) as session:
         if procs > 1:
             rows, seconds, before, after = await _run_split(url, model, questions[:concurrency],
-                                                            max_tokens, procs, session)
+                                                            max_tokens, procs, session, extra)
         else:
             # Warm-up at the level's batch, as the in-process run does (kernels compiled
             # for these shapes, connections open).
-            await asyncio.gather(*(one_request(session, url, model, q, 4)
+            await asyncio.gather(*(one_request(session, url, model, q, 4, extra)
                                    for q in questions[:max(1, concurrency)]))
             before = await scrape(session, url)
             t0 = time.perf_counter()
             if concurrency == 1:
-                rows = [await one_request(session, url, model, q, max_tokens) for q in questions[:c1_prompts]]
+                rows = [await one_request(session, url, model, q, max_tokens, extra)
+                        for q in questions[:c1_prompts]]
             else:
-                rows = await asyncio.gather(*(one_request(session, url, model, q, max_tokens)
+                rows = await asyncio.gather(*(one_request(session, url, model, q, max_tokens, extra)
                                               for q in questions[:concurrency]))
             seconds = time.perf_counter() - t0
             after = await scrape(session, url)
