@@ -70,9 +70,10 @@ def count_decode_ops(workers):
 
 
 # aten ops that read a device value on the host: a scalar (item, bool, int, float of a
-# tensor), or the data that sizes an output.
-_READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
-          "unique_consecutive", "equal"}
+# tensor; under inference mode the mode sees item and is_nonzero themselves, elsewhere what
+# they decompose into), or the data that sizes an output.
+_READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "_unique2",
+          "unique_dim", "unique_consecutive", "equal"}
 
 
 def _reads(func, args, kwargs) -> bool:
