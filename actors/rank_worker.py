@@ -189,10 +189,8 @@ class RankWorker:
             if processed:
                 logits = self.process(rows, logits[:, None])[:, 0]
             if sampled:
-                t, top_p, top_k, min_p = self.processing.sampling(rows)  # [bs] each
                 coins = self.step_coins.buffer[:view.batch_size, 0]  # [bs] float32
-                tokens = sample_rows(logits, t, top_p, top_k, min_p if filtered else None, coins,
-                                     filtered=filtered)
+                tokens = sample_rows(logits, *self.processing.sampling(rows), coins, filtered=filtered)
             else:
                 tokens = logits.argmax(-1)  # [bs] int64
             if processed:

@@ -367,8 +367,7 @@ class EagleWorker:
         temperature, top_p, top_k, min_p = self.w.processing.sampling(rows)  # [B] each
         per_node = lambda x: x[:, None].expand(B, N).reshape(-1)  # [B] -> [B*N]
         probs = process_logits(logits.reshape(B * N, V), per_node(temperature), per_node(top_p),
-                               per_node(top_k), per_node(min_p) if filtered else None,
-                               filtered=filtered).view(B, N, V)  # [B, N, V] float32
+                               per_node(top_k), per_node(min_p), filtered=filtered).view(B, N, V)  # [B, N, V] float32
         sampled = tree_sampling_verify(tree.tokens, probs, tree.first_child, tree.next_sibling,
                                        self.S, coins[:, :N], coins[:, N])
         hot = temperature > 0  # [B] bool
