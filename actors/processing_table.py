@@ -7,10 +7,10 @@ the steps queued before), and read by row at every step: nothing is built on the
 step, and the CUDA graphs of decode and of the speculative iteration read the same
 tensors. The scheduler writes every row whose request processes or samples (and clears a
 row after such a request), so a row's temperature here is > 0 exactly when the plans of
-its request say so. Bias, stop ids and bad words sit in tables of fixed width (configs/schema.py,
-ProcessingConfig); what a request has beyond them stays here on the host, and a step
-with such a row takes the eager path, which appends it (`has_extra`). Rows never written
-(row 0, the padded lanes' row) process nothing and are greedy.
+its request say so. Bias, stop ids and bad words sit in tables of fixed width
+(configs/schema.py, ProcessingConfig); what a request has beyond them stays here on the
+host, and a step with such a row takes the eager path, which appends it (`has_extra`).
+Rows never written (row 0, the padded lanes' row) process nothing and are greedy.
 """
 from __future__ import annotations
 
