@@ -21,6 +21,16 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def copy_to_device(dst: torch.Tensor, values) -> None:
+    """Host values into the device tensor `dst` (a graph's static buffer), one copy that
+    does not synchronize."""
+    host = torch.as_tensor(values, dtype=dst.dtype)
+    if dst.device.type != "cuda":
+        dst.copy_(host)
+        return
+    dst.copy_(host.pin_memory(), non_blocking=True)  # the pinned block is kept as in to_device
+
+
 class HostCopy:
     """Device tensors on their way to the host, copied in stream order behind the kernels
     that write them (so a later replay that overwrites a graph's output buffer cannot

@@ -1,13 +1,16 @@
 """Per request row, on the device: the logit processing its request asked for (penalties,
-logit bias, the stop ids min_tokens bans, bad words; kernels/penalties.py).
+logit bias, the stop ids min_tokens bans, bad words; kernels/penalties.py), and how it
+samples (temperature, top-p, top-k, min-p; kernels/sampling.py).
 
 Written once when a request is admitted (plan.processing_resets, in stream order behind
 the steps queued before), and read by row at every step: nothing is built on the host per
-step, and the CUDA graphs of decode and of the greedy speculative iteration read the same
-tensors. Bias, stop ids and bad words sit in tables of fixed width (configs/schema.py,
-ProcessingConfig); what a request has beyond them stays here on the host, and a step
-with such a row takes the eager path, which appends it (`has_extra`). Rows never written
-(row 0, the padded lanes' row) process nothing.
+step, and the CUDA graphs of decode and of the speculative iteration read the same
+tensors. The scheduler writes every row whose request processes or samples (and clears a
+row after such a request), so a row's temperature here is > 0 exactly when the plans of
+its request say so. Bias, stop ids and bad words sit in tables of fixed width
+(configs/schema.py, ProcessingConfig); what a request has beyond them stays here on the
+host, and a step with such a row takes the eager path, which appends it (`has_extra`).
+Rows never written (row 0, the padded lanes' row) process nothing and are greedy.
 """
 from __future__ import annotations
 
@@ -53,6 +56,10 @@ class ProcessingTable:
         self.stop_token = torch.full((R, widths.stop_ids), -1, dtype=torch.int64, device=dev)  # [R, MS]
         self.bad_last = torch.full((R, widths.bad_words), -1, dtype=torch.int64, device=dev)  # [R, MW]
         self.bad_prefix = torch.full((R, widths.bad_words, TAIL), -1, dtype=torch.int64, device=dev)  # [R, MW, TAIL]
+        self.temperature = torch.zeros(R, dtype=torch.float32, device=dev)  # [R] float32, <= 0: greedy
+        self.top_p = torch.ones(R, dtype=torch.float32, device=dev)  # [R] float32
+        self.top_k = torch.zeros(R, dtype=torch.int64, device=dev)  # [R] int64, <= 0: no limit
+        self.min_p = torch.zeros(R, dtype=torch.float32, device=dev)  # [R] float32
         # row -> the entries past the widths: bias ids, bias values, stop ids, bad last, bad prefix
         self.extra: dict[int, tuple[np.ndarray, ...]] = {}
 
@@ -67,6 +74,10 @@ class ProcessingTable:
         self.frequency[rows] = f32([p.frequency for p in ps])
         self.repetition[rows] = f32([p.repetition for p in ps])
         self.min_tokens[rows] = to_device([p.min_tokens for p in ps], torch.int64, self.device)
+        self.temperature[rows] = f32([p.temperature for p in ps])
+        self.top_p[rows] = f32([p.top_p for p in ps])
+        self.top_k[rows] = to_device([p.top_k for p in ps], torch.int64, self.device)
+        self.min_p[rows] = f32([p.min_p for p in ps])
         entries = [_tables(p) for p in ps]
         w = self.widths
         for k, (table, width, fill) in enumerate(((self.bias_token, w.logit_bias, -1),
@@ -85,6 +96,11 @@ class ProcessingTable:
     def has_extra(self, rows: list[int]) -> bool:
         """Whether a row of `rows` has entries past the table widths (eager steps only)."""
         return bool(self.extra) and any(r in self.extra for r in rows)
+
+    def sampling(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Request rows [B] int64 -> (temperature [B] float32, top_p [B] float32, top_k [B]
+        int64, min_p [B] float32), process_logits' arguments."""
+        return self.temperature[rows], self.top_p[rows], self.top_k[rows], self.min_p[rows]
 
     def gather(self, rows: torch.Tensor, plan_rows: list[int] | None = None) -> Processing:
         """The processing of request rows [B] int64; with the plan's rows on the host (the

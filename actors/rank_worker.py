@@ -5,6 +5,8 @@ tests call it in-process through the same `execute(plan)` interface.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import os
 import time
@@ -26,7 +28,7 @@ from actors.model_runner import ModelRunner
 from actors.output_counts import OutputCounts
 from actors.processing_table import ProcessingTable
 from actors.models.loader import build_model, default_model_path
-from actors.sampler import sample_tokens
+from actors.sampler import sample_tokens, sampling_flags
 from actors.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
 from kernels import layer_ops
@@ -119,6 +121,8 @@ class RankWorker:
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,
                                 self.dtype, self.device, spec)
         self.decode_graphs = self.processed_decode_graphs = None
+        self.sampled_decode_graphs = {}  # (processed, filtered) -> GraphRunner
+        self.step_coins = None  # StepCoins: the sampled decode graphs' coins
         # dp_attention: the group's graph size for every forward of the running step, None
         # when it runs eagerly (set with the graphs, which it captures once the model is
         # sharded and the group formed: their forwards hold collectives; group_graphs.py).
@@ -154,12 +158,21 @@ class RankWorker:
         return self.cfg.attention.feature_graphs and not self.cfg.parallel.dp_attention
 
     def capture_decode_graphs(self, sizes: list[int], use_cuda_graph: bool | None = None) -> None:
-        """Plain target decode as graphs, one per captured batch size (DESIGN.md 6), and with
-        `feature_graphs` a second set, in the same pool, for greedy steps with logit
-        processing: the rows' processing, the pick and its counting inside the graph
-        (-> processed logits [B, V], tokens [B]); on CPU (use_cuda_graph None) the eager
-        stand-in."""
+        """Plain target decode as graphs, one per captured batch size (DESIGN.md 6); on CPU
+        (use_cuda_graph None) the eager stand-in.
+
+        With `feature_graphs` and no speculation (under it every decode step is a
+        speculative iteration), more sets in the same pool, whose bodies end in the step's
+        tokens (-> processed logits [B, V], tokens [B]): `processed_decode_graphs` for
+        greedy steps with logit processing (the rows' processing, the pick and its counting
+        inside the graph), and `sampled_decode_graphs[(processed, filtered)]` for steps
+        with a sampled row: each row's processing when `processed`, then its own sampling
+        from the processing table (greedy rows their argmax, the others inverse-CDF with
+        their coin from `step_coins`), the top-k/top-p sort only in the `filtered` set,
+        which steps with a truncating row take."""
         from actors.cuda_graph_runner import GraphKind, GraphRunner, graph_backend
+        from actors.step_coins import StepCoins
+        from kernels.sampling import sample_rows
 
         def runner() -> GraphRunner:
             return GraphRunner(GraphKind.TARGET_DECODE, sizes, graph_backend(self.target.backend),
@@ -170,23 +183,50 @@ class RankWorker:
             return self._decode_logits(view.input_ids, view.seq_lens - 1, view.out_cache_loc,
                                        view.req_pool_indices)
 
-        def processed(view):
-            rows = view.req_pool_indices  # [bs] int64; padded lanes: row 0, whose processing is none
-            logits = self.process(rows, forward(view)[:, None])[:, 0]
-            tokens = logits.argmax(-1)  # [bs] int64
-            self.counts.record(rows, tokens[:, None], (rows > 0).to(torch.int64))  # padded lanes emit nothing
+        def picked(view, processed: bool, sampled: bool, filtered: bool = False):
+            rows = view.req_pool_indices  # [bs] int64; padded lanes: row 0, greedy, no processing
+            logits = forward(view)  # [bs, V] fp32
+            if processed:
+                logits = self.process(rows, logits[:, None])[:, 0]
+            if sampled:
+                coins = self.step_coins.buffer[:view.batch_size, 0]  # [bs] float32
+                tokens = sample_rows(logits, *self.processing.sampling(rows), coins, filtered=filtered)
+            else:
+                tokens = logits.argmax(-1)  # [bs] int64
+            if processed:
+                self.counts.record(rows, tokens[:, None], (rows > 0).to(torch.int64))  # padded lanes emit nothing
             return logits, tokens
 
         t0 = time.time()
         with torch.inference_mode():
-            self.decode_graphs, self.processed_decode_graphs = runner(), None
+            self.decode_graphs, self.processed_decode_graphs, self.sampled_decode_graphs = runner(), None, {}
             self.decode_graphs.capture(forward)
-            if self.feature_graphs:
+            pool = self.decode_graphs.graph_pool
+            if self.feature_graphs and self.eagle is None:
                 self.counts.ensure()  # the graphs read the counts' tensors: they must exist now
+                self.step_coins = StepCoins(max(sizes), 1, self.device)
                 self.processed_decode_graphs = runner()
-                self.processed_decode_graphs.capture(processed, pool=self.decode_graphs.graph_pool)
+                self.processed_decode_graphs.capture(functools.partial(picked, processed=True, sampled=False),
+                                                     pool=pool)
+                for processed, filtered in itertools.product((False, True), repeat=2):
+                    graphs = self.sampled_decode_graphs[processed, filtered] = runner()
+                    graphs.capture(functools.partial(picked, processed=processed, sampled=True,
+                                                     filtered=filtered), pool=pool)
         log.info("rank %d: captured decode graphs for batch sizes %s in %.1fs%s", self.rank, sizes,
-                 time.time() - t0, " (and processed)" if self.processed_decode_graphs else "")
+                 time.time() - t0, " (and processed, sampled)" if self.processed_decode_graphs else "")
+
+    def _feature_decode_graphs(self, plan: StepPlan, sampled: bool, filtered: bool):
+        """The feature decode graph set that holds a plain decode step with processing or a
+        sampled row (sampling_flags), or None: the plain graph (or an eager forward) and
+        eager picking."""
+        if self.processed_decode_graphs is None or not (plan.processing or sampled) \
+                or self.processed_decode_graphs.pad_size(len(plan.rows)) is None \
+                or self.grammars.any(plan.rows) \
+                or (plan.processing and self.processing.has_extra(plan.rows)):
+            return None
+        if sampled:
+            return self.sampled_decode_graphs[plan.processing, filtered]
+        return self.processed_decode_graphs
 
     def graph_size(self, runner, raw_bs: int) -> int | None:
         """The captured size a forward of raw_bs requests replays at on `runner` (a
@@ -383,11 +423,12 @@ class RankWorker:
         B = len(plan.rows)
         from actors.cuda_graph_runner import GraphBatch
         batch = GraphBatch(B, c.bonus, c.seq_lens, loc, rows, c.seq_lens + 1)
-        processed = self.processed_decode_graphs
-        if plan.processing and processed is not None and processed.pad_size(B) is not None \
-                and not any(t > 0 for t in plan.temperature) \
-                and not self.grammars.any(plan.rows) and not self.processing.has_extra(plan.rows):
-            logits, tokens = processed.replay(batch)  # processed, picked, counted
+        sampled, filtered = sampling_flags(plan)
+        graphs = self._feature_decode_graphs(plan, sampled, filtered)
+        if graphs is not None:
+            if sampled:
+                self.step_coins.load(plan.coins, graphs.pad_size(B))
+            logits, tokens = graphs.replay(batch)  # processed, picked, counted
             lps = None if plan.logprobs is None else top_logprobs(logits, tokens, asked_top(plan.logprobs))
         else:
             bs = self.graph_size(self.decode_graphs, B)  # the group's size under dp_attention

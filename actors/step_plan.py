@@ -20,8 +20,9 @@ def coins_per_request(cfg) -> int:
 
 @dataclass
 class RowProcessing:
-    """One request's logit processing (kernels/penalties.py), sent once when it is admitted
-    to a row; the rank keeps it in its processing table (actors/processing_table.py)."""
+    """One request's logit processing (kernels/penalties.py) and sampling parameters
+    (kernels/sampling.py), sent once when it is admitted to a row; the rank keeps them in
+    its processing table (actors/processing_table.py)."""
 
     presence: float = 0.0
     frequency: float = 0.0
@@ -31,6 +32,10 @@ class RowProcessing:
     bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # [M] float32
     stop_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S] int64, under min_tokens
     bad_words: list[list[int]] = field(default_factory=list)  # token sequences, each at most TAIL + 1 long
+    temperature: float = 0.0  # <= 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # <= 0: no limit
+    min_p: float = 0.0
 
 
 @dataclass
@@ -64,8 +69,8 @@ class StepPlan:
     # Rows whose output counts restart (a request admitted, or readmitted after preemption):
     # (row, prompt ids or None when no repetition penalty needs them, outputs so far).
     count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = field(default_factory=list)
-    # Rows whose processing table entry changes: a request admitted that asks for processing,
-    # or one admitted after such a request, which clears it (None).
+    # Rows whose processing table entry changes: a request admitted that asks for processing
+    # or samples, or one admitted after such a request, which clears it (None).
     processing_resets: list[tuple[int, RowProcessing | None]] = field(default_factory=list)
     # Rows that start a request with a grammar, or after one (actors/grammar_rows.py):
     # (row, serialized compiled grammar or None, outputs so far [n] int64).

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from actors.step_plan import StepPlan, coins_per_request
+from actors.step_plan import RowProcessing, StepPlan, coins_per_request
 
 log = logging.getLogger("kestrel.worker")
 
@@ -79,8 +79,10 @@ def _run_prefill_shapes(worker) -> None:
 def warm_up_sampled_decode(worker) -> None:
     """One sampled speculative iteration on row 1 (a one-token prompt, its window's slots
     after the reserved page), so tree rejection sampling is compiled before a client's
-    first sampled request meets it. Nothing to do without speculation: plain sampling
-    is torch ops."""
+    first sampled request meets it (on the per-phase path; the sampled step graphs hold it
+    since their capture). Row 1 samples through its processing table entry, as a
+    scheduler's sampled request would, and is cleared afterwards. Nothing to do without
+    speculation: plain sampling is torch ops."""
     if worker.eagle is None:
         return
     import torch
@@ -93,7 +95,9 @@ def warm_up_sampled_decode(worker) -> None:
         prefix_lens=[0], extend_lens=[1], last_chunk=[True], next_ids=[-1]))
     worker.execute(StepPlan(
         -1001, "decode", [1], temperature=[1.0], top_p=[1.0], top_k=[-1],
-        coins=np.full((1, coins), 0.5, dtype=np.float32), use_spec=True))
+        coins=np.full((1, coins), 0.5, dtype=np.float32), use_spec=True,
+        processing_resets=[(1, RowProcessing(temperature=1.0))]))
+    worker.execute(StepPlan(-1002, "idle", [], processing_resets=[(1, None)]))
     if worker.device.type == "cuda":
         torch.cuda.synchronize(worker.device)
     log.info("rank %d: sampled speculative decoding warmed up in %.1fs", worker.rank, time.time() - t0)

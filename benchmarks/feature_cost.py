@@ -6,11 +6,13 @@
 
 MT-bench first turns with the chat template, greedy, `ignore_eos`, at each batch size:
 tokens/s plain and speculative (the preset's tree), without any feature, then with each:
-the penalties and a logit bias, 5 logprobs per token, and a grammar (a regex that allows
-nearly any text, so acceptance stays comparable and the figure is the masking's own cost).
-Greedy batches with processing or logprobs replay the processed / logprobs variants of
-the decode and step graphs, grammar batches the step graph's three parts with the masks
-walked between them (`--set attention.feature_graphs=false`: the eager paths instead).
+the penalties and a logit bias, 5 logprobs per token, a grammar (a regex that allows
+nearly any text, so acceptance stays comparable and the figure is the masking's own cost),
+and seeded sampling as users mostly ask for it (temperature 0.7, top-p 0.9).
+Batches with processing, logprobs or sampling replay the processed / logprobs / sampled
+variants of the decode and step graphs, grammar batches the step graph's three parts with
+the masks walked between them (`--set attention.feature_graphs=false`: the eager paths
+instead).
 Prints a markdown table (tokens/s, and milliseconds per step); JSON under --out.
 
 --tiny-model runs on the CPU: a random 1-layer model with SmolLM2's tokenizer
@@ -34,6 +36,7 @@ FEATURES = {
                       logit_bias={13: -2.0}),
     "logprobs": dict(logprobs=5),
     "grammar": ("regex", r"[^\x00]*"),  # compiled for the engine's tokenizer in run()
+    "sampled": dict(temperature=0.7, top_p=0.9, seed=1),
 }
 
 

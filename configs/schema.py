@@ -100,10 +100,11 @@ class AttentionConfig(_Strict):
     # turns prefill graphs off.
     prefill_graph_tokens: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512])
     prefill_graph_max_tokens: int = Field(4096, ge=1)
-    # With cuda_graphs: decode steps and greedy speculative iterations whose requests ask for
-    # logit processing or logprobs replay as graphs too (a processed decode graph, and step
-    # graphs with processing and/or logprobs, per batch size, in the same memory pools);
-    # false: such steps run the eager processing and the per-phase speculative path.
+    # With cuda_graphs: decode steps and speculative iterations whose requests ask for logit
+    # processing or logprobs, or sample (temperature > 0), replay as graphs too (processed
+    # and sampled decode graphs, and step graphs with processing, logprobs and/or sampling,
+    # per batch size, in the same memory pools); false: such steps run the eager processing
+    # and sampling and the per-phase speculative path.
     # Not under parallel.dp_attention, whose group replays the plain graphs only.
     feature_graphs: bool = True
 

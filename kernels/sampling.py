@@ -2,12 +2,19 @@
 
 Pure-torch references (the CPU path and the test oracle for later Triton kernels).
 Shapes: T rows (tokens / tree nodes), V vocabulary. Token tensors are int64.
+
+Nothing here reads a device value on the host: what depends on the data is computed for
+every row and selected with torch.where, and what the host knows (whether any row
+truncates its distribution) comes in as a Python flag. A host read would wait for the
+device inside the step's launch, which defeats launching step N+1 while step N runs
+(actors/step_channel.py), and could not be recorded in a CUDA graph. Each row's result
+depends on that row alone, not on what else is in the batch.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["process_logits", "sample_from_probs", "min_p_filter"]
+__all__ = ["process_logits", "sample_from_probs", "sample_rows", "min_p_filter"]
 
 
 def process_logits(
@@ -16,47 +23,50 @@ def process_logits(
     top_p: torch.Tensor,
     top_k: torch.Tensor,
     min_p: torch.Tensor | None = None,
+    *,
+    filtered: bool = True,
 ) -> torch.Tensor:
     """Turn raw logits into the sampling distribution of each row.
 
     Args:
         logits: [T, V] float (any float dtype).
         temperature: [T] float. Rows with temperature <= 0 are greedy: they come back as
-            a one-hot of the (first) argmax, never NaN. Callers normally keep greedy rows
-            out of here.
+            a one-hot of the (first) argmax, never NaN.
         top_p: [T] float in (0, 1]. Nucleus: keep the smallest set of most likely tokens
             whose cumulative probability is >= top_p; the most likely token is always
             kept; top_p >= 1 keeps everything.
         top_k: [T] int64. Keep the top_k most likely tokens; top_k <= 0 means no limit.
-        min_p: [T] float or None. Keep tokens with at least min_p times the row's largest
-            probability (0 = off).
+        min_p: [T] float or None (= 0 everywhere). Keep tokens with at least min_p times
+            the row's largest probability (0 = off).
+        filtered: False when the caller knows that no row truncates (top_k <= 0, top_p
+            >= 1 and min_p 0 everywhere): the truncation, and its [T, V] sort, the bulk
+            of the cost, is skipped. Either way a row that does not truncate comes back
+            as its plain softmax, bit for bit.
 
     Order (as in HF warpers, min-p as vLLM places it): softmax(logits / temperature), then
     min-p, renormalise, then top-k, renormalise, then top-p on the renormalised top-k
-    distribution, renormalise. Ties in probability
-    are ranked toward the lower token id (stable sort).
+    distribution, renormalise. Ties in probability are ranked toward the lower token id
+    (stable sort).
 
     Returns:
         probs: [T, V] float32, every row sums to 1.
     """
     T, V = logits.shape
-    device = logits.device
     greedy = temperature <= 0  # [T] bool
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [T] float32
     probs = torch.softmax(logits.float() / safe_t[:, None], dim=-1)  # [T, V] float32
-    if min_p is not None and bool((min_p > 0).any()):
-        probs = min_p_filter(probs, min_p.float())
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-
-    # Without top-k/top-p every token stays: skip the [T, V] sort, the bulk of the cost.
-    filtered = bool(((top_k > 0) | (top_p < 1.0)).any())
-    out = _top_k_top_p(probs, top_p, top_k) if filtered else probs  # [T, V] float32
-
-    if bool(greedy.any()):
-        one_hot = torch.zeros((T, V), dtype=torch.float32, device=device)  # [T, V] float32
-        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        out = torch.where(greedy[:, None], one_hot, out)
-    return out
+    out = probs
+    # Each step applies to the rows that ask for it only: the others keep their values
+    # exactly (a renormalisation would round them differently).
+    if filtered and min_p is not None:
+        kept = min_p_filter(probs, min_p.float())  # [T, V] float32
+        out = torch.where((min_p > 0)[:, None], kept / kept.sum(dim=-1, keepdim=True), out)
+    if filtered:
+        ranked = (top_k > 0) | (top_p < 1.0)  # [T] bool
+        out = torch.where(ranked[:, None], _top_k_top_p(out, top_p, top_k), out)  # [T, V] float32
+    one_hot = torch.zeros((T, V), dtype=torch.float32, device=logits.device)  # [T, V] float32
+    one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, out)
 
 
 def _top_k_top_p(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -103,11 +113,19 @@ def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     threshold = (coins.double() * total)[:, None].contiguous()  # [T, 1] float64
     idx = torch.searchsorted(cdf, threshold, right=True).squeeze(1)  # [T] int64
     over = idx >= V  # [T] bool: rounding pushed the threshold past the end (rare)
-    if not bool(over.any()):
-        return idx.to(torch.int64)
     positive = probs > 0  # [T, V] bool
     last_pos = (V - 1) - torch.flip(positive, dims=[1]).to(torch.int64).argmax(dim=-1)  # [T] int64
     return torch.where(over, last_pos, idx).to(torch.int64)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                top_k: torch.Tensor, min_p: torch.Tensor | None, coins: torch.Tensor, *,
+                filtered: bool = True) -> torch.Tensor:
+    """One token per row of logits [T, V]: greedy rows (temperature [T] <= 0) their argmax,
+    the others inverse-CDF on their process_logits distribution with their coin [T] ->
+    tokens [T] int64. The same tokens as sampling the sampled rows alone."""
+    probs = process_logits(logits, temperature, top_p, top_k, min_p, filtered=filtered)  # [T, V] float32
+    return torch.where(temperature > 0, sample_from_probs(probs, coins), logits.argmax(dim=-1))
 
 
 def min_p_filter(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

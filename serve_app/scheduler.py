@@ -38,14 +38,14 @@ def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
 
 
 def row_processing(req: Request) -> RowProcessing:
-    """A request's logit processing, as its rank keeps it for the request's row."""
+    """A request's logit processing and sampling, as its rank keeps them for the request's row."""
     p = req.params
     return RowProcessing(
         p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens,
         np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias)),
         np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)),
         np.asarray(sorted(req.stop_ids) if p.min_tokens else [], dtype=np.int64),
-        [list(w) for w in p.bad_words])
+        [list(w) for w in p.bad_words], p.temperature, p.top_p, p.top_k, p.min_p)
 
 
 class Scheduler:
@@ -77,7 +77,7 @@ class Scheduler:
         self._grammar_resets: list[tuple[int, str | None, np.ndarray]] = []  # the same way
         self._grammar_rows: set[int] = set()  # rows whose worker holds a grammar matcher
         self._processing_resets: list[tuple[int, RowProcessing | None]] = []  # the same way
-        self._processing_rows: set[int] = set()  # rows whose worker holds a request's processing
+        self._processing_rows: set[int] = set()  # rows whose worker holds a request's processing or sampling
         self.grammar_vocab: str | None = None  # set_grammar_vocab; the worker gets it once
         self._vocab_sent = False
         self.coins_per_request = coins_per_request(cfg)
@@ -246,9 +246,12 @@ class Scheduler:
         if p.needs_counts:  # from its outputs so far: a preempted request brings them back
             prompt = np.asarray(req.prompt_ids, dtype=np.int64) if p.repetition_penalty != 1.0 else None
             self._count_resets.append((row, prompt, np.asarray(req.output_ids, dtype=np.int64)))
-        if p.processes_logits or row in self._processing_rows:
-            self._processing_resets.append((row, row_processing(req) if p.processes_logits else None))
-            if p.processes_logits:
+        # The row's table entry: its processing and its sampling, which the sampled graphs
+        # read by row (a greedy row after a sampled request must be cleared, or it samples).
+        keeps = p.processes_logits or p.temperature > 0
+        if keeps or row in self._processing_rows:
+            self._processing_resets.append((row, row_processing(req) if keeps else None))
+            if keeps:
                 self._processing_rows.add(row)
             else:
                 self._processing_rows.discard(row)

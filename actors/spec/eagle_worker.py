@@ -23,6 +23,7 @@ are prepared through the plan stream (C15-C17): on a side stream when
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -38,8 +39,9 @@ from actors.kv_cache import TokenToKVPool
 from actors.model_runner import ModelRunner
 from actors.models.eagle import load_eagle_head, resolve_draft_path
 from actors.plan_stream import PlanStream, VerifyInputs, prepare_draft_extend_inputs
+from actors.sampler import sampling_flags, truncates
 from actors.spec.spec_graphs import SpecGraphs, capture_spec_graphs
-from actors.spec.step_graph import StepGraph
+from actors.spec.step_graph import StepGraph, Variant
 from actors.step_plan import StepPlan
 from configs.schema import KestrelConfig
 from kernels.sampling import process_logits
@@ -54,7 +56,7 @@ log = logging.getLogger("kestrel.worker")
 
 @dataclasses.dataclass
 class Drafted:
-    """What the draft part of a greedy iteration (EagleWorker.step_draft) leaves for the rest."""
+    """What the draft part of a graph iteration (EagleWorker.step_draft) leaves for the rest."""
     rows: torch.Tensor  # [bs] int64 request rows, padded lanes at row 0
     valid: torch.Tensor  # [bs] bool, not a padded lane
     seq: torch.Tensor  # [bs] int64 lengths (FILL in padded lanes)
@@ -140,8 +142,9 @@ class EagleWorker:
     def capture_graphs(self, sizes: list[int], *, use_cuda_graph: bool | None = None,
                        step_graph: bool | None = None) -> None:
         """Replay verify, draft decode and draft extend for batches up to max(sizes) from now
-        on, and whole greedy iterations as one graph (``step_graph``, default
-        ``attention.spec_step_graph``) where the backends plan on the device.
+        on, and whole iterations as one graph (``step_graph``, default
+        ``attention.spec_step_graph``) where the backends plan on the device: greedy ones,
+        and with ``attention.feature_graphs`` sampled ones too.
         ``use_cuda_graph`` None: CUDA graphs on a GPU; on CPU the runners' eager stand-in,
         which runs the same padded batches (how CPU tests check the wiring)."""
         self.graphs = capture_spec_graphs(self, sizes, use_cuda_graph=use_cuda_graph)
@@ -157,17 +160,21 @@ class EagleWorker:
                      "host; one graph per forward", self.w.rank, self.cfg.attention.backend)
             return
         t0 = time.time()
-        variants = ((False, False),)
+        variants = (Variant(),)
         if self.w.feature_graphs:
-            variants = ((False, False), (True, False), (False, True), (True, True))
+            # Greedy, sampled and sampled with truncation, each with and without processing
+            # and logprobs (step_graph.py says why these twelve).
+            variants = tuple(Variant(processed, logprobs, sampled, filtered)
+                             for sampled, filtered in ((False, False), (True, False), (True, True))
+                             for processed, logprobs in itertools.product((False, True), repeat=2))
             self.w.counts.ensure()  # the graphs read the counts' tensors: they must exist now
         words = -(-self.w.arch.vocab_size // 32) if self.w.feature_graphs else 0  # grammar masks
         self.step_graph = StepGraph(self, sizes, self.w.device, real, variants, words)
         with torch.inference_mode():
             self.step_graph.capture()
-        log.info("rank %d: captured speculative step graphs for batch sizes %s, variants "
-                 "(processed, logprobs) %s in %.1fs%s", self.w.rank, self.step_graph.sizes,
-                 variants, time.time() - t0, "" if real else " (eager stand-in)")
+        log.info("rank %d: captured speculative step graphs for batch sizes %s, %d variants "
+                 "in %.1fs%s", self.w.rank, self.step_graph.sizes, len(variants),
+                 time.time() - t0, "" if real else " (eager stand-in)")
 
     # ---- one speculative decode iteration ---------------------------------------------------
     def decode(self, plan: StepPlan) -> Emitted:
@@ -177,11 +184,13 @@ class EagleWorker:
         dev = w.device
         clock = PhaseClock(self.cfg.profile_steps, w.device)
         g = self.step_graph
-        variant = (plan.processing, plan.logprobs is not None)
+        variant = Variant(plan.processing, plan.logprobs is not None, *sampling_flags(plan))
         g_bs = w.graph_size(g, len(plan.rows))  # None: too large (or an eager dp_attention step)
-        if g_bs is not None and g.holds(g_bs, variant) and not any(t > 0 for t in plan.temperature) \
+        if g_bs is not None and g.holds(g_bs, variant) \
                 and not (plan.processing and w.processing.has_extra(plan.rows)) \
                 and (plan.logprobs is None or asked_top(plan.logprobs) <= MAX_TOP):
+            if variant.sampled:
+                g.load_coins(plan.coins, len(plan.rows), g_bs)
             if not w.grammars.any(plan.rows):
                 out, *lps = g.run(list(plan.rows), variant, g_bs)
             elif g.holds_parts(g_bs, variant) and w.grammars.fits(g.masks.shape[-1]):
@@ -233,7 +242,7 @@ class EagleWorker:
         return accepted_tokens(plan, torch.cat([accept_length[:, None], predict], 1), lps)
 
     def _run_parts(self, g: StepGraph, plan: StepPlan, variant) -> tuple[torch.Tensor, ...]:
-        """A greedy iteration with grammar rows as the step graph's three parts: the tree
+        """An iteration with grammar rows as the step graph's three parts: the tree
         goes to the host behind the draft part, and is walked there while the verify part
         runs; the masks go into the accept part's static buffer."""
         B, grammars = len(plan.rows), self.w.grammars
@@ -264,25 +273,28 @@ class EagleWorker:
         bonus = predict.gather(1, (accept_length - 1)[:, None])[:, 0]  # [B] int64
         self.w.future.store(rows, seq + accept_length, bonus, topk_p, topk_index, last)
 
-    def step_body(self, rows: torch.Tensor, processed: bool = False,
-                  logprobs: bool = False) -> tuple[torch.Tensor, ...]:
-        """One greedy iteration for ``rows`` [bs] int64 (-1: a padded lane), from the future
-        map back into it -> ([bs, S+2] int64: the accept length, then the S+1 predicted
-        tokens, of which the first accept-length are emitted; with ``logprobs`` then their
+    def step_body(self, rows: torch.Tensor, variant: Variant = Variant(),
+                  coins: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """One iteration for ``rows`` [bs] int64 (-1: a padded lane), from the future map
+        back into it -> ([bs, S+2] int64: the accept length, then the S+1 predicted tokens,
+        of which the first accept-length are emitted; with ``variant.logprobs`` then their
         logprobs: chosen [bs, S+1], top MAX_TOP logprobs and ids [bs, S+1, MAX_TOP]).
-        ``processed``: each node's logits get the rows' logit processing along its path, and
-        the emitted tokens are counted, as on the eager path.
+        ``variant.processed``: each node's logits get the rows' logit processing along its
+        path, and the emitted tokens are counted, as on the eager path. ``variant.sampled``:
+        rows that sample (the processing table's temperature) accept by tree rejection
+        sampling with their ``coins`` [bs, N+1] float32, as on the eager path.
 
         The eager path's steps without host reads, so StepGraph records it whole, or in
         its three parts (draft, verify, accept) with the grammar masks put in between.
         Padded lanes use row 0 and slot 0 (both reserved), length FILL and zero draft
-        state; row 0's processing is none and its counts never grow (its lanes emit nothing).
+        state; row 0's processing is none, it is greedy, and its counts never grow (its
+        lanes emit nothing).
         """
         drafted = self.step_draft(rows)
-        return self.step_accept(drafted, *self.step_verify(drafted), None, processed, logprobs)
+        return self.step_accept(drafted, *self.step_verify(drafted), None, variant, coins)
 
     def step_draft(self, rows: torch.Tensor) -> Drafted:
-        """A greedy iteration's draft decode and tree, for ``rows`` as in step_body."""
+        """A graph iteration's draft decode and tree, for ``rows`` as in step_body."""
         w, K, S, N = self.w, self.K, self.S, self.N
         B = rows.numel()
         valid = rows >= 0  # [bs] bool
@@ -315,22 +327,27 @@ class EagleWorker:
         return logits.view(B, N, -1), feats
 
     def step_accept(self, d: Drafted, logits: torch.Tensor, feats: torch.Tensor,
-                    masks: torch.Tensor | None, processed: bool, logprobs: bool) -> tuple[torch.Tensor, ...]:
+                    masks: torch.Tensor | None, variant: Variant,
+                    coins: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The rest of the iteration after verify: processing, the grammar ``masks`` [bs, N,
-        W] int32 (all ones where a row has none), the greedy accept, the KV move, draft
-        extend and the future-map store -> step_body's outputs."""
+        W] int32 (all ones where a row has none), the accept (greedy, and with
+        ``variant.sampled`` tree rejection sampling for the rows that sample, with their
+        ``coins`` [bs, N+1]), the KV move, draft extend and the future-map store ->
+        step_body's outputs."""
         w, S, N = self.w, self.S, self.N
         rows, seq, tree, loc = d.rows, d.seq, d.tree, d.loc
         B = rows.numel()
-        if processed:
+        if variant.processed:
             logits = w.process(rows, logits, None, tree.tokens, self._path(tree))
         if masks is not None:
             logits = apply_token_bitmask(logits, masks)
-        accept_index, accept_length, predict = greedy_verify(
-            tree.tokens, logits.argmax(-1), tree.first_child, tree.next_sibling, S)
-        if processed:
+        accepted = greedy_verify(tree.tokens, logits.argmax(-1), tree.first_child, tree.next_sibling, S)
+        if variant.sampled:
+            accepted = self._sampled_accept(rows, tree, logits, coins, variant.filtered, accepted)
+        accept_index, accept_length, predict = accepted
+        if variant.processed:
             w.counts.record(rows, predict, torch.where(d.valid, accept_length, 0))
-        lps = node_logprobs(logits, accept_index, predict, MAX_TOP) if logprobs else ()
+        lps = node_logprobs(logits, accept_index, predict, MAX_TOP) if variant.logprobs else ()
         self._keep_accepted_kv(loc.view(B, N), accept_index)
         fb = prepare_draft_extend(rows, seq, loc.view(B, N), accept_index,
                                   draft_extend_ids(predict), feats, N)
@@ -339,6 +356,22 @@ class EagleWorker:
             accept_lens=accept_length, hidden=fb.hidden_in))
         self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
         return (torch.cat([accept_length[:, None], predict], 1), *lps)  # [bs, S+2] int64, ...
+
+    def _sampled_accept(self, rows: torch.Tensor, tree, logits: torch.Tensor, coins: torch.Tensor,
+                        filtered: bool, greedy: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Tree rejection sampling of every row of ``rows`` [bs] on its logits [bs, N, V] with
+        the processing table's sampling parameters and ``coins`` [bs, N+1], taken where the
+        row samples; the ``greedy`` walk's (accept_index, accept_length, predict) elsewhere.
+        Both run on every row: which rows sample is on the device only."""
+        B, N, V = logits.shape
+        temperature, top_p, top_k, min_p = self.w.processing.sampling(rows)  # [B] each
+        per_node = lambda x: x[:, None].expand(B, N).reshape(-1)  # [B] -> [B*N]
+        probs = process_logits(logits.reshape(B * N, V), per_node(temperature), per_node(top_p),
+                               per_node(top_k), per_node(min_p), filtered=filtered).view(B, N, V)  # [B, N, V] float32
+        sampled = tree_sampling_verify(tree.tokens, probs, tree.first_child, tree.next_sibling,
+                                       self.S, coins[:, :N], coins[:, N])
+        hot = temperature > 0  # [B] bool
+        return tuple(torch.where(hot.view(B, *[1] * (s.dim() - 1)), s, g) for s, g in zip(sampled, greedy))
 
     @staticmethod
     def _path(tree) -> torch.Tensor:
@@ -471,7 +504,8 @@ class EagleWorker:
             probs = process_logits(logits[idx].reshape(len(hot) * N, -1),
                                    rep(plan.temperature, torch.float32), rep(plan.top_p, torch.float32),
                                    rep(plan.top_k, torch.int64),
-                                   None if plan.min_p is None else rep(plan.min_p, torch.float32)).view(len(hot), N, -1)
+                                   None if plan.min_p is None else rep(plan.min_p, torch.float32),
+                                   filtered=truncates(hot, plan.top_p, plan.top_k, plan.min_p)).view(len(hot), N, -1)
             coins = to_device(plan.coins[hot], torch.float32, dev)  # [b, N+1]: N node coins, then the final coin
             ai, al, pr = tree_sampling_verify(tree.tokens[idx], probs, tree.first_child[idx],
                                               tree.next_sibling[idx], S, coins[:, :N], coins[:, N])

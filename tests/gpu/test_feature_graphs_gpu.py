@@ -7,6 +7,7 @@ import json
 
 from test_prefill_graph_gpu import engine
 
+from actors.spec.step_graph import Variant
 from serve_app.request import SamplingParams
 
 MAX = 64
@@ -20,7 +21,7 @@ def spy_step_graph(eng) -> list:
     """Log what the step graph replays: ("whole" | "parts", variant)."""
     g, seen = eng.workers[0].eagle.step_graph, []
     run, accept = g.run, g.run_accept
-    g.run = lambda rows, variant=(False, False), bs=None: \
+    g.run = lambda rows, variant=Variant(), bs=None: \
         seen.append(("whole", variant)) or run(rows, variant, bs)
     g.run_accept = lambda raw, variant: seen.append(("parts", variant)) or accept(raw, variant)
     return seen
@@ -42,7 +43,7 @@ def test_processing_and_logprobs_replay_and_equal_eager(tokenizer, chat_prompts)
     spec = engine(tokenizer, FP32, ON)
     seen = spy_step_graph(spec)
     tree = spec.generate(chat_prompts, params)
-    assert set(seen) == {("whole", (True, True))}
+    assert set(seen) == {("whole", Variant(True, True))}
     same_or_all_but_one([r.output_ids for r in tree], [r.output_ids for r in want], "processed step graph")
     for a, b in zip(tree, want):
         if a.output_ids == b.output_ids:
@@ -61,7 +62,7 @@ def test_grammar_batches_replay_the_step_graph_parts(tokenizer, chat_prompts):
     spec = engine(tokenizer, FP32, ON)
     seen = spy_step_graph(spec)
     tree = spec.generate(chat_prompts, params)
-    assert ("parts", (True, False)) in seen and all(kind == "parts" for kind, _ in seen)
+    assert ("parts", Variant(processed=True)) in seen and all(kind == "parts" for kind, _ in seen)
     same_or_all_but_one([r.output_ids for r in tree], [r.output_ids for r in plain], "grammar parts")
     finished = [r for r in tree if r.finish_reason == "stop"]
     assert finished

@@ -16,6 +16,8 @@ import logging
 import pytest
 import torch
 
+from actors.spec.step_graph import Variant
+
 BASE = ["device=cuda", "model.dtype=float32", "attention.backend=triton",
         "kv_cache.num_slots=65536", "scheduler.max_running_requests=16", "draft.enabled=true",
         "draft.path=random", "attention.cuda_graph_batch_sizes=[1,2,4,8]"]
@@ -106,7 +108,7 @@ def test_engine_graphs_and_plan_stream_equal_eager(tokenizer, chat_prompts, shap
         assert eagle.step_graph.use_cuda_graph
         ran = []
         real_run = eagle.step_graph.run
-        eagle.step_graph.run = lambda rows, variant=(False, False), bs=None: \
+        eagle.step_graph.run = lambda rows, variant=Variant(), bs=None: \
             ran.append(len(rows)) or real_run(rows, variant, bs)
     assert generate(eng, prompts) == want
     if step_graph:

@@ -158,13 +158,76 @@ def test_sample_never_returns_zero_prob_token_random(seed):
 
 
 def test_unfiltered_rows_skip_the_sort_and_match_a_no_op_filter():
-    """top_k <= 0 and top_p >= 1 everywhere take the fast path; top_k = V goes through the
-    sort yet keeps every token: the two distributions agree."""
+    """filtered=False skips the sort; top_k = V goes through the sort yet keeps every
+    token: the two distributions agree."""
     torch.manual_seed(3)
     V = 300
     logits = torch.randn(5, V) * 3
     temperature = torch.tensor([0.7, 1.0, 1.3, 0.0, 2.0])
-    fast = process_logits(logits, temperature, torch.ones(5), torch.zeros(5, dtype=torch.int64))
+    fast = process_logits(logits, temperature, torch.ones(5), torch.zeros(5, dtype=torch.int64), filtered=False)
     slow = process_logits(logits, temperature, torch.ones(5), torch.full((5,), V, dtype=torch.int64))
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-6)
     assert torch.equal(fast[3], torch.nn.functional.one_hot(logits[3].argmax(), V).float())
+
+
+def _mixed_rows(T: int = 24, V: int = 500, seed: int = 5):
+    """Rows of every kind: greedy, plain temperature, top-k, top-p, min-p and mixes."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, V, generator=g) * 3
+    temperature = torch.rand(T, generator=g) + 0.3
+    temperature[::5] = 0.0
+    top_p = torch.rand(T, generator=g) * 0.5 + 0.5
+    top_p[::3] = 1.0
+    top_k = torch.randint(-1, 40, (T,), generator=g)
+    top_k[::4] = 0
+    min_p = torch.rand(T, generator=g) * 0.1
+    min_p[::2] = 0.0
+    return logits, temperature, top_p, top_k, min_p
+
+
+def test_a_row_is_processed_alone_whatever_else_is_in_the_batch():
+    """Each row comes back as if processed alone, bit for bit; rows that truncate nothing
+    are their softmax exactly, so the filtered flag changes nothing for them (it only lets
+    a batch without truncation skip the sort)."""
+    logits, temperature, top_p, top_k, min_p = _mixed_rows()
+    batch = process_logits(logits, temperature, top_p, top_k, min_p)
+    for i in range(logits.shape[0]):
+        alone = process_logits(logits[i:i + 1], temperature[i:i + 1], top_p[i:i + 1], top_k[i:i + 1],
+                               min_p[i:i + 1])
+        assert torch.equal(alone[0], batch[i]), f"row {i}"
+    plain = (top_k <= 0) & (top_p >= 1.0) & (min_p == 0)
+    assert 0 < int(plain.sum()) < len(plain)
+    unfiltered = process_logits(logits[plain], temperature[plain], top_p[plain], top_k[plain], None,
+                                filtered=False)
+    assert torch.equal(unfiltered, batch[plain])
+
+
+def test_sample_rows_is_argmax_for_greedy_rows_and_the_sampled_rows_alone_for_the_rest():
+    from kernels.sampling import sample_rows
+    logits, temperature, top_p, top_k, min_p = _mixed_rows()
+    coins = torch.rand(logits.shape[0], generator=torch.Generator().manual_seed(1))
+    tokens = sample_rows(logits, temperature, top_p, top_k, min_p, coins)
+    hot = temperature > 0
+    assert torch.equal(tokens[~hot], logits[~hot].argmax(-1))
+    alone = sample_from_probs(process_logits(logits[hot], temperature[hot], top_p[hot], top_k[hot],
+                                             min_p[hot]), coins[hot])
+    assert torch.equal(tokens[hot], alone)
+    assert not torch.equal(tokens[hot], logits[hot].argmax(-1))  # the coins decided some rows
+
+
+def test_sampling_reads_nothing_on_the_host():
+    """No op of the sampling reads a device value on the host (on a GPU each would wait for
+    the stream: benchmarks/step_ops.py): what the data decides is selected on the device."""
+    from benchmarks.step_ops import HostReads
+    from kernels.sampling import sample_rows
+    logits, temperature, top_p, top_k, min_p = _mixed_rows()
+    coins = torch.rand(logits.shape[0])
+    edge = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0]])  # a coin at the top of the range: the rare branch
+    reads = HostReads()
+    reads.watching = True
+    with reads:
+        sample_rows(logits, temperature, top_p, top_k, min_p, coins)
+        sample_rows(logits, temperature, torch.ones_like(top_p), torch.zeros_like(top_k), None, coins,
+                    filtered=False)
+        sample_from_probs(edge, torch.tensor([1.0 - 2**-24]))
+    assert reads.reads == []

@@ -9,6 +9,7 @@ import pytest
 from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
 from test_c22_greedy_lossless import OracleDraft
 
+from actors.spec.step_graph import Variant
 from serve_app.request import SamplingParams
 
 MAX = 20
@@ -51,7 +52,7 @@ def test_logprobs_equal_plain(tiny_llama_dir, shape, graphs, penalized, monkeypa
     spec = run(spec_engine, prompts, params, [r.output_ids for r in plain], monkeypatch)
     assert max(a for r in spec for a in r.accept_lengths) >= 3
     if graphs:
-        assert set(seen) == {(penalized, True)}
+        assert set(seen) == {Variant(penalized, True)}
     for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids
         assert len(s.token_logprobs) == len(p.token_logprobs) == MAX

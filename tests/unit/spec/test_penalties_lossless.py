@@ -14,6 +14,7 @@ import torch
 from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
 from test_c22_greedy_lossless import OracleDraft
 
+from actors.spec.step_graph import Variant
 from kernels.penalties import Processing, _penalize, apply_processing
 from kernels.spec_tree import build_tree
 from serve_app.request import SamplingParams
@@ -103,11 +104,11 @@ GRAPH_SIZES = [1, 2, 4, 8]
 WORDS = [[9, 10], [12], [3, 4, 5]]  # bad words the tiny model's answers come near
 
 
-def spy_variants(eagle) -> list[tuple[bool, bool]]:
+def spy_variants(eagle) -> list[Variant]:
     """Log the variant of each step-graph run."""
     seen, run = [], eagle.step_graph.run
 
-    def spy(rows, variant=(False, False), bs=None):
+    def spy(rows, variant=Variant(), bs=None):
         seen.append(variant)
         return run(rows, variant, bs)
 
@@ -150,7 +151,7 @@ def test_processing_on_the_graph_paths_equals_eager_plain(tiny_llama_dir, shape,
     w.eagle.capture_graphs(GRAPH_SIZES)
     seen = spy_variants(w.eagle)
     speculate_and_compare(eng, prompts, plist, plain, "oracle", monkeypatch)
-    assert set(seen) == {(True, False)}
+    assert set(seen) == {Variant(processed=True)}
 
 
 @pytest.mark.parametrize("shape", [None, TREE], ids=["plain", "tree"])
@@ -217,17 +218,24 @@ class TopTwoDraft:
         drafts, parents = [], []
         for row in batch.req_pool_indices.tolist():
             t1 = int(self.eagle.w.future.bonus[row])
+            if (t1,) not in self.top2:  # a graph's padded lane (row 0)
+                drafts.append([0] * (self.eagle.N - 1))
+                parents.append([0] * (self.eagle.N - 1))
+                continue
             a, b = self.top2[(t1,)]
             drafts.append([a, b, *self.top2[(t1, a)], *self.top2[(t1, b)], 0][:self.eagle.N - 1])
             parents.append([0, 0, 1, 1, 2, 2, 3][:self.eagle.N - 1])
         return torch.tensor(drafts, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64)
 
 
-def test_sampled_tree_with_penalties_keeps_the_target_distribution(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "step_graph"])
+def test_sampled_tree_with_penalties_keeps_the_target_distribution(tiny_llama_dir, graphs, monkeypatch):
     """C23 with processing: the first three sampled tokens of 800 seeded requests through
     the tree (t2 and t3 accepted in one iteration) follow the plain processed distribution
     P(t1) P(t2 | t1) P(t3 | t1, t2), each factor computed from the target's logits with the
-    counts of the outputs before it (chi-square over the 8 outcomes)."""
+    counts of the outputs before it (chi-square over the 8 outcomes). With `graphs`, each
+    iteration replays the step graph's sampled variant (CPU: its eager stand-in), the
+    sampling parameters read by row from the processing table."""
     from scipy.stats import chisquare
     from transformers import LlamaForCausalLM
 
@@ -264,7 +272,12 @@ def test_sampled_tree_with_penalties_keeps_the_target_distribution(tiny_llama_di
     assert len(expected) == 8 and min(expected.values()) > 0.01
     eng = tiny_engine(tiny_llama_dir, *TREE)
     eagle = eng.workers[0].eagle
-    monkeypatch.setattr(eagle, "_draft", TopTwoDraft(eagle, top2))
+    draft = TopTwoDraft(eagle, top2)
+    monkeypatch.setattr(eagle, "_draft", draft)
+    if graphs:
+        eagle.capture_graphs(GRAPH_SIZES)
+        monkeypatch.setattr(eagle, "draft_body", draft)  # what the step graph's body calls
+        variants = spy_variants(eagle)
     trials = 800
     reqs = eng.generate([prompt] * trials, [
         SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, top_k=2, seed=s, **pen)
@@ -274,6 +287,8 @@ def test_sampled_tree_with_penalties_keeps_the_target_distribution(tiny_llama_di
         assert tuple(r.output_ids) in seen, r.output_ids  # only ids the processing allows
         seen[tuple(r.output_ids)] += 1
     assert all(r.accept_lengths[0] == 3 for r in reqs)  # t2 and t3 from one tree
+    if graphs:
+        assert set(variants) == {Variant(processed=True, sampled=True, filtered=True)}
     keys = sorted(expected)
     total = sum(expected.values())
     p = chisquare([seen[k] for k in keys], [trials * expected[k] / total for k in keys]).pvalue

@@ -5,8 +5,7 @@ buffers, so these tests drive the very padding path of a CUDA replay (C04-C08): 
 speculative output with runners equals the eager output token for token, at raw batch
 sizes that need padding (3, 5) and one that does not (4). A recording plan stream checks
 the C17 order around verify and draft extend inside the real iteration. The step graph
-(one graph per greedy iteration) is checked the same way, and sampled batches in its
-presence take the per-phase runners.
+(one graph per iteration) is checked the same way, sampled batches too.
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from graph_fakes import FakeEvent, FakeStream, without_event_names
 from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
 
 from actors.cuda_graph_runner import GraphRunner
+from actors.spec.step_graph import Variant
 
 SIZES = [1, 2, 4, 8]
 MAX_TOKENS = 12
@@ -42,7 +42,7 @@ def spy_step_graph(eagle) -> list[tuple[int, int]]:
     seen = []
     g = eagle.step_graph
 
-    def run(rows, variant=(False, False), bs=None):
+    def run(rows, variant=Variant(), bs=None):
         seen.append((len(rows), g.pad_size(len(rows)) if bs is None else bs))
         return StepGraph.run(g, rows, variant, bs)
 
@@ -124,7 +124,7 @@ def test_iteration_prepares_verify_and_draft_extend_on_plan_stream(tiny_llama_di
 
 
 # ----------------------------------------------------------------------- step graph
-@pytest.mark.parametrize("variant,parts", [((False, False), False), ((True, True), False), ((True, True), True)],
+@pytest.mark.parametrize("variant,parts", [(Variant(), False), (Variant(True, True), False), (Variant(True, True), True)],
                          ids=["greedy", "processed_logprobs", "parts"])
 def test_step_graph_padded_lanes_touch_only_reserved_row_and_slot(tiny_llama_dir, variant, parts):
     """Padded lanes read and write row 0 and slot 0 only: after real requests ran, an
@@ -148,15 +148,18 @@ def test_step_graph_padded_lanes_touch_only_reserved_row_and_slot(tiny_llama_dir
     rows = torch.full((4,), -1, dtype=torch.int64)
     if parts:
         d = eagle.step_draft(rows)
-        out = eagle.step_accept(d, *eagle.step_verify(d), eagle.step_graph.masks[:4], *variant)
+        out = eagle.step_accept(d, *eagle.step_verify(d), eagle.step_graph.masks[:4], variant)
     else:
-        out = eagle.step_body(rows, *variant)
-    assert out[0].shape == (4, eagle.S + 2) and len(out) == (4 if variant[1] else 1)
+        out = eagle.step_body(rows, variant)
+    assert out[0].shape == (4, eagle.S + 2) and len(out) == (4 if variant.logprobs else 1)
     for old, new in zip(before + counted, state() + counts()):
         assert torch.equal(old, new)
 
 
-def test_sampled_batches_take_the_per_phase_runners(tiny_llama_dir):
+@pytest.mark.parametrize("feature_graphs", [False, True])
+def test_sampled_batches_take_the_sampled_step_graph(tiny_llama_dir, feature_graphs):
+    """With attention.feature_graphs a sampled batch replays the step graph (its sampled
+    variant); without, the per-phase runners. Both give the eager output."""
     from serve_app.request import SamplingParams
     prompts = random_prompts(3, seed=13)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=5)
@@ -165,10 +168,13 @@ def test_sampled_batches_take_the_per_phase_runners(tiny_llama_dir):
         return [r.output_ids for r in eng.generate(prompts, params)]
 
     want = sampled(tiny_engine(tiny_llama_dir, *TREE))
-    eng = tiny_engine(tiny_llama_dir, *TREE)
+    eng = tiny_engine(tiny_llama_dir, *TREE, f"attention.feature_graphs={str(feature_graphs).lower()}")
     eagle = eng.workers[0].eagle
     eagle.capture_graphs(SIZES)
     steps, phases = spy_step_graph(eagle), spy_replays(eagle)
     assert sampled(eng) == want
-    assert steps == [] and {k for k, _, _ in phases} == {"target_verify", "draft_decode",
-                                                         "draft_extend"}
+    if feature_graphs:
+        assert (3, 4) in steps and phases == []
+    else:
+        assert steps == [] and {k for k, _, _ in phases} == {"target_verify", "draft_decode",
+                                                             "draft_extend"}
