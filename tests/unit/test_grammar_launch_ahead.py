@@ -5,9 +5,10 @@ step order, by the matcher the row held at launch; the outputs then equal the in
 engine's (LLMEngine.generate: finish(launch(plan)), one step at a time) token for token,
 plain and tree, greedy and seeded-sampled, with rows without a grammar beside them, rows
 that finished at N still in plan N+1, an abort whose row a new grammar request takes in
-N+1, and preemptions; the same through the step channel, whose launch / finish order
-shows the overlap. The target is the random Llama with SmolLM2's vocabulary
-(conftest.py grammar_model)."""
+N+1, preemptions, and long accepts beside rejected drafts (an oracle draft); the same
+through the step channel, whose launch / finish order shows the overlap. The target is
+the random Llama with SmolLM2's vocabulary (conftest.py grammar_model), and SmolLM2
+itself through the channel, whose JSON answers end and parse."""
 from __future__ import annotations
 
 import asyncio
@@ -175,6 +176,34 @@ def test_grammar_steps_launched_ahead_equal_one_at_a_time(grammar_model, tokeniz
     _check_ended(reqs + late, tokenizer, compiled)
     assert ahead.grammar_ahead > 10 and ahead.finished_rows_ahead > 0
     assert "terminated" not in capfd.readouterr().err  # no xgrammar warning about late tokens
+
+
+@pytest.mark.parametrize("shape", ["tree", "tree-graphs"])
+def test_long_accepts_launched_ahead_equal_plain(grammar_model, tokenizer, compiled, shape, monkeypatch):
+    """An oracle draft (the plain answers among decoys: tests/unit/spec/test_c22): several
+    tokens accepted per step and the decoys beside them rejected, each step's accepted
+    tokens settled into the matchers at once, before the next step's tree walk."""
+    from test_c22_greedy_lossless import OracleDraft
+    prompts = random_prompts(6, vocab=len(tokenizer), seed=7)
+    params = [SamplingParams(**{**_params(compiled, i), "temperature": 0.0}) for i in range(len(prompts))]
+    plain = [r.output_ids for r in _engine(grammar_model, tokenizer, "plain").generate(prompts, params)]
+    eng = _engine(grammar_model, tokenizer, shape)
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    eng.step()  # the first prefill: rows are assigned now
+    eagle = eng.workers[0].eagle
+    refs = {0: [], **{r.row: r.prompt_ids + ref for r, ref in zip(reqs, plain)}}  # 0: padded lanes
+    oracle = OracleDraft(eagle, refs, len(tokenizer))
+    monkeypatch.setattr(eagle, "_draft", oracle)
+    monkeypatch.setattr(eagle, "draft_body", oracle)  # what the step graph's draft part calls
+    parts = []  # greedy grammar batches on the step graph: its three parts (_run_parts)
+    if eagle.step_graph is not None:
+        accept = eagle.step_graph.run_accept
+        monkeypatch.setattr(eagle.step_graph, "run_accept", lambda *a: parts.append(a) or accept(*a))
+    ahead = Ahead(eng)
+    ahead.run()
+    assert [r.output_ids for r in reqs] == plain
+    assert bool(parts) == (shape == "tree-graphs")
+    assert max(a for r in reqs for a in r.accept_lengths) >= 3 and ahead.grammar_ahead > 5
 
 
 @pytest.mark.parametrize("shape", ["plain", "tree"])
