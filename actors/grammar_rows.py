@@ -13,15 +13,20 @@ Rows without a matcher are unconstrained. A matcher that has terminated (its sto
 accepted) masks nothing: the scheduler ends that request on the token, and a plan sent
 before it learnt so may still hold the row.
 
-The host work of a step is kept off the device's path: a step's emitted tokens are
-accepted by the matchers only when the next step needs their masks, after that step's
-forward is queued (so on the GPU it runs beside the forward, not between steps); masks
-are filled into one pinned buffer (all matchers at once, BatchGrammarMatcher) and go up
-in one copy that does not wait for the device.
+The host work of a step is kept off the device's path. Step N+1 is launched before step
+N has finished (actors/step_channel.py), grammar rows or not: the rank hands each launched
+step here (`launched`), and its emitted tokens are accepted by the matchers only when a
+later step needs masks, after that step's forward is queued (so on the GPU the wait for
+N's tokens and the matchers' work run beside N+1's forward, not between steps), or when
+N finishes, whichever comes first (`settle`): once each, in launch order. Masks are
+filled into one pinned buffer (all matchers at once, BatchGrammarMatcher) and go up in
+one copy that does not wait for the device.
 """
 from __future__ import annotations
 
 import logging
+from collections import deque
+from typing import Protocol
 
 import torch
 
@@ -33,15 +38,36 @@ def _xgrammar():
     return xgrammar
 
 
+class Launched(Protocol):
+    """A launched step as the matchers need it (actors/launched_step.py LaunchedStep)."""
+
+    def tokens(self) -> list[list[int]]:
+        """Each plan row's emitted tokens, waiting for the device the first time."""
+
+
+def _accept(m, tokens) -> bool:
+    """Feed `tokens` to matcher `m`, up to its end: tokens after its stop token are not
+    offered (a row planned before the scheduler learnt that its request ended, or one
+    that ignores EOS, emits them; xgrammar would refuse each with a warning). False: it
+    rejected one."""
+    for t in tokens:
+        if m.is_terminated():
+            return True
+        if not m.accept_token(int(t)):
+            return False
+    return True
+
+
 class GrammarRows:
     def __init__(self, threads: int = 1):
         self.info = None  # xgrammar.TokenizerInfo, from the first plan that carries it
         self.threads = threads
         self._batch = None  # xgrammar.BatchGrammarMatcher
         self.matchers: dict[int, object] = {}  # row -> xgrammar.GrammarMatcher
-        # Tokens emitted and not yet accepted: (row, its matcher then, tokens), oldest first.
-        # Keyed by the matcher object, so a row reset meanwhile does not take them.
-        self._pending: list[tuple[int, object, list[int]]] = []
+        # Launched steps whose tokens the matchers have not accepted yet, oldest first, each
+        # with (plan position, row, matcher) of its grammar rows at launch. Held by matcher,
+        # not by row: a later plan may reset the row for another request before they settle.
+        self._unsettled: deque[tuple[Launched, list[tuple[int, int, object]]]] = deque()
         self._host: torch.Tensor | None = None  # [L, W] int32 pinned on a GPU rank, grown as needed
         self._uploaded = None  # torch.cuda.Event after the last copy out of _host
 
@@ -58,35 +84,43 @@ class GrammarRows:
             raise RuntimeError("a grammar arrived before the grammar vocabulary")
         xgr = _xgrammar()
         m = xgr.GrammarMatcher(xgr.CompiledGrammar.deserialize_json(compiled, self.info))
-        for t in tokens:
-            if not m.accept_token(int(t)):
-                raise RuntimeError(f"row {row}: the grammar rejects its own earlier token {int(t)}")
+        if not _accept(m, tokens):
+            raise RuntimeError(f"row {row}: the grammar rejects its own earlier tokens")
         self.matchers[row] = m
 
     def any(self, rows: list[int]) -> bool:
         return bool(self.matchers) and any(r in self.matchers for r in rows)
 
-    def advance(self, rows: list[int], emitted: list[list[int]]) -> None:
-        """The tokens each row emitted this step, in order: accepted before the next masks."""
+    def launched(self, step: Launched, rows: list[int]) -> None:
+        """`step` was launched for `rows` (after its plan's resets): the matchers those rows
+        hold now are to accept its tokens (settle)."""
         if self.matchers:
-            self._pending += [(row, self.matchers[row], toks) for row, toks in zip(rows, emitted)
-                              if toks and row in self.matchers]
+            held = [(i, row, self.matchers[row]) for i, row in enumerate(rows) if row in self.matchers]
+            if held:
+                self._unsettled.append((step, held))
 
-    def _accept_pending(self) -> None:
-        for row, m, toks in self._pending:
-            for t in toks:
-                if m.is_terminated():
-                    break
-                if not m.accept_token(t):
-                    log.error("row %d: the grammar rejected emitted token %d; unconstrained from here", row, t)
+    def settle(self, through: Launched | None = None) -> None:
+        """Accept the tokens of launched steps not settled yet, oldest first (waiting for the
+        device where they are not back yet): all of them (a step about to fill its masks,
+        which is not among them yet), or those up to `through` (a step that finished;
+        nothing when it has settled already)."""
+        if through is not None and all(step is not through for step, _ in self._unsettled):
+            return
+        while self._unsettled:
+            step, held = self._unsettled.popleft()
+            tokens = step.tokens()
+            for i, row, m in held:
+                if not _accept(m, tokens[i]):
+                    log.error("row %d: the grammar rejected an emitted token; unconstrained from here", row)
                     if self.matchers.get(row) is m:
                         del self.matchers[row]
-                    break
-        self._pending = []
+            if step is through:
+                return
 
     def _live(self, rows: list[int]) -> list[tuple[int, object]]:
-        """(position in rows, matcher) of the rows whose grammar still constrains them."""
-        self._accept_pending()
+        """(position in rows, matcher) of the rows whose grammar still constrains them, after
+        every step launched before has been settled."""
+        self.settle()
         live = [(i, self.matchers.get(row)) for i, row in enumerate(rows)]
         return [(i, m) for i, m in live if m is not None and not m.is_terminated()]
 
@@ -94,7 +128,9 @@ class GrammarRows:
         """[rows, W] int32 host buffer, all ones (every id allowed), free to write: the copy
         out of it that an earlier step queued has run."""
         if self._uploaded is not None:
-            self._uploaded.synchronize()  # long done: a grammar step starts after the one before ended
+            # Done by now: the step that queued it has finished, or settled (its tokens
+            # came down behind it) before these masks.
+            self._uploaded.synchronize()
         W = _xgrammar().get_bitmask_shape(1, self.info.vocab_size)[1]
         if self._host is None or self._host.shape[0] < rows:
             self._host = torch.empty((rows, W), dtype=torch.int32, pin_memory=device.type == "cuda")
@@ -160,7 +196,7 @@ class GrammarRows:
         if copied is None:
             return None
         rows, N, host, done, device = copied
-        live = self._live(rows)  # the last step's tokens accepted while the draft ran
+        live = self._live(rows)  # the steps before accepted while the draft and verify run
         lanes = lanes or len(rows)
         masks = self._buffer(lanes * N, device).view(lanes, N, -1)  # int32
         if done is not None:

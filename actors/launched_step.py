@@ -7,7 +7,7 @@ launches the next plan behind it and calls RankWorker.finish when the tokens are
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,10 +59,19 @@ class LaunchedStep:
     prompt_logprobs: list | None
     launch_s: float  # host seconds spent queueing it
     start: "torch.cuda.Event | None" = None  # recorded before its first device op
+    _tokens: list[list[int]] | None = field(default=None, repr=False)
 
     def ready(self) -> bool:
         """Its tokens are on the host: `finish` will not block."""
         return self.emitted is None or self.emitted.copy.ready()
+
+    def tokens(self) -> list[list[int]]:
+        """Each request's emitted tokens, in plan order (a step that ran), waiting for the
+        device the first time: the next step's grammar masks may need them before
+        `finish` does."""
+        if self._tokens is None:
+            self._tokens = self.emitted.lists(self.emitted.copy.wait())
+        return self._tokens
 
 
 def timing_event(device: torch.device) -> "torch.cuda.Event | None":

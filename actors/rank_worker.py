@@ -278,16 +278,12 @@ class RankWorker:
         next step before it finishes this one)."""
         return self.finish(self.launch(plan))
 
-    def needs_previous_tokens(self, plan: StepPlan) -> bool:
-        """Whether `plan` reads host state that the previous step's tokens update: the
-        grammar matchers of its rows, which advance on the host. Such a plan is launched
-        only after every earlier step has finished."""
-        return bool(plan.grammar_resets) or self.grammars.any(plan.rows)
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Queue the step's work on the device without waiting for it (nor for the steps
-        queued before it): its tokens come back through `finish`."""
+        queued before it): its tokens come back through `finish`. A step with grammar rows
+        waits for the steps before it only where its masks are made (GrammarRows.settle),
+        after the work that does not need them is queued."""
         t0 = time.perf_counter()
         start = timing_event(self.device)
         if plan.kv_writes:
@@ -309,7 +305,9 @@ class RankWorker:
             emitted = self.eagle.decode(plan)
         else:
             emitted = self._decode(plan)
-        return LaunchedStep(plan, emitted, self.last_prompt_logprobs, time.perf_counter() - t0, start)
+        step = LaunchedStep(plan, emitted, self.last_prompt_logprobs, time.perf_counter() - t0, start)
+        self.grammars.launched(step, plan.rows)
+        return step
 
     @torch.inference_mode()
     def finish(self, step: LaunchedStep) -> StepOutput:
@@ -318,10 +316,9 @@ class RankWorker:
         if step.emitted is None:
             return StepOutput(plan.step_id, [[] for _ in plan.rows])
         t0 = time.perf_counter()
-        host = step.emitted.copy.wait()
-        tokens = step.emitted.lists(host)
-        logprobs = step.emitted.logprobs(host, tokens) if step.emitted.logprobs is not None else None
-        self.grammars.advance(plan.rows, tokens)
+        tokens, emitted = step.tokens(), step.emitted
+        logprobs = emitted.logprobs(emitted.copy.wait(), tokens) if emitted.logprobs is not None else None
+        self.grammars.settle(step)  # unless the next step's masks did already
         timings = {plan.mode: step.launch_s + time.perf_counter() - t0}
         end = step.emitted.copy.event
         if self._last_end is not None and step.start is not None:

@@ -5,9 +5,11 @@ Graph 0.25-0.4 ms, this channel 0.17-0.19 ms on the development machine:
 benchmarks/channel_bench.py), and its deserialization and bookkeeping ran on the actor's
 thread between GPU steps. Here the engine core writes each plan to a socket as soon as
 it is scheduled (step N+1 while N runs), and the actor's channel thread launches it on
-the device behind step N before N has finished (RankWorker.launch: nothing in a plain or greedy speculative step waits for
-the device), so the GPU goes from one step to the next without waiting for the host to
-read N's tokens, send them, and read and prepare N+1. Each output goes back as one small
+the device behind step N before N has finished (RankWorker.launch: nothing in a plain or
+greedy speculative step waits for the device; a step with grammar rows waits for N's
+tokens only where it makes its masks, with its forward queued: actors/grammar_rows.py),
+so the GPU goes from one step to the next without waiting for the host to read N's
+tokens, send them, and read and prepare N+1. Each output goes back as one small
 frame as soon as the device has produced it. A dead actor closes the connection, which
 the engine sees at once.
 
@@ -73,8 +75,6 @@ class StepRunner(Protocol):
 
     def finish(self, launched: Any) -> StepOutput: ...
 
-    def needs_previous_tokens(self, plan: StepPlan) -> bool: ...
-
 
 class _Finished:
     def __init__(self, out: StepOutput):
@@ -96,9 +96,6 @@ class RunEach:
 
     def finish(self, launched: _Finished) -> StepOutput:
         return launched.out
-
-    def needs_previous_tokens(self, plan: StepPlan) -> bool:
-        return False
 
 
 class StepServer:
@@ -192,9 +189,6 @@ class StepServer:
                 plan, timings = self._read_plan(conn, idle=not launched)
                 if plan is None:
                     return  # the engine closed the channel
-                if launched and self.runner.needs_previous_tokens(plan):
-                    while launched:
-                        self._answer(conn, *launched.popleft())
                 try:
                     step = self.runner.launch(plan)
                 except Exception as e:

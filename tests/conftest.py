@@ -132,6 +132,25 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def grammar_model(tmp_path_factory, tokenizer) -> str:
+    """A small random Llama with SmolLM2's vocabulary and tokenizer, for structured outputs
+    (the grammar engine needs a real tokenizer; a random model shows the grammar, not the
+    model, shapes the output). A wide init, so greedy ties are rare."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
+                      initializer_range=0.3, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("grammar_model")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A random 1-layer Llama (hidden 32) with SmolLM2's vocabulary and tokenizer
     (benchmarks/http_bench.py), for tests about plumbing rather than the model: it loads

@@ -140,3 +140,32 @@ def seed_scenario_with_graphs(rank: int):
     graphs = stand_in_graphs(rank)
     seed = seed_scenario(rank)
     return lambda: {**seed(), **graphs()}
+
+
+def late_ready(rank: int):
+    """A GPU's timing on the CPU, where a step has run when `launch` returns: a launched
+    step says it is ready only 30 ms after its launch, so the step channel launches the
+    next plan first. Reports the plans with grammar rows that were launched before the
+    step ahead of them had finished."""
+    import time
+
+    from actors.dp.lockstep_worker import LockstepWorker
+    from actors.launched_step import LaunchedStep
+    launch, finish, ready = LockstepWorker.launch, LockstepWorker.finish, LaunchedStep.ready
+    unfinished, ahead = [], [0]  # steps launched and not finished, in launch order
+
+    def launching(self, plan):
+        grammar = bool(plan.grammar_resets) or self.worker.grammars.any(plan.rows)
+        ahead[0] += grammar and bool(unfinished)
+        step = launch(self, plan)
+        step.ready_at = time.monotonic() + 0.03
+        unfinished.append(step)
+        return step
+
+    def finishing(self, step):
+        unfinished.remove(step)
+        return finish(self, step)
+
+    LockstepWorker.launch, LockstepWorker.finish = launching, finishing
+    LaunchedStep.ready = lambda self: time.monotonic() >= self.ready_at and ready(self)
+    return lambda: {"grammar_ahead": ahead[0]}

@@ -99,7 +99,9 @@ class LockstepWorker:
         return make_sync_row(B, B, graph, False, ForwardMode.DECODE)
 
     # The step channel's StepRunner: every rank launches the same steps in the same order,
-    # so the collectives inside `launch` pair; `finish` only waits for the tokens.
+    # so the collectives inside `launch` pair; `finish` only waits for the tokens. A rank
+    # with grammar rows waits inside `launch` for its step before (GrammarRows.settle),
+    # whose collectives every rank issued before this step's: no rank waits on it.
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
         if plan.prompt_logprobs is not None:
@@ -120,9 +122,6 @@ class LockstepWorker:
 
     def finish(self, step: LaunchedStep) -> StepOutput:
         return self.worker.finish(step)
-
-    def needs_previous_tokens(self, plan: StepPlan) -> bool:
-        return self.worker.needs_previous_tokens(plan)
 
     def _run_idle_phases(self) -> None:
         while self.dp.pending and self.dp.pending[0].own_tokens == 0:

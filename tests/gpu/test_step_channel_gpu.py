@@ -3,8 +3,12 @@ and the step graph runs its steps on the step channel's own thread (as in a Rank
 driven by an EngineCore over a real socket with two steps in flight, each launched on the
 GPU behind the one running (RankWorker.launch), and must give exactly what the same
 worker gives in-process, one step at a time (same batches, same graphs; greedy, and mixed
-with seeded sampling and logprobs, whose paths copy to the host inside a step)."""
+with seeded sampling and logprobs, whose paths copy to the host inside a step). With
+grammar rows (structured outputs) beside free ones, the grammar plans are launched behind
+the running step too, their masks made from its tokens once they are back
+(actors/grammar_rows.py), and the JSON answers parse."""
 import asyncio
+import json
 
 import pytest
 
@@ -58,3 +62,88 @@ def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, sp
     per = lambda phase: 1000 * stats["step_seconds"][phase] / max(1, steps["pipelined"])
     print(f"{'tree' if spec else 'plain'}{' mixed' if mixed else ''}: {steps}, worker idle "
           f"{per('wait'):.3f} ms, GPU idle {per('gpu_idle'):.3f} ms per pipelined step")
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "n": {"type": "integer"}}, "required": ["name", "n"]}
+ASK = ["Describe a pet as JSON with its name and age n.", "Reply in JSON: a short name and a number n.",
+       "Give me a user record as JSON.", "Name a fruit and how many you want, in JSON.",
+       "Pick a city and its population n as JSON.", "Say hello.", "What is 2+3? Answer as JSON.",
+       "Name a colour."]
+
+
+def _grammar_params(grammar: str, i: int) -> dict:
+    """JSON rows greedy and sampled, ending by the grammar or cut by length, beside free rows."""
+    kinds = [dict(grammar=grammar), dict(), dict(grammar=grammar, temperature=0.8, seed=100 + i),
+             dict(grammar=grammar, max_tokens=9), dict(temperature=0.8, seed=100 + i)]
+    return {"max_tokens": 48, **kinds[i % len(kinds)]}
+
+
+# Plain decode masks after its graph; a tree batch with a grammar replays the step graph in
+# its three parts when greedy, and takes the per-phase path when mixed.
+@pytest.mark.parametrize("spec,mixed", [([], True), (TREE, False), (TREE, True)],
+                         ids=["plain-mixed", "tree-greedy", "tree-mixed"])
+def test_grammar_plans_launch_ahead_as_in_process(tokenizer, spec, mixed):
+    import torch
+
+    from actors.grammar_rows import GrammarRows
+    from actors.rank_worker import RankWorker
+    from configs.schema import load_config
+    from kestrel_testing import LocalEngine
+    from serve_app.grammar import GrammarCompiler
+    from serve_app.llm_engine import LLMEngine
+    from serve_app.request import SamplingParams
+    from serve_app.tokenizer import apply_chat_template
+
+    cfg = load_config(overrides=H200 + (spec or ["draft.enabled=false"]))
+    worker = RankWorker(cfg)
+    grammar = GrammarCompiler(tokenizer).compile(("json_schema", json.dumps(SCHEMA)))
+    prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in ASK]
+    params = [_grammar_params(grammar, i) for i in range(len(prompts))]
+    if not mixed:
+        params = [{**p, "temperature": 0.0} for p in params]
+    ref = LLMEngine(cfg, tokenizer=tokenizer, workers=[worker])
+    want = ref.generate(prompts, [SamplingParams(**p) for p in params])
+    ended = [r for r in want if r.params.grammar is not None and r.finish_reason == "stop"]
+    assert ended
+    for r in ended:
+        value = json.loads(tokenizer.decode(r.output_ids[:-1]))
+        assert set(value) == {"name", "n"} and isinstance(value["n"], int)
+    worker.grammars = GrammarRows(cfg.processing.grammar_threads)  # none left from the reference
+    calls = []  # ("launch", step id, grammar rows) / ("finish", step id), on the channel thread
+    launch, finish = worker.launch, worker.finish
+
+    def launch_recorded(plan):
+        calls.append(("launch", plan.step_id, bool(plan.grammar_resets) or worker.grammars.any(plan.rows)))
+        return launch(plan)
+
+    def finish_recorded(step):
+        calls.append(("finish", step.plan.step_id, None))
+        return finish(step)
+
+    worker.launch, worker.finish = launch_recorded, finish_recorded
+
+    async def run():
+        index = torch.cuda.current_device()
+        eng = await LocalEngine.start(cfg, worker.info(), worker, tokenizer,
+                                      on_start=lambda: torch.cuda.set_device(index))
+        streams = [eng.client.add_request(p, params[i], f"j{i}") for i, p in enumerate(prompts)]
+
+        async def ids(stream):
+            return [t async for out in stream for t in out.new_token_ids]
+        got = await asyncio.gather(*(ids(s) for s in streams))
+        stats = await eng.client.stats()
+        await eng.stop()
+        return got, stats
+
+    got, stats = asyncio.run(run())
+    assert got == [r.output_ids for r in want]
+    at = {(kind, step): i for i, (kind, step, _) in enumerate(calls)}
+    grammar_steps = [step for kind, step, g in calls if kind == "launch" and g]
+    ahead = [s for s in grammar_steps if at["launch", s] < at.get(("finish", s - 1), -1)]
+    assert ahead, calls  # some grammar plan went on the GPU before the step ahead of it ended
+    steps = stats["steps"]
+    per = lambda phase: 1000 * stats["step_seconds"][phase] / max(1, steps["pipelined"])
+    print(f"{'tree' if spec else 'plain'}{' mixed' if mixed else ''} grammar: {len(ahead)}/"
+          f"{len(grammar_steps)} grammar plans launched ahead, {steps}, GPU idle "
+          f"{per('gpu_idle'):.3f} ms per pipelined step")

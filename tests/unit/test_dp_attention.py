@@ -27,7 +27,7 @@ from dp_scenario import (EXTEND, FIRST, FIRST_TOKENS, IDLE, LENGTHS, SHAPES, VER
 from local_dp_engine import LocalDPEngine, collect
 from serve_app.request import SamplingParams
 from serve_app.request_stream import StreamFailed
-from spec_helpers import tiny_config, tiny_engine
+from spec_helpers import random_prompts, tiny_config, tiny_engine
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -332,6 +332,39 @@ def test_step_phases_of_a_mixed_step():
     assert [(p.name, p.tokens) for p in step_phases(plain, 1, None)] == [("target", 5)]
     with pytest.raises(ValueError, match="whole number"):
         step_phases(DPSyncResult([5], [5], False, False, 5, [ForwardMode.TARGET_VERIFY]), 0, draft)
+
+
+@pytest.mark.parametrize("shape", ["plain", "tree"])
+def test_grammar_rows_launched_ahead_on_lockstep_ranks(loop, grammar_model, tokenizer, shape):
+    """Structured outputs under dp_attention, each rank's grammar plans launched before its
+    step ahead finished (tests/dp_rank_hooks.py late_ready): a rank's masks wait inside
+    `launch` for its own step before, whose collectives every rank has issued, so nothing
+    hangs; the group's greedy tokens equal one plain rank's, grammar rows beside free ones."""
+    import json
+
+    from serve_app.grammar import GrammarCompiler
+    from serve_app.llm_engine import LLMEngine
+    c = GrammarCompiler(tokenizer)
+    grammars = [c.compile(("json_schema", json.dumps({"type": "object"}))), None,
+                c.compile(("regex", "[a-z]{2,6}(-[0-9]{2})?")), c.compile(("choice", '["alpha", "beta"]'))]
+    prompts = random_prompts(8, vocab=len(tokenizer), seed=8)
+    params = [dict(max_tokens=8 + 3 * i, grammar=grammars[i % len(grammars)]) for i in range(len(prompts))]
+    one = LLMEngine(tiny_config(grammar_model, spec=False), tokenizer=tokenizer)
+    want = [r.output_ids for r in one.generate(prompts, [SamplingParams(**p) for p in params])]
+    cfg = tiny_config(grammar_model, *SHAPES[shape], "parallel.dp_size=2", "parallel.dp_attention=true",
+                      spec=shape != "plain")
+
+    async def run():
+        eng = await LocalDPEngine.start(cfg, tokenizer=tokenizer, hook=dp_rank_hooks.late_ready)
+        try:
+            got = await eng.run(prompts, params)
+        finally:
+            reports = await eng.stop()
+        return [tokens for tokens, _ in got], reports
+
+    got, reports = loop(run())
+    assert got == want
+    assert all(r["grammar_ahead"] > 0 for r in reports), reports
 
 
 def test_smollm2_on_two_ranks_equals_one_rank(loop, chat_prompts, plain_chat_outputs):

@@ -4,9 +4,9 @@ output equals greedy plain output under the same grammar, token for token, on ch
 tree shapes, with the random head and with an oracle draft (long accepts, so masks deep
 in the tree decide), and every output the grammar lets end is one it accepts.
 
-The target is a small random Llama with SmolLM2's vocabulary and tokenizer (wide init,
-so greedy ties are rare): the grammar engine needs a real tokenizer, and a random model
-shows the grammar, not the model, shapes the output."""
+The target is a small random Llama with SmolLM2's vocabulary and tokenizer (conftest.py
+grammar_model): the grammar engine needs a real tokenizer, and a random model shows the
+grammar, not the model, shapes the output."""
 from __future__ import annotations
 
 import json
@@ -28,22 +28,6 @@ REGEX = r"[a-z]{2,6}(-[0-9]{2})?"
 CHOICES = ["alpha", "beta gamma", "delta"]
 SPECS = {"json_schema": ("json_schema", json.dumps(SCHEMA)), "json_object": ("json_object", ""),
          "regex": ("regex", REGEX), "choice": ("choice", json.dumps(CHOICES))}
-
-
-@pytest.fixture(scope="module")
-def grammar_model(tmp_path_factory, tokenizer) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, tie_word_embeddings=True,
-                      initializer_range=0.3, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id)
-    path = tmp_path_factory.mktemp("grammar_model")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
