@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -63,6 +64,7 @@ class GrammarRows:
         self.info = None  # xgrammar.TokenizerInfo, from the first plan that carries it
         self.threads = threads
         self._batch = None  # xgrammar.BatchGrammarMatcher
+        self._pool: ThreadPoolExecutor | None = None  # the tree walks' threads, with threads > 1
         self.matchers: dict[int, object] = {}  # row -> xgrammar.GrammarMatcher
         # Launched steps whose tokens the matchers have not accepted yet, oldest first, each
         # with (plan position, row, matcher) of its grammar rows at launch. Held by matcher,
@@ -201,8 +203,17 @@ class GrammarRows:
         masks = self._buffer(lanes * N, device).view(lanes, N, -1)  # int32
         if done is not None:
             done.synchronize()
-        for i, m in live:
-            m.traverse_draft_tree(host[1, i], host[2, i], host[0, i], masks[i])
+        walk = lambda i, m: m.traverse_draft_tree(host[1, i], host[2, i], host[0, i], masks[i])
+        if self.threads > 1 and len(live) > 1:
+            # xgrammar's walk releases the GIL: rows split over threads walk in parallel
+            # (64 trees of 8 nodes, regex: 1.85 ms on one thread, 1.01 on two, 2-core CPU).
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kestrel-grammar")
+            chunks = [live[k::self.threads] for k in range(self.threads)]
+            list(self._pool.map(lambda chunk: [walk(i, m) for i, m in chunk], chunks))
+        else:
+            for i, m in live:
+                walk(i, m)
         if out is not None and out.shape[-1] > masks.shape[-1]:
             out[..., masks.shape[-1]:] = 0
             out = out[..., :masks.shape[-1]]

@@ -129,8 +129,9 @@ class ProcessingConfig(_Strict):
     logit_bias: int = Field(64, ge=1)  # logit_bias entries
     stop_ids: int = Field(8, ge=1)  # ids banned while under min_tokens (EOS and stop_token_ids)
     bad_words: int = Field(16, ge=1)  # bad_words token sequences
-    # Threads that fill a step's grammar masks (xgrammar's BatchGrammarMatcher); 1: the
-    # rank's own thread, which pays off for cheap grammars and a busy host.
+    # Threads that fill a step's grammar masks (xgrammar's BatchGrammarMatcher) and walk
+    # the speculative trees' masks (rows split over them); 1: the rank's own thread, which
+    # pays off for cheap grammars and a busy host.
     grammar_threads: int = Field(1, ge=1, le=64)
 
 

@@ -82,6 +82,19 @@ def test_speculative_equals_plain_under_a_grammar(grammar_model, tokenizer, plai
     speculate_and_compare(eng, prompts, p, plain, draft, monkeypatch)
 
 
+def test_tree_walks_split_over_threads_equal_plain(grammar_model, tokenizer, plain_engine, compiled,
+                                                   monkeypatch):
+    """processing.grammar_threads > 1: the tree masks of a step's rows are walked on several
+    threads; a row a thread skipped would stay unmasked and leave the grammar."""
+    prompts = random_prompts(5, vocab=len(tokenizer), seed=11)
+    p = params(compiled["json_schema"])
+    plain = [r.output_ids for r in plain_engine.generate(prompts, p)]
+    eng = LLMEngine(tiny_config(grammar_model, *TREE, "processing.grammar_threads=3"), tokenizer=tokenizer)
+    assert eng.workers[0].grammars.threads == 3
+    speculate_and_compare(eng, prompts, p, plain, "oracle", monkeypatch)
+    assert eng.workers[0].grammars._pool is not None  # the threads walked
+
+
 def test_a_preempted_request_keeps_its_grammar_state(grammar_model, tokenizer, compiled):
     """Out of KV, requests are preempted and re-prefilled with their outputs as prompt: the
     rank's matcher restarts from those outputs, so the constrained answer is unchanged."""
