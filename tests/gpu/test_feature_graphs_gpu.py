@@ -12,7 +12,7 @@ from serve_app.request import SamplingParams
 
 MAX = 64
 FP32 = "model.dtype=float32"
-ON = "attention.feature_graphs=true"  # the h200 preset keeps them off until this file passes
+ON = "attention.feature_graphs=true"  # explicit: what this file tests, whatever the preset says
 FEATURES = dict(presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2,
                 logit_bias={13: -5.0}, min_tokens=4, bad_words=[[28705], [30, 31]], logprobs=5)
 

@@ -12,7 +12,7 @@ from serve_app.request import SamplingParams
 
 MAX = 64
 FP32 = "model.dtype=float32"
-ON = "attention.feature_graphs=true"  # the h200 preset keeps them off until this file passes
+ON = "attention.feature_graphs=true"  # explicit: what this file tests, whatever the preset says
 OFF = "attention.feature_graphs=false"
 
 
