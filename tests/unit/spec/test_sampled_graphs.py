@@ -3,14 +3,16 @@ stand-ins, the same bodies on the same padded lanes): the sampled decode graphs 
 decoding and the step graph's sampled variants under speculation read each row's sampling
 parameters from the processing table and its coins from a static buffer, and emit what the
 eager sampling gave with the same seeds, token for token, in batches of greedy and
-sampled rows, penalized or not, with logprobs, at batch sizes that need padded lanes. The
-launch of such a step reads nothing on the host.
+sampled rows, penalized or not, with logprobs, at batch sizes that need padded lanes, and
+with grammars (the step graph's parts). The launch of such a step reads nothing on the
+host.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
+from test_grammar_lossless import REGEX, compiled, grammar_model  # noqa: F401 (fixtures)
 from test_penalties_lossless import GRAPH_SIZES, PENALIZED, spy_variants
 
 from actors.spec.step_graph import Variant
@@ -204,3 +206,36 @@ def test_a_row_samples_only_while_a_sampled_request_holds_it(tiny_llama_dir):
         eng.step()
     assert again.output_ids == want
     assert torch.count_nonzero(w.processing.temperature) == 0
+
+
+
+def test_sampled_grammar_batches_replay_the_sampled_accept_part(grammar_model, tokenizer, compiled):
+    """Grammar batches replay the step graph in three parts, the accept part in a sampled
+    variant when a row samples (the masks applied before the sampling): the per-phase
+    path's tokens, every sampled output one the grammar allows."""
+    import re
+
+    from spec_helpers import tiny_config
+
+    from serve_app.llm_engine import LLMEngine
+    g = compiled["regex"]
+    plist = [SamplingParams(max_tokens=16, temperature=1.0, seed=1, grammar=g),
+             SamplingParams(max_tokens=16, grammar=g),
+             SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=2),
+             SamplingParams(max_tokens=16, temperature=1.2, seed=3, grammar=g)]
+    prompts = random_prompts(len(plist), vocab=len(tokenizer), seed=5)
+    outs = {}
+    for on in (False, True):
+        eng = LLMEngine(tiny_config(grammar_model, *TREE, f"attention.feature_graphs={str(on).lower()}"),
+                        tokenizer=tokenizer)
+        eagle = eng.workers[0].eagle
+        eagle.capture_graphs(GRAPH_SIZES)
+        seen, accept = [], eagle.step_graph.run_accept
+        eagle.step_graph.run_accept = lambda raw, variant: seen.append(variant) or accept(raw, variant)
+        outs[on] = [r.output_ids for r in eng.generate(prompts, plist)], seen
+    (want, old), (got, seen) = outs[False], outs[True]
+    assert got == want
+    assert old == [] and Variant(sampled=True, filtered=True) in seen
+    for ids in (got[0], got[3]):
+        text = tokenizer.decode(ids[:-1] if ids[-1] == tokenizer.eos_token_id else ids)
+        assert re.fullmatch(REGEX, text) or len(ids) == 16, text
