@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
-from test_grammar_lossless import REGEX, compiled, grammar_model  # noqa: F401 (fixtures)
+from test_grammar_lossless import REGEX, compiled  # noqa: F401 (fixture)
 from test_penalties_lossless import GRAPH_SIZES, PENALIZED, spy_variants
 
 from actors.spec.step_graph import Variant
