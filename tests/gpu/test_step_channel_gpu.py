@@ -25,6 +25,26 @@ def _params(mixed: bool, i: int) -> dict:
 
 # Plain decode replays one graph whatever the sampling; a tree batch takes the one-graph
 # iteration when greedy and the per-phase path when mixed.
+
+def through_channel(cfg, worker, tokenizer, prompts, params):
+    """Serve `prompts` through the step channel's thread on `worker` -> (each request's
+    token ids, the engine's stats)."""
+    async def run():
+        index = torch.cuda.current_device()  # the channel thread uses the worker's device
+        eng = await LocalEngine.start(cfg, worker.info(), worker, tokenizer,
+                                      on_start=lambda: torch.cuda.set_device(index))
+        streams = [eng.client.add_request(p, params[i], f"r{i}") for i, p in enumerate(prompts)]
+
+        async def ids(stream):
+            return [t async for out in stream for t in out.new_token_ids]
+        got = await asyncio.gather(*(ids(s) for s in streams))
+        stats = await eng.client.stats()
+        await eng.stop()
+        return got, stats
+
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize("spec,mixed", [([], True), (TREE, False), (TREE, True)],
                          ids=["plain-mixed", "tree-greedy", "tree-mixed"])
 def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, spec, mixed):
@@ -43,20 +63,7 @@ def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, sp
     params = [_params(mixed, i) for i in range(len(prompts))]
     want = [r.output_ids for r in ref.generate(prompts, [SamplingParams(**p) for p in params])]
 
-    async def run():
-        index = torch.cuda.current_device()  # the channel thread uses the worker's device
-        eng = await LocalEngine.start(cfg, worker.info(), worker, tokenizer,
-                                      on_start=lambda: torch.cuda.set_device(index))
-        streams = [eng.client.add_request(p, params[i], f"g{i}") for i, p in enumerate(prompts)]
-
-        async def ids(stream):
-            return [t async for out in stream for t in out.new_token_ids]
-        got = await asyncio.gather(*(ids(s) for s in streams))
-        stats = await eng.client.stats()
-        await eng.stop()
-        return got, stats
-
-    got, stats = asyncio.run(run())
+    got, stats = through_channel(cfg, worker, tokenizer, prompts, params)
     assert got == want
     steps = stats["steps"]
     per = lambda phase: 1000 * stats["step_seconds"][phase] / max(1, steps["pipelined"])
@@ -123,20 +130,7 @@ def test_grammar_plans_launch_ahead_as_in_process(tokenizer, spec, mixed):
 
     worker.launch, worker.finish = launch_recorded, finish_recorded
 
-    async def run():
-        index = torch.cuda.current_device()
-        eng = await LocalEngine.start(cfg, worker.info(), worker, tokenizer,
-                                      on_start=lambda: torch.cuda.set_device(index))
-        streams = [eng.client.add_request(p, params[i], f"j{i}") for i, p in enumerate(prompts)]
-
-        async def ids(stream):
-            return [t async for out in stream for t in out.new_token_ids]
-        got = await asyncio.gather(*(ids(s) for s in streams))
-        stats = await eng.client.stats()
-        await eng.stop()
-        return got, stats
-
-    got, stats = asyncio.run(run())
+    got, stats = through_channel(cfg, worker, tokenizer, prompts, params)
     assert got == [r.output_ids for r in want]
     at = {(kind, step): i for i, (kind, step, _) in enumerate(calls)}
     grammar_steps = [step for kind, step, g in calls if kind == "launch" and g]
