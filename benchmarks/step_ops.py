@@ -20,53 +20,87 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from actors.cuda_graph_runner import EagerGraph
 
 
-class OpCounter(TorchDispatchMode):
+class StepWatch(TorchDispatchMode):
+    """A dispatch mode that looks at ops only while `active`: watch_decode_steps turns it
+    on for the decode plans a worker runs and off inside graph replays (`paused`)."""
+
     def __init__(self):
         super().__init__()
-        self.ops = self.steps = 0
-        self.counting = False
+        self.active = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.counting and not func.is_view:
-            self.ops += 1
-        return func(*args, **(kwargs or {}))
+    @contextlib.contextmanager
+    def paused(self):
+        """Ops run in the block go unseen; yields whether the watch was active."""
+        self.active, was = False, self.active
+        try:
+            yield was
+        finally:
+            self.active = was
+
+    def stepped(self) -> None:
+        """A decode step begins."""
+
+    def replayed(self, was_active: bool) -> None:
+        """A graph replay ran (its ops unseen)."""
 
 
 @contextlib.contextmanager
-def count_decode_ops(workers):
-    """Count, in the yielded OpCounter, the ops of the decode steps `workers` (RankWorkers)
-    run in the block, outside graph replays (EagerGraph.replay: each stand-in is one replay)."""
-    counter = OpCounter()
+def watch_decode_steps(watch: StepWatch, method: str, workers):
+    """Yield `watch`, active while each of `workers` (RankWorkers) runs a decode plan through
+    its `method` ("execute", "launch") in the block, paused inside graph replays
+    (EagerGraph.replay: each eager stand-in is one replay on a GPU)."""
     replay = EagerGraph.replay
 
     def paused(graph):
-        counter.counting, was = False, counter.counting
-        try:
-            return replay(graph)
-        finally:
-            counter.counting = was
-            counter.ops += was  # the replay itself: one launch
+        with watch.paused() as was:
+            out = replay(graph)
+        watch.replayed(was)
+        return out
 
-    def counted(execute):
+    def watched(step):
         def run(plan):
-            counter.counting = plan.mode == "decode"
-            counter.steps += counter.counting
+            watch.active = plan.mode == "decode"
+            if watch.active:
+                watch.stepped()
             try:
-                return execute(plan)
+                return step(plan)
             finally:
-                counter.counting = False
+                watch.active = False
         return run
 
     EagerGraph.replay = paused
     for w in workers:
-        w.execute = counted(w.execute)
+        setattr(w, method, watched(getattr(w, method)))
     try:
-        with counter:
-            yield counter
+        with watch:
+            yield watch
     finally:
         EagerGraph.replay = replay
         for w in workers:
-            del w.execute  # the class's method again
+            delattr(w, method)  # the class's method again
+
+
+class OpCounter(StepWatch):
+    def __init__(self):
+        super().__init__()
+        self.ops = self.steps = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active and not func.is_view:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    def stepped(self) -> None:
+        self.steps += 1
+
+    def replayed(self, was_active: bool) -> None:
+        self.ops += was_active  # the replay itself: one launch
+
+
+def count_decode_ops(workers):
+    """Count, in the yielded OpCounter, the ops of the decode steps `workers` (RankWorkers)
+    run in the block, outside graph replays (each stand-in's replay counts as one op)."""
+    return watch_decode_steps(OpCounter(), "execute", workers)
 
 
 # aten ops that read a device value on the host: a scalar (item, bool, int, float of a
@@ -89,18 +123,17 @@ def _reads(func, args, kwargs) -> bool:
     return False
 
 
-class HostReads(TorchDispatchMode):
-    """Records, while `watching`, each dispatched op that reads device data on the host;
+class HostReads(StepWatch):
+    """Records, while `active`, each dispatched op that reads device data on the host;
     Tensor.tolist and Tensor.numpy, which read without dispatching an op on a CPU tensor,
     are recorded by find_host_reads."""
 
     def __init__(self):
         super().__init__()
         self.reads: list[str] = []
-        self.watching = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.watching and _reads(func, args, kwargs):
+        if self.active and _reads(func, args, kwargs):
             self.reads.append(str(func))
         return func(*args, **(kwargs or {}))
 
@@ -109,42 +142,20 @@ class HostReads(TorchDispatchMode):
 def find_host_reads(workers):
     """Record, in the yielded HostReads, the host reads of the decode steps `workers`
     (RankWorkers) launch in the block (RankWorker.launch; `finish` reads the tokens by
-    design), outside graph replays (EagerGraph.replay: a captured graph cannot read)."""
+    design), outside graph replays (a captured graph cannot read)."""
     reads = HostReads()
-    replay, tolist, numpy = EagerGraph.replay, torch.Tensor.tolist, torch.Tensor.numpy
-
-    def paused(graph):
-        reads.watching, was = False, reads.watching
-        try:
-            return replay(graph)
-        finally:
-            reads.watching = was
+    tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
 
     def recorded(method, name):
         def read(t, *args, **kwargs):
-            if reads.watching:
+            if reads.active:
                 reads.reads.append(name)
             return method(t, *args, **kwargs)
         return read
 
-    def watched(launch):
-        def run(plan):
-            reads.watching = plan.mode == "decode"
-            try:
-                return launch(plan)
-            finally:
-                reads.watching = False
-        return run
-
-    EagerGraph.replay = paused
     torch.Tensor.tolist, torch.Tensor.numpy = recorded(tolist, "Tensor.tolist"), recorded(numpy, "Tensor.numpy")
-    for w in workers:
-        w.launch = watched(w.launch)
     try:
-        with reads:
+        with watch_decode_steps(reads, "launch", workers):
             yield reads
     finally:
-        EagerGraph.replay = replay
         torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
-        for w in workers:
-            del w.launch  # the class's method again

@@ -224,7 +224,7 @@ def test_sampling_reads_nothing_on_the_host():
     coins = torch.rand(logits.shape[0])
     edge = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0]])  # a coin at the top of the range: the rare branch
     reads = HostReads()
-    reads.watching = True
+    reads.active = True
     with reads:
         sample_rows(logits, temperature, top_p, top_k, min_p, coins)
         sample_rows(logits, temperature, torch.ones_like(top_p), torch.zeros_like(top_k), None, coins,

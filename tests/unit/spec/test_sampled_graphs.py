@@ -171,11 +171,8 @@ def test_a_sampled_step_launches_without_reading_the_device(tiny_llama_dir, path
             forward = w._decode_logits
 
             def unwatched(*args):
-                reads.watching, was = False, reads.watching
-                try:
+                with reads.paused():
                     return forward(*args)
-                finally:
-                    reads.watching = was
             monkeypatch.setattr(w, "_decode_logits", unwatched)
         reqs = eng.generate(prompts_for(params), params)
     assert all(len(r.output_ids) == sp.max_tokens for r, sp in zip(reqs, params))
