@@ -71,6 +71,13 @@ class SyntheticWorker:
                       for _ in plan.rows]
         return StepOutput(plan.step_id, tokens)
 
+    def launch(self, plan: StepPlan) -> StepOutput:
+        """The engine launches step N+1 before finishing N: here the output is made at once."""
+        return self.execute(plan)
+
+    def finish(self, out: StepOutput) -> StepOutput:
+        return out
+
 
 def build_engine(args, tokenizer) -> tuple[LLMEngine, SyntheticWorker]:
     spec = not args.plain
@@ -79,7 +86,9 @@ def build_engine(args, tokenizer) -> tuple[LLMEngine, SyntheticWorker]:
         f"scheduler.max_running_requests={args.running}",
         # as training/train.py sets it for data generation
         f"scheduler.prefill_min_batch={max(1, args.running // 8)}",
-        f"model.max_model_len={args.max_model_len}"])
+        f"model.max_model_len={args.max_model_len}",
+        # The test's pinned digests are of plans made one step at a time.
+        f"scheduler.launch_ahead={str(args.launch_ahead).lower()}"])
     window = cfg.draft.window if spec else 1
     page = cfg.kv_cache.page_size
     per_request = args.max_model_len + 2 * window + 2 * page
@@ -112,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eos-rate", type=float, default=0.004,
                     help="chance that a token is the stop token")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--launch-ahead", action="store_true",
+                    help="plan step N+1 before N's output is processed, as the server does")
     ap.add_argument("--profile", help="write a cProfile of the measured steps here")
     args = ap.parse_args(argv)
 

@@ -76,6 +76,16 @@ class SchedulerConfig(_Strict):
     # decoding request; 1 prefills at once.
     prefill_min_batch: int = Field(1, ge=1)
     prefill_max_delay_steps: int = Field(32, ge=0)
+    # Plan and launch step N+1 before step N has finished, so the device goes from one step
+    # to the next without waiting for the host to read N's tokens (the served engine and
+    # the in-process one alike). False: one step at a time, for comparison and debugging.
+    launch_ahead: bool = True
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Plans launched and not finished per rank: the running one and the next. The
+        scheduler plans KV two windows ahead for exactly this; a third would only add latency."""
+        return 2 if self.launch_ahead else 1
 
     @property
     def held_per_rank(self) -> int:

@@ -49,10 +49,6 @@ from serve_app.scheduler import Scheduler
 
 log = logging.getLogger("kestrel.engine")
 
-# Plans in flight per rank: the running one and the next, queued in its channel, so the
-# worker starts step N+1 the moment step N returns. The scheduler plans KV two windows
-# ahead for exactly this; a third would only add latency.
-MAX_IN_FLIGHT = 2
 # dp_attention: once a rank failed, how long its peers get to report their own failure
 # (theirs follows from it), so the error names the cause: a rank that is gone.
 FAILURE_GRACE_S = 1.0
@@ -71,6 +67,9 @@ class EngineCore:
         `eos_token_ids`: the model's and the tokenizer's. Call on the event loop that
         will run the steps."""
         self.cfg = cfg
+        # Plans in flight per rank: the running one and the next, queued in its channel, so
+        # the worker starts step N+1 the moment step N returns (scheduler.launch_ahead).
+        self.max_in_flight = cfg.scheduler.steps_in_flight
         self.channels = channels
         self.schedulers = [Scheduler(cfg, info, eos_token_ids) for info in infos]
         self.token = secrets.token_hex(16)
@@ -202,7 +201,7 @@ class EngineCore:
         try:
             while True:
                 t0 = time.perf_counter()
-                while len(inflight) < MAX_IN_FLIGHT:
+                while len(inflight) < self.max_in_flight:
                     plan = sched.schedule()
                     if plan is None:
                         break
@@ -268,7 +267,7 @@ class EngineCore:
         inflight: deque = deque()  # (one plan per rank, sent while another step was in flight)
         try:
             while True:
-                while len(inflight) < MAX_IN_FLIGHT:
+                while len(inflight) < self.max_in_flight:
                     plans = self._schedule_all()
                     if all(p is None for p in plans):
                         if inflight or not any(s.has_work for s in scheds):

@@ -4,12 +4,17 @@
 Engine deployment drives the same Scheduler and RankWorker classes across Ray.
 Without dp_attention, DP ranks are independent: each has its own scheduler and requests
 go to the least-loaded one.
+
+Steps run as the served engine runs them (serve_app/engine_core.py): with
+scheduler.launch_ahead, step N+1 is planned and launched on the worker before step N is
+finished, so the device does not wait for the host between steps.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from collections import deque
 
 from actors.rank_worker import RankWorker
 from configs.schema import KestrelConfig
@@ -42,6 +47,8 @@ class LLMEngine:
         self.schedulers = [Scheduler(cfg, {**w.info(), **(worker_info or {})}, eos, factory)
                            for w in self.workers]
         self._ids = itertools.count()
+        # Per rank: (plan, launched step) in launch order, at most steps_in_flight of them.
+        self._inflight = [deque() for _ in self.workers]
         self.steps = 0
         # Where step time goes (seconds, summed over ranks): host scheduling, the worker
         # (model and sampling), committing outputs; and steps per mode. For progress lines.
@@ -63,29 +70,55 @@ class LLMEngine:
         return any(s.abort(rid) for s in self.schedulers)
 
     def abort_all(self) -> None:
+        """Cancel every request, and finish the steps already launched (their outputs for
+        the cancelled requests are dropped), so the engine is idle when this returns."""
         for s in self.schedulers:
             s.abort_all()
+        for sched, worker, inflight in zip(self.schedulers, self.workers, self._inflight):
+            while inflight:
+                plan, launched = inflight.popleft()
+                sched.process_output(plan, worker.finish(launched))
 
     @property
     def has_work(self) -> bool:
-        return any(s.has_work for s in self.schedulers)
+        """Requests to run, or a launched step to finish (its rows may all have ended)."""
+        return any(s.has_work for s in self.schedulers) or any(self._inflight)
+
+    @property
+    def launched(self) -> int:
+        """Steps launched and not yet finished, over all ranks."""
+        return sum(len(q) for q in self._inflight)
 
     def step(self) -> list[RequestOutput]:
-        """One step on every rank with work (ranks are independent without dp_attention)."""
+        """One finished step on every rank with work (ranks are independent without
+        dp_attention); the rank's next step is launched before this one is finished."""
         events: list[RequestOutput] = []
-        for sched, worker in zip(self.schedulers, self.workers):
+        limit = self.cfg.scheduler.steps_in_flight
+        for sched, worker, inflight in zip(self.schedulers, self.workers, self._inflight):
             t0 = time.perf_counter()
-            plan = sched.schedule()
-            if plan is None:
-                if sched.has_work:
-                    raise RuntimeError("scheduler has requests but could not plan a step")
+            launch_s = 0.0
+            while len(inflight) < limit:
+                plan = sched.schedule()
+                if plan is None:
+                    if inflight or not sched.has_work:
+                        break
+                    # A decode plan that preempted every running request returns None with
+                    # the requests back in the queue: planning again prefills them.
+                    plan = sched.schedule()
+                    if plan is None:
+                        raise RuntimeError("scheduler has requests but could not plan a step")
+                t = time.perf_counter()
+                inflight.append((plan, worker.launch(plan)))
+                launch_s += time.perf_counter() - t
+            if not inflight:
                 continue
             t1 = time.perf_counter()
-            out = worker.execute(plan)
+            plan, launched = inflight.popleft()
+            out = worker.finish(launched)
             t2 = time.perf_counter()
             events += sched.process_output(plan, out)
-            self.seconds["schedule"] += t1 - t0
-            self.seconds["execute"] += t2 - t1
+            self.seconds["schedule"] += t1 - t0 - launch_s
+            self.seconds["execute"] += t2 - t1 + launch_s
             self.seconds["process"] += time.perf_counter() - t2
             self.mode_steps[plan.mode] = self.mode_steps.get(plan.mode, 0) + 1
         self.steps += 1

@@ -53,9 +53,10 @@ def _mix(compiled: dict[str, str], n: int) -> list[SamplingParams]:
 
 
 def _engine(model: str, tokenizer, shape: str, *overrides: str) -> LLMEngine:
-    """An engine with a worker of its own: a worker's matchers outlive its scheduler."""
-    cfg = tiny_config(model, *SHAPES[shape], "scheduler.chunked_prefill_size=16", *overrides,
-                      spec=shape != "plain")
+    """An engine with a worker of its own (a worker's matchers outlive its scheduler) that
+    steps one at a time: the reference, and what `Ahead` drives."""
+    cfg = tiny_config(model, *SHAPES[shape], "scheduler.chunked_prefill_size=16",
+                      "scheduler.launch_ahead=false", *overrides, spec=shape != "plain")
     eng = LLMEngine(cfg, tokenizer=tokenizer)
     if shape == "tree-graphs":  # greedy grammar batches replay the step graph in parts (_run_parts)
         from test_penalties_lossless import GRAPH_SIZES

@@ -1,13 +1,14 @@
-"""Overlap: dispatching step N+1 before processing step N (as the Serve engine does), and
-launching it on the worker before step N has finished (as the step channel does), gives
-the same tokens as the one-at-a-time loop, with chunked prefills in flight and requests
-joining mid-run, plain and speculative, greedy, sampled and with logprobs."""
-from collections import deque
-
+"""Overlap: dispatching step N+1 before processing step N, and launching it on the worker
+before step N has finished (scheduler.launch_ahead, as the served engine and the in-process
+one run), gives the same tokens as one step at a time, with chunked prefills in flight and
+requests joining mid-run, plain and speculative, greedy, sampled and with logprobs."""
 import pytest
 
 from serve_app.request import SamplingParams
 from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
+
+
+SEQUENTIAL = "scheduler.launch_ahead=false"  # the reference: one step at a time
 
 
 def _params(i: int) -> SamplingParams:
@@ -22,20 +23,14 @@ def test_two_steps_launched_ahead_equal_sequential(tiny_llama_dir, shape):
     prompts = random_prompts(8, seed=2)
     params = [_params(i) for i in range(len(prompts))]
     chunk = "scheduler.chunked_prefill_size=16"  # a sampled request draws coins per chunk
-    want = tiny_engine(tiny_llama_dir, *ov, chunk, spec=spec).generate(prompts, params)
+    want = tiny_engine(tiny_llama_dir, *ov, chunk, SEQUENTIAL, spec=spec).generate(prompts, params)
     eng = tiny_engine(tiny_llama_dir, *ov, chunk, spec=spec)
-    sched, worker = eng.schedulers[0], eng.workers[0]
+    sched = eng.schedulers[0]
     reqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params)]
-    inflight, steps, overlapped = deque(), 0, 0
-    while sched.has_work or inflight:
-        while len(inflight) < 2:
-            plan = sched.schedule()
-            if plan is None:
-                break
-            inflight.append((plan, worker.launch(plan)))  # N+1 launched before N finishes
-        overlapped += len(inflight) == 2
-        plan, launched = inflight.popleft()
-        sched.process_output(plan, worker.finish(launched))
+    steps, overlapped = 0, 0
+    while eng.has_work:
+        eng.step()
+        overlapped += eng.launched == 1  # N+1 was launched before N finished
         steps += 1
         if steps == 3:
             reqs += [eng.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:])]
@@ -55,21 +50,13 @@ def test_preemption_with_two_steps_in_flight(tiny_llama_dir, shape):
     spec = shape is not None
     ov = (*(shape or ()), "model.max_model_len=160")
     prompts = [p * 3 for p in random_prompts(6, seed=3)]
-    ref = outputs(tiny_engine(tiny_llama_dir, *ov, spec=spec), prompts, 16)
+    ref = outputs(tiny_engine(tiny_llama_dir, *ov, SEQUENTIAL, spec=spec), prompts, 16)
     eng = tiny_engine(tiny_llama_dir, *ov, "scheduler.chunked_prefill_size=16",
                       "kv_cache.num_slots=200", spec=spec)
-    sched, worker = eng.schedulers[0], eng.workers[0]
     reqs = [eng.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
-    inflight = deque()
-    while sched.has_work or inflight:
-        while len(inflight) < 2:
-            plan = sched.schedule()
-            if plan is None:
-                break
-            inflight.append((plan, worker.launch(plan)))
-        if not inflight:
-            continue
-        plan, launched = inflight.popleft()
-        sched.process_output(plan, worker.finish(launched))
-    assert sched.stats["preemptions"] > 0
+    overlapped = 0
+    while eng.has_work:
+        eng.step()
+        overlapped += eng.launched == 1
+    assert overlapped > 5 and eng.schedulers[0].stats["preemptions"] > 0
     assert [r.output_ids for r in reqs] == ref

@@ -32,9 +32,10 @@ def test_c24_round_trip():
 
 
 def test_c24_engine_carries_lengths(tiny_llama_dir):
-    """In a real run the future map's length equals the scheduler's committed length."""
+    """In a real run the future map's length equals the scheduler's committed length (after
+    each step, with none launched ahead: a launched step has moved the map on)."""
     from spec_helpers import TREE, greedy, random_prompts, tiny_engine
-    eng = tiny_engine(tiny_llama_dir, *TREE)
+    eng = tiny_engine(tiny_llama_dir, *TREE, "scheduler.launch_ahead=false")
     reqs = [eng.add_request(p, greedy(10)) for p in random_prompts(3, seed=5)]
     checked = 0
     while eng.has_work:
