@@ -20,13 +20,14 @@ set -uo pipefail
 part=$1
 out=${2:-${OUT:-.}}
 cd "$(dirname "$0")/.."
-levels="1 8 32 64"
+levels=${LEVELS:-1 8 32 64}  # LEVELS="1 64" REPEATS=2: a shorter run when device time is short
+repeats=${REPEATS:-3}
 sampling=() suffix=""
 if [ "${3:-}" = sampled ]; then sampling=(--sampling '{"temperature": 0.7, "top_p": 0.9}'); suffix=-sampled; fi
 bench() {  # limit, args...; the part's --name gets the suffix
   local args=("${@:2}")
   for i in "${!args[@]}"; do [ "${args[$i]}" = --name ] && args[$((i + 1))]+=$suffix; done
-  timeout "$1" python3 -m benchmarks.http_bench --concurrency $levels --max-tokens 256 --repeats 3 \
+  timeout "$1" python3 -m benchmarks.http_bench --concurrency $levels --max-tokens 256 --repeats "$repeats" \
     --out "$out" "${sampling[@]}" "${args[@]}"
 }
 
@@ -52,7 +53,7 @@ case $part in
   vllm-plain)
     vllm_serve vllm-plain ;;
   dp1|dp2|dp2-attention|replicas2)
-    levels="64 128"
+    levels=${LEVELS:-64 128}
     case $part in
       dp1) extra=() ;;
       dp2) extra=(--set parallel.dp_size=2) ;;

@@ -11,6 +11,9 @@ import asyncio
 import json
 
 import pytest
+import torch
+
+from kestrel_testing import LocalEngine
 
 H200 = ["device=cuda", "model.dtype=bfloat16", "kv_cache.num_slots=65536", "kv_cache.page_size=16",
         "scheduler.max_running_requests=16", "attention.backend=triton", "attention.cuda_graphs=true",
@@ -21,6 +24,11 @@ TREE = ["draft.enabled=true", "draft.topk=4", "draft.num_steps=5", "draft.num_dr
 def _params(mixed: bool, i: int) -> dict:
     kinds = [{}, dict(temperature=0.8, seed=100 + i), dict(logprobs=3)] if mixed else [{}]
     return dict(max_tokens=48, ignore_eos=True, **kinds[i % len(kinds)])
+
+
+def one_at_a_time(cfg):
+    """`cfg` for the reference engine: the in-process engine without launching ahead."""
+    return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"launch_ahead": False})})
 
 
 # Plain decode replays one graph whatever the sampling; a tree batch takes the one-graph
@@ -48,18 +56,15 @@ def through_channel(cfg, worker, tokenizer, prompts, params):
 @pytest.mark.parametrize("spec,mixed", [([], True), (TREE, False), (TREE, True)],
                          ids=["plain-mixed", "tree-greedy", "tree-mixed"])
 def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, spec, mixed):
-    import torch
-
     from actors.rank_worker import RankWorker
     from configs.schema import load_config
-    from kestrel_testing import LocalEngine
     from serve_app.llm_engine import LLMEngine
     from serve_app.request import SamplingParams
 
     cfg = load_config(overrides=H200 + (spec or ["draft.enabled=false"]))
     worker = RankWorker(cfg)
     prompts = chat_prompts[:8]
-    ref = LLMEngine(cfg, tokenizer=tokenizer, workers=[worker])
+    ref = LLMEngine(one_at_a_time(cfg), tokenizer=tokenizer, workers=[worker])
     params = [_params(mixed, i) for i in range(len(prompts))]
     want = [r.output_ids for r in ref.generate(prompts, [SamplingParams(**p) for p in params])]
 
@@ -91,12 +96,9 @@ def _grammar_params(grammar: str, i: int) -> dict:
 @pytest.mark.parametrize("spec,mixed", [([], True), (TREE, False), (TREE, True)],
                          ids=["plain-mixed", "tree-greedy", "tree-mixed"])
 def test_grammar_plans_launch_ahead_as_in_process(tokenizer, spec, mixed):
-    import torch
-
     from actors.grammar_rows import GrammarRows
     from actors.rank_worker import RankWorker
     from configs.schema import load_config
-    from kestrel_testing import LocalEngine
     from serve_app.grammar import GrammarCompiler
     from serve_app.llm_engine import LLMEngine
     from serve_app.request import SamplingParams
@@ -109,7 +111,7 @@ def test_grammar_plans_launch_ahead_as_in_process(tokenizer, spec, mixed):
     params = [_grammar_params(grammar, i) for i in range(len(prompts))]
     if not mixed:
         params = [{**p, "temperature": 0.0} for p in params]
-    ref = LLMEngine(cfg, tokenizer=tokenizer, workers=[worker])
+    ref = LLMEngine(one_at_a_time(cfg), tokenizer=tokenizer, workers=[worker])
     want = ref.generate(prompts, [SamplingParams(**p) for p in params])
     ended = [r for r in want if r.params.grammar is not None and r.finish_reason == "stop"]
     assert ended
