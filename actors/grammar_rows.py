@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -70,6 +70,10 @@ class GrammarRows:
         # with (plan position, row, matcher) of its grammar rows at launch. Held by matcher,
         # not by row: a later plan may reset the row for another request before they settle.
         self._unsettled: deque[tuple[Launched, list[tuple[int, int, object]]]] = deque()
+        # Called when masks had to wait for steps before (their tokens are now on the host):
+        # the step channel answers those steps then, not after this launch, so the engine
+        # plans the step after next while the masks are walked (RankWorker.on_steps_back).
+        self.on_settled: Callable[[], None] | None = None
         self._host: torch.Tensor | None = None  # [L, W] int32 pinned on a GPU rank, grown as needed
         self._uploaded = None  # torch.cuda.Event after the last copy out of _host
 
@@ -122,7 +126,10 @@ class GrammarRows:
     def _live(self, rows: list[int]) -> list[tuple[int, object]]:
         """(position in rows, matcher) of the rows whose grammar still constrains them, after
         every step launched before has been settled."""
+        waited = bool(self._unsettled)
         self.settle()
+        if waited and self.on_settled is not None:
+            self.on_settled()
         live = [(i, self.matchers.get(row)) for i, row in enumerate(rows)]
         return [(i, m) for i, m in live if m is not None and not m.is_terminated()]
 

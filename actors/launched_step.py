@@ -63,7 +63,12 @@ class LaunchedStep:
 
     def ready(self) -> bool:
         """Its tokens are on the host: `finish` will not block."""
-        return self.emitted is None or self.emitted.copy.ready()
+        return self.emitted is None or self.tokens_read or self.emitted.copy.ready()
+
+    @property
+    def tokens_read(self) -> bool:
+        """Its tokens were read on the host already (by the next step's grammar masks)."""
+        return self._tokens is not None
 
     def tokens(self) -> list[list[int]]:
         """Each request's emitted tokens, in plan order (a step that ran), waiting for the

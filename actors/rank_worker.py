@@ -273,6 +273,12 @@ class RankWorker:
                 "dtype": str(self.dtype), "device": str(self.device)}
 
     # ---- step execution -------------------------------------------------------------
+    def on_steps_back(self, callback: Callable[[], None] | None) -> None:
+        """`callback` runs inside `launch` where a step's grammar masks have waited for the
+        steps launched before it: their tokens are back, so the step channel can answer
+        them there, before the masks are walked, rather than after the launch."""
+        self.grammars.on_settled = callback
+
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run one step to the end (the in-process engine; the step channel launches the
         next step before it finishes this one)."""

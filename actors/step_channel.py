@@ -176,11 +176,19 @@ class StepServer:
             return
         conn.sendall(encode(OK, None))
         launched: deque = deque()  # (launched step, plan, timings), oldest first
+
+        def answer_ready() -> None:
+            """What the device has finished goes back at once, oldest first."""
+            while launched and launched[0][0].ready():
+                self._answer(conn, *launched.popleft())
+
+        # A launch that waits for the steps before it (grammar masks) answers them there.
+        hook = getattr(self.runner, "on_steps_back", None)
+        if hook is not None:
+            hook(answer_ready)
         try:
             while True:
-                # What the device has finished goes back at once, oldest first.
-                while launched and launched[0][0].ready():
-                    self._answer(conn, *launched.popleft())
+                answer_ready()
                 if len(launched) >= MAX_LAUNCHED:
                     self._answer(conn, *launched.popleft())  # waits for the device
                     continue
@@ -198,6 +206,8 @@ class StepServer:
                     continue
                 launched.append((step, plan, timings))
         finally:
+            if hook is not None:
+                hook(None)
             for step, _, _ in launched:  # steps still on the device end before the channel does
                 try:
                     self.runner.finish(step)

@@ -227,18 +227,24 @@ def test_preempted_grammar_requests_with_steps_in_flight(grammar_model, tokenize
 
 class LateReady:
     """A RankWorker with a GPU's timing on the CPU, where `launch` runs the step to its end:
-    a launched step says it is ready only `step_s` after its launch, so the channel reads
-    and launches the next plan first. Records the calls: ("launch", step id, grammar rows)
-    and ("finish", step id)."""
+    a launched step says it is ready only `step_s` after its launch, or once the next
+    step's masks have read its tokens, so the channel reads and launches the next plan
+    first. Records the calls: ("launch", step id, grammar rows), ("launched", step id)
+    when launch returns, and ("finish", step id)."""
 
     def __init__(self, worker, step_s: float):
         self.worker, self.step_s, self.calls = worker, step_s, []
+
+    def on_steps_back(self, callback) -> None:
+        self.worker.on_steps_back(callback)
 
     def launch(self, plan):
         grammar = bool(plan.grammar_resets) or self.worker.grammars.any(plan.rows)
         self.calls.append(("launch", plan.step_id, grammar))
         step, at = self.worker.launch(plan), time.monotonic() + self.step_s
-        return type("Launched", (), {"ready": lambda _: time.monotonic() >= at, "step": step})()
+        self.calls.append(("launched", plan.step_id))
+        ready = lambda _: time.monotonic() >= at or step.tokens_read
+        return type("Launched", (), {"ready": ready, "step": step})()
 
     def finish(self, launched):
         self.calls.append(("finish", launched.step.plan.step_id))
@@ -316,3 +322,7 @@ def test_grammar_plans_launch_ahead_on_the_step_channel(smollm2_worker, tokenize
     ahead = [step for kind, step, *grammar in runner.calls
              if kind == "launch" and grammar[0] and order[("launch", step)] < order.get(("finish", step - 1), -1)]
     assert len(ahead) > 10, runner.calls  # launch(N+1) before finish(N), for grammar plans
+    # N's output went back from inside launch(N+1), where its masks had read N's tokens:
+    # the engine plans N+2 while N+1's masks are walked.
+    inside = [step for step in ahead if order[("finish", step - 1)] < order[("launched", step)]]
+    assert len(inside) > 5, runner.calls
