@@ -71,8 +71,9 @@ def _expected_weight_bytes(info: dict, arch, W: int, rank: int) -> int:
     return info["full_weight_bytes"] + 4 * (shard * H - V * H + L * 3 * H * (Ir - I))
 
 
-@pytest.mark.parametrize("W,shape", [(2, "plain"), (2, "chain"), (2, "tree"), (3, "plain"),
-                                     (3, "chain"), (3, "tree")])
+# Each shape on two ranks; three ranks (an odd vocabulary split) with the tree, whose
+# step touches every collective the others do (test time: 2 cores).
+@pytest.mark.parametrize("W,shape", [(2, "plain"), (2, "chain"), (2, "tree"), (3, "tree")])
 def test_ranks_in_lockstep_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, tiny_llama_dir,
                                                        W, shape):
     cfg = dp_cfg(W, shape)
