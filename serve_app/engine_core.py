@@ -201,20 +201,9 @@ class EngineCore:
         try:
             while True:
                 t0 = time.perf_counter()
-                while len(inflight) < self.max_in_flight:
-                    plan = sched.schedule()
-                    if plan is None:
-                        break
+                for plan in sched.plans_ahead(len(inflight), self.max_in_flight):
                     channel.send(plan)
                     inflight.append((plan, bool(inflight)))
-                if not inflight and sched.has_work:
-                    # A decode plan that preempted every running request returns None with
-                    # the requests back in the queue: planning again prefills them.
-                    plan = sched.schedule()
-                    if plan is None:
-                        raise RuntimeError("the scheduler has requests but could not plan a step")
-                    channel.send(plan)
-                    inflight.append((plan, False))
                 seconds["schedule"] += time.perf_counter() - t0
                 if not inflight:
                     wake.clear()

@@ -97,16 +97,7 @@ class LLMEngine:
         for sched, worker, inflight in zip(self.schedulers, self.workers, self._inflight):
             t0 = time.perf_counter()
             launch_s = 0.0
-            while len(inflight) < limit:
-                plan = sched.schedule()
-                if plan is None:
-                    if inflight or not sched.has_work:
-                        break
-                    # A decode plan that preempted every running request returns None with
-                    # the requests back in the queue: planning again prefills them.
-                    plan = sched.schedule()
-                    if plan is None:
-                        raise RuntimeError("scheduler has requests but could not plan a step")
+            for plan in sched.plans_ahead(len(inflight), limit):
                 t = time.perf_counter()
                 inflight.append((plan, worker.launch(plan)))
                 launch_s += time.perf_counter() - t
