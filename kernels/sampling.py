@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_top_p import HAS_TRITON, top_k_top_p_triton
+from kernels.triton_available import use_triton
+from kernels.triton_top_p import top_k_top_p_triton
 
 __all__ = ["process_logits", "sample_from_probs", "sample_rows", "min_p_filter"]
 
@@ -74,7 +75,7 @@ def process_logits(
 def _top_k_top_p(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """probs [T, V] float32 -> the renormalised top-k, then top-p, distribution [T, V] float32.
     On CUDA the sort-free Triton kernel (kernels/triton_top_p.py), else this reference."""
-    if HAS_TRITON and probs.is_cuda:
+    if use_triton(probs):
         return top_k_top_p_triton(probs, top_p, top_k)
     return top_k_top_p_ref(probs, top_p, top_k)
 

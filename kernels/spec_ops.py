@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from kernels import cache_loc, spec_tree, verify
-from kernels.triton_cache_loc import HAS_TRITON, assign_cache_locs_triton
+from kernels.triton_available import use_triton
+from kernels.triton_cache_loc import assign_cache_locs_triton
 from kernels.triton_kv_indices import paged_kv_indices_ref, paged_kv_indices_triton
 from kernels.triton_spec_tree import build_tree_triton, expand_level_triton, organize_draft_triton
 from kernels.triton_topk import topk_probs_triton
@@ -27,11 +28,6 @@ __all__ = [
     "assign_cache_locs",
     "paged_kv_indices",
 ]
-
-
-def use_triton(t: torch.Tensor, force_torch: bool = False) -> bool:
-    """Whether an op on `t` runs its Triton kernel."""
-    return HAS_TRITON and t.is_cuda and not force_torch
 
 
 def topk_probs(logits: torch.Tensor, k: int, *, force_torch: bool = False):

@@ -14,4 +14,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "tl", "triton"]
+__all__ = ["HAS_TRITON", "tl", "triton", "use_triton"]
+
+
+def use_triton(t, force_torch: bool = False) -> bool:
+    """Whether an op on tensor `t` runs its Triton kernel: triton is there and `t` is on CUDA."""
+    return HAS_TRITON and t.is_cuda and not force_torch
