@@ -57,7 +57,7 @@ def cpu_graphs(eng) -> None:
 
 def run(config: str, overrides: list[str], prompts_text: list[str], batches: list[int],
         max_tokens: int, stand_in_graphs: bool = False, count_ops: bool = False,
-        repeats: int = 1) -> dict:
+        repeats: int = 1, features: list[str] | None = None) -> dict:
     from configs.schema import load_config
     from serve_app.grammar import compiler_for
     from serve_app.llm_engine import LLMEngine
@@ -69,6 +69,8 @@ def run(config: str, overrides: list[str], prompts_text: list[str], batches: lis
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in prompts_text]
     out = {}
     for feature, extra in FEATURES.items():
+        if features is not None and feature not in features:
+            continue
         if isinstance(extra, tuple):
             extra = dict(grammar=compiler_for(eng.tokenizer).compile(extra))
         for b in batches:
@@ -106,6 +108,9 @@ def main(argv=None) -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for both engines (e.g. attention.feature_graphs=false)")
     ap.add_argument("--tiny-model", action="store_true", help="CPU: the host work of each path")
+    ap.add_argument("--features", nargs="+", choices=list(FEATURES), default=list(FEATURES),
+                    help="a subset (a profile of one path); the table needs all of them")
+    ap.add_argument("--engines", nargs="+", choices=["spec", "plain"], default=["spec", "plain"])
     ap.add_argument("--count-ops", action="store_true",
                     help="also count each decode step's eager device ops (benchmarks/step_ops.py; "
                          "with --tiny-model)")
@@ -118,10 +123,14 @@ def main(argv=None) -> None:
 
         from benchmarks.http_bench import make_tiny_model
         base = TINY + [f"model.path={make_tiny_model(tempfile.mkdtemp(prefix='kestrel-tiny-'))}"] + base
-    results = {"spec": run(config, base, qs, args.batch_sizes, args.max_tokens, tiny, args.count_ops,
-                           args.repeats),
-               "plain": run(config, base + ["draft.enabled=false"], qs, args.batch_sizes,
-                            args.max_tokens, tiny, args.count_ops, args.repeats)}
+    engines = {"spec": base, "plain": base + ["draft.enabled=false"]}
+    results = {name: run(config, engines[name], qs, args.batch_sizes, args.max_tokens, tiny,
+                         args.count_ops, args.repeats, args.features) for name in args.engines}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "feature_cost.json").write_text(json.dumps(results, indent=1))
+    if set(args.features) != set(FEATURES):
+        return  # the per-cell lines above are the figures
     with_ = [f for f in FEATURES if f != "none"]
     print("| engine | batch | tok/s (ms/step) without | " + " | ".join(f"with {f} (ratio)" for f in with_) + " |")
     print("|---|---|---|" + "---|" * len(with_))
@@ -139,9 +148,6 @@ def main(argv=None) -> None:
             for b in args.batch_sizes:
                 cells = " | ".join(f"{r[f'{f}/{b}/ops']:.0f}" for f in FEATURES)
                 print(f"| {name} | {b} | {cells} |")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "feature_cost.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@
 #   bash benchmarks/h200_http.sh replicas2 OUT    two replicas of one GPU each (Serve)
 # A third argument `sampled` runs the part at temperature 0.7, top_p 0.9 (names end in -sampled):
 #   bash benchmarks/h200_http.sh kestrel-tree OUT sampled
+# `grammar` runs it twice over against one server, run by run, without and with a regex that allows
+# nearly any text (names end in -none and -grammar; HTTP only): the grammar's own cost.
+#   bash benchmarks/h200_http.sh kestrel-plain OUT grammar
 # Needs Kestrel's bundle unstaged (../shared/device/stage.sh full, benchmarks/pack_for_device.sh;
 # source .stage/tools/unstage.sh)
 # and, for the vllm parts, vLLM's (../shared/peers/stage_vllm.sh). Every run writes
@@ -24,6 +27,12 @@ levels=${LEVELS:-1 8 32 64}  # LEVELS="1 64" REPEATS=2: a shorter run when devic
 repeats=${REPEATS:-3}
 sampling=() suffix=""
 if [ "${3:-}" = sampled ]; then sampling=(--sampling '{"temperature": 0.7, "top_p": 0.9}'); suffix=-sampled; fi
+vllm_extra=()
+if [ "${3:-}" = grammar ]; then
+  sampling=(--no-in-process --variant 'none={}' --variant 'grammar={"structured_outputs": {"regex": "[^\\x00]*"}}')
+  vllm_extra=(--structured-outputs-config '{"backend": "xgrammar"}')  # the engine Kestrel uses
+  [ -d /tmp/vsite/lmformatenforcer ] || python3 -m pip install -q --no-index --no-deps --target /tmp/vsite .xfer/tools/vllm_wheels/*.whl
+fi
 bench() {  # limit, args...; the part's --name gets the suffix
   local args=("${@:2}")
   for i in "${!args[@]}"; do [ "${args[$i]}" = --name ] && args[$((i + 1))]+=$suffix; done
@@ -37,7 +46,7 @@ vllm_serve() {  # name, extra args: start vllm serve in its own environment, ben
     python3 .peer/tools/vllm_bench.py --configs "" --no-serve-smoke --out "$out/vllm_convert")
   (source .peer/tools/unstage_vllm.sh >/dev/null && exec python3 -m vllm.entrypoints.openai.api_server \
     --model /tmp/vwork/model --served-model-name SmolLM2-135M-Instruct --port 8011 \
-    --gpu-memory-utilization 0.5 --max-model-len 4096 "$@") > "$out/$name.log" 2>&1 &
+    --gpu-memory-utilization 0.5 --max-model-len 4096 "${vllm_extra[@]}" "$@") > "$out/$name.log" 2>&1 &
   local pid=$!
   bench 270 --url http://127.0.0.1:8011 --name "$name"
   kill "$pid"; wait "$pid" 2>/dev/null

@@ -2,7 +2,7 @@
 
     python -m benchmarks.http_bench [--config configs/h200.yaml] [--set KEY=VALUE ...]
         [--concurrency 1 8 32 64] [--max-tokens 256] [--c1-prompts 10] [--repeats 3] [--out DIR]
-        [--sampling '{"temperature": 0.7, "top_p": 0.9}']
+        [--sampling '{"temperature": 0.7, "top_p": 0.9}'] [--variant NAME=JSON ...]
     python -m benchmarks.http_bench --url http://127.0.0.1:8011 --name vllm   # any server
     python -m benchmarks.http_bench --tiny-model --concurrency 1 4 16 64 256  # CPU, control plane
 
@@ -203,9 +203,18 @@ def main(argv=None) -> None:
     ap.add_argument("--sampling", default=None, metavar="JSON",
                     help='sampling fields for every request, over HTTP and in-process, e.g. '
                          '\'{"temperature": 0.7, "top_p": 0.9}\' (default: greedy)')
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="more sampling fields (over --sampling's) for a run of their own against the "
+                         "same server, e.g. 'grammar={\"structured_outputs\": {\"regex\": \".*\"}}'; "
+                         "several interleave run by run, so they share the machine's state; "
+                         "`none={}` runs --sampling alone. Named <name>-<NAME> in the table and the JSON")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     sampling = json.loads(args.sampling) if args.sampling else None
+    variants = [("", sampling)]
+    if args.variant:
+        variants = [(f"-{v.split('=', 1)[0]}", {**(sampling or {}), **json.loads(v.split("=", 1)[1])} or None)
+                    for v in args.variant]
     overrides = list(args.set)
     if args.tiny_model:
         overrides = TINY + [f"model.path={make_tiny_model(tempfile.mkdtemp(prefix='kestrel-tiny-'))}"] + overrides
@@ -215,14 +224,15 @@ def main(argv=None) -> None:
     questions = [qs[i % len(qs)] for i in range(max(max(args.concurrency), args.c1_prompts))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"name": name, "config": args.config, "overrides": args.set, "url": args.url,
+    meta = {"config": args.config, "overrides": args.set, "url": args.url,
             "max_tokens": args.max_tokens, "c1_prompts": args.c1_prompts, "cpus": os.cpu_count(),
-            "repeats": args.repeats, "streams_per_client": args.streams_per_client,
-            "sampling": sampling}
-    levels: list[dict] = []
+            "repeats": args.repeats, "streams_per_client": args.streams_per_client}
+    levels: dict[str, list[dict]] = {suffix: [] for suffix, _ in variants}
 
     def save() -> None:  # after every level: a run stopped at its time limit keeps its figures
-        (out / f"http_bench_{name}.json").write_text(json.dumps({**meta, "levels": levels}, indent=1))
+        for suffix, samp in variants:
+            (out / f"http_bench_{name}{suffix}.json").write_text(json.dumps(
+                {"name": name + suffix, **meta, "sampling": samp, "levels": levels[suffix]}, indent=1))
 
     # A `timeout` (SIGTERM) stops the server too: it runs in its own session and would
     # otherwise outlive this process.
@@ -235,13 +245,18 @@ def main(argv=None) -> None:
     try:
         asyncio.run(wait_ready(url, proc))
         for c in args.concurrency:
-            levels.append(median_run([asyncio.run(run_level(
-                url, args.model, questions, c, args.max_tokens, args.c1_prompts,
-                args.streams_per_client, sampling)) for _ in range(args.repeats)]))
+            runs: dict[str, list[dict]] = {suffix: [] for suffix, _ in variants}
+            for _ in range(args.repeats):
+                for suffix, samp in variants:
+                    runs[suffix].append(asyncio.run(run_level(
+                        url, args.model, questions, c, args.max_tokens, args.c1_prompts,
+                        args.streams_per_client, samp)))
+            for suffix, _ in variants:
+                lv = median_run(runs[suffix])
+                levels[suffix].append(lv)
+                print(f"{name}{suffix} c={c}: {lv['tok_s']:.1f} tok/s, TTFT p50 {lv['ttft_p50_ms']:.1f} ms, "
+                      f"server {lv['server']}", file=sys.stderr, flush=True)
             save()
-            lv = levels[-1]
-            print(f"{name} c={c}: {lv['tok_s']:.1f} tok/s, TTFT p50 {lv['ttft_p50_ms']:.1f} ms, "
-                  f"server {lv['server']}", file=sys.stderr, flush=True)
     except BaseException:
         if log is not None:  # what the server said, for the failure's cause
             print("".join(log.read_text(errors="replace").splitlines(True)[-60:]), file=sys.stderr)
@@ -251,14 +266,16 @@ def main(argv=None) -> None:
             stop_server(proc)
             shutil.copy(log, out / f"server_{name}.log")  # compile warnings, step errors
     if args.url is None and not args.no_in_process:
-        ip = in_process(args.config, overrides, questions, args.concurrency, args.max_tokens,
-                        args.c1_prompts, args.repeats, sampling)
-        for lv in levels:
-            lv["in_process"] = ip[lv["concurrency"]]
+        for suffix, samp in variants:
+            ip = in_process(args.config, overrides, questions, args.concurrency, args.max_tokens,
+                            args.c1_prompts, args.repeats, samp)
+            for lv in levels[suffix]:
+                lv["in_process"] = ip[lv["concurrency"]]
         save()
-    print(f"\n{name}: {os.cpu_count()} cpus, {args.max_tokens} new tokens, {sampling or 'greedy'}, "
-          "streamed chat\n")
-    print(table(name, levels))
+    for suffix, samp in variants:
+        print(f"\n{name}{suffix}: {os.cpu_count()} cpus, {args.max_tokens} new tokens, {samp or 'greedy'}, "
+              "streamed chat\n")
+        print(table(name + suffix, levels[suffix]))
 
 
 if __name__ == "__main__":

