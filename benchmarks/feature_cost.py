@@ -7,7 +7,8 @@
 MT-bench first turns with the chat template, greedy, `ignore_eos`, at each batch size:
 tokens/s plain and speculative (the preset's tree), without any feature, then with each:
 the penalties and a logit bias, 5 logprobs per token, a grammar (a regex that allows
-nearly any text, so acceptance stays comparable and the figure is the masking's own cost),
+nearly any text and never ends, so acceptance stays comparable and the figure is the
+masking's own cost),
 and seeded sampling as users mostly ask for it (temperature 0.7, top-p 0.9).
 Batches with processing, logprobs or sampling replay the processed / logprobs / sampled
 variants of the decode and step graphs, grammar batches the step graph's three parts with
@@ -35,7 +36,11 @@ FEATURES = {
     "penalties": dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1,
                       logit_bias={13: -2.0}),
     "logprobs": dict(logprobs=5),
-    "grammar": ("regex", r"[^\x00]*"),  # compiled for the engine's tokenizer in run()
+    # Any text up to a control character the model never writes: every token is masked to
+    # the end (a grammar that may end, as [^\x00]* did, masks nothing after the answer's EOS:
+    # 19% of the tokens of 64 MT-bench answers at 256 with ignore_eos). Compiled for the
+    # engine's tokenizer in run().
+    "grammar": ("regex", r"[^\x01]*\x01"),
     "sampled": dict(temperature=0.7, top_p=0.9, seed=1),
 }
 

@@ -13,7 +13,8 @@
 # A third argument `sampled` runs the part at temperature 0.7, top_p 0.9 (names end in -sampled):
 #   bash benchmarks/h200_http.sh kestrel-tree OUT sampled
 # `grammar` runs it twice over against one server, run by run, without and with a regex that allows
-# nearly any text (names end in -none and -grammar; HTTP only): the grammar's own cost.
+# nearly any text and never ends (so ignore_eos keeps every token masked, and vLLM does not fail
+# the request on a token after the grammar's end); names end in -none and -grammar; HTTP only.
 #   bash benchmarks/h200_http.sh kestrel-plain OUT grammar
 # Needs Kestrel's bundle unstaged (../shared/device/stage.sh full, benchmarks/pack_for_device.sh;
 # source .stage/tools/unstage.sh)
@@ -29,9 +30,8 @@ sampling=() suffix=""
 if [ "${3:-}" = sampled ]; then sampling=(--sampling '{"temperature": 0.7, "top_p": 0.9}'); suffix=-sampled; fi
 vllm_extra=()
 if [ "${3:-}" = grammar ]; then
-  sampling=(--no-in-process --variant 'none={}' --variant 'grammar={"structured_outputs": {"regex": "[^\\x00]*"}}')
+  sampling=(--no-in-process --variant 'none={}' --variant 'grammar={"structured_outputs": {"regex": "[^\\x01]*\\x01"}}')
   vllm_extra=(--structured-outputs-config '{"backend": "xgrammar"}')  # the engine Kestrel uses
-  [ -d /tmp/vsite/lmformatenforcer ] || python3 -m pip install -q --no-index --no-deps --target /tmp/vsite .xfer/tools/vllm_wheels/*.whl
 fi
 bench() {  # limit, args...; the part's --name gets the suffix
   local args=("${@:2}")
@@ -44,6 +44,9 @@ vllm_serve() {  # name, extra args: start vllm serve in its own environment, ben
   local name=$1; shift
   [ -d /tmp/vwork/model ] || (source .peer/tools/unstage_vllm.sh >/dev/null &&
     python3 .peer/tools/vllm_bench.py --configs "" --no-serve-smoke --out "$out/vllm_convert")
+  if [ ${#vllm_extra[@]} -gt 0 ] && [ ! -d /tmp/vsite/lmformatenforcer ]; then  # after the unstage, which rebuilds /tmp/vsite
+    python3 -m pip install -q --no-index --no-deps --target /tmp/vsite .xfer/tools/vllm_wheels/*.whl
+  fi
   (source .peer/tools/unstage_vllm.sh >/dev/null && exec python3 -m vllm.entrypoints.openai.api_server \
     --model /tmp/vwork/model --served-model-name SmolLM2-135M-Instruct --port 8011 \
     --gpu-memory-utilization 0.5 --max-model-len 4096 "${vllm_extra[@]}" "$@") > "$out/$name.log" 2>&1 &
