@@ -77,15 +77,23 @@ class SchedulerConfig(_Strict):
     prefill_min_batch: int = Field(1, ge=1)
     prefill_max_delay_steps: int = Field(32, ge=0)
     # Plan and launch step N+1 before step N has finished, so the device goes from one step
-    # to the next without waiting for the host to read N's tokens (the served engine and
-    # the in-process one alike). False: one step at a time, for comparison and debugging.
-    launch_ahead: bool = True
+    # to the next without waiting for the host to read N's tokens. None: the served engine
+    # always does (its ranks run apart from its planning); the in-process engine does on a
+    # GPU, where launching a step queues it, and not on the CPU, where launching a step runs
+    # it: there, ahead only computes again the rows of requests that ended at N (13% of
+    # tests/unit/test_engine.py's time). True / False: everywhere (False: one step at a
+    # time, for comparison and debugging).
+    launch_ahead: bool | None = None
 
-    @property
-    def steps_in_flight(self) -> int:
+    def steps_in_flight(self, in_process_device: str | None = None) -> int:
         """Plans launched and not finished per rank: the running one and the next. The
-        scheduler plans KV two windows ahead for exactly this; a third would only add latency."""
-        return 2 if self.launch_ahead else 1
+        scheduler plans KV two windows ahead for exactly this; a third would only add latency.
+        `in_process_device`: the device the in-process engine's steps run on (None: the
+        served engine)."""
+        ahead = self.launch_ahead
+        if ahead is None:
+            ahead = in_process_device != "cpu"
+        return 2 if ahead else 1
 
     @property
     def held_per_rank(self) -> int:

@@ -69,7 +69,7 @@ class EngineCore:
         self.cfg = cfg
         # Plans in flight per rank: the running one and the next, queued in its channel, so
         # the worker starts step N+1 the moment step N returns (scheduler.launch_ahead).
-        self.max_in_flight = cfg.scheduler.steps_in_flight
+        self.max_in_flight = cfg.scheduler.steps_in_flight()
         self.channels = channels
         self.schedulers = [Scheduler(cfg, info, eos_token_ids) for info in infos]
         self.token = secrets.token_hex(16)

@@ -6,8 +6,8 @@ Without dp_attention, DP ranks are independent: each has its own scheduler and r
 go to the least-loaded one.
 
 Steps run as the served engine runs them (serve_app/engine_core.py): with
-scheduler.launch_ahead, step N+1 is planned and launched on the worker before step N is
-finished, so the device does not wait for the host between steps.
+scheduler.launch_ahead (by default on a GPU), step N+1 is planned and launched on the worker
+before step N is finished, so the device does not wait for the host between steps.
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ class LLMEngine:
                            for w in self.workers]
         self._ids = itertools.count()
         # Per rank: (plan, launched step) in launch order, at most steps_in_flight of them.
+        self.steps_in_flight = cfg.scheduler.steps_in_flight(cfg.resolved_device())
         self._inflight = [deque() for _ in self.workers]
         self.steps = 0
         # Where step time goes (seconds, summed over ranks): host scheduling, the worker
@@ -93,7 +94,7 @@ class LLMEngine:
         """One finished step on every rank with work (ranks are independent without
         dp_attention); the rank's next step is launched before this one is finished."""
         events: list[RequestOutput] = []
-        limit = self.cfg.scheduler.steps_in_flight
+        limit = self.steps_in_flight
         for sched, worker, inflight in zip(self.schedulers, self.workers, self._inflight):
             t0 = time.perf_counter()
             launch_s = 0.0

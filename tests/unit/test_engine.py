@@ -205,13 +205,16 @@ def test_text_detokenized_once_equals_streamed(tiny_worker, tokenizer, chat_prom
 
 
 def test_abort_all_frees_queue_and_running(fp32_worker, tokenizer, chat_prompts):
-    eng = make_engine(fp32_worker, tokenizer, "scheduler.max_running_requests=2")
+    # Launching ahead (a GPU's default): abort_all also finishes the step in flight.
+    eng = make_engine(fp32_worker, tokenizer, "scheduler.max_running_requests=2",
+                      "scheduler.launch_ahead=true")
     reqs = [eng.add_request(p, greedy()) for p in chat_prompts[:5]]
     for _ in range(3):
         eng.step()
     sched = eng.schedulers[0]
-    assert sched.running and sched.waiting
+    assert sched.running and sched.waiting and eng.launched == 1
     eng.abort_all()
+    assert eng.launched == 0
     assert not eng.has_work
     assert all(r.finished and r.finish_reason == "abort" for r in reqs)
     sched.cache.evict(sched.slots.capacity)

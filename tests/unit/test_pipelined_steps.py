@@ -1,6 +1,6 @@
 """Overlap: dispatching step N+1 before processing step N, and launching it on the worker
-before step N has finished (scheduler.launch_ahead, as the served engine and the in-process
-one run), gives the same tokens as one step at a time, with chunked prefills in flight and
+before step N has finished (scheduler.launch_ahead, as the served engine runs and the
+in-process one on a GPU), gives the same tokens as one step at a time, with chunked prefills in flight and
 requests joining mid-run, plain and speculative, greedy, sampled and with logprobs."""
 import pytest
 
@@ -9,6 +9,7 @@ from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
 
 
 SEQUENTIAL = "scheduler.launch_ahead=false"  # the reference: one step at a time
+AHEAD = "scheduler.launch_ahead=true"  # on the CPU too, where the in-process default is not to
 
 
 def _params(i: int) -> SamplingParams:
@@ -24,7 +25,7 @@ def test_two_steps_launched_ahead_equal_sequential(tiny_llama_dir, shape):
     params = [_params(i) for i in range(len(prompts))]
     chunk = "scheduler.chunked_prefill_size=16"  # a sampled request draws coins per chunk
     want = tiny_engine(tiny_llama_dir, *ov, chunk, SEQUENTIAL, spec=spec).generate(prompts, params)
-    eng = tiny_engine(tiny_llama_dir, *ov, chunk, spec=spec)
+    eng = tiny_engine(tiny_llama_dir, *ov, chunk, AHEAD, spec=spec)
     sched = eng.schedulers[0]
     reqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params)]
     steps, overlapped = 0, 0
@@ -52,7 +53,7 @@ def test_preemption_with_two_steps_in_flight(tiny_llama_dir, shape):
     prompts = [p * 3 for p in random_prompts(6, seed=3)]
     ref = outputs(tiny_engine(tiny_llama_dir, *ov, SEQUENTIAL, spec=spec), prompts, 16)
     eng = tiny_engine(tiny_llama_dir, *ov, "scheduler.chunked_prefill_size=16",
-                      "kv_cache.num_slots=200", spec=spec)
+                      "kv_cache.num_slots=200", AHEAD, spec=spec)
     reqs = [eng.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
     overlapped = 0
     while eng.has_work:
