@@ -282,7 +282,9 @@ def smollm2_worker():
 
     def get(shape: str):
         if shape not in workers:
-            spec = ["draft.enabled=true", "draft.path=random", *TREE] if shape == "tree" else ["draft.enabled=false"]
+            # The shipped head: it accepts 2-3 tokens a step where a random one accepts 1, so
+            # the same answers take half the steps.
+            spec = ["draft.enabled=true", *TREE] if shape == "tree" else ["draft.enabled=false"]
             workers[shape] = RankWorker(load_config(overrides=SMOLLM2 + spec))
         w = workers[shape]
         w.grammars = GrammarRows(w.cfg.processing.grammar_threads)
