@@ -144,28 +144,37 @@ def seed_scenario_with_graphs(rank: int):
 
 def late_ready(rank: int):
     """A GPU's timing on the CPU, where a step has run when `launch` returns: a launched
-    step says it is ready only 30 ms after its launch, so the step channel launches the
-    next plan first. Reports the plans with grammar rows that were launched before the
-    step ahead of them had finished."""
+    step says it is ready only 30 ms after its launch, or once a later step's grammar
+    masks have read its tokens, so the step channel launches the next plan first.
+    Reports the plans with grammar rows that were launched before the step ahead of them
+    had finished, and the steps answered from inside a later step's launch (the
+    channel's early answer, RankWorker.on_steps_back)."""
     import time
 
     from actors.dp.lockstep_worker import LockstepWorker
     from actors.launched_step import LaunchedStep
     launch, finish, ready = LockstepWorker.launch, LockstepWorker.finish, LaunchedStep.ready
-    unfinished, ahead = [], [0]  # steps launched and not finished, in launch order
+    unfinished, ahead, inside = [], [0], [0]  # steps launched and not finished, in launch order
+    launching_now = [False]
 
     def launching(self, plan):
         grammar = bool(plan.grammar_resets) or self.worker.grammars.any(plan.rows)
         ahead[0] += grammar and bool(unfinished)
-        step = launch(self, plan)
+        launching_now[0] = True
+        try:
+            step = launch(self, plan)
+        finally:
+            launching_now[0] = False
         step.ready_at = time.monotonic() + 0.03
         unfinished.append(step)
         return step
 
     def finishing(self, step):
         unfinished.remove(step)
+        inside[0] += launching_now[0]
         return finish(self, step)
 
     LockstepWorker.launch, LockstepWorker.finish = launching, finishing
-    LaunchedStep.ready = lambda self: time.monotonic() >= self.ready_at and ready(self)
-    return lambda: {"grammar_ahead": ahead[0]}
+    LaunchedStep.ready = lambda self: ((time.monotonic() >= getattr(self, "ready_at", 0.0) or self.tokens_read)
+                                       and ready(self))
+    return lambda: {"grammar_ahead": ahead[0], "answered_inside_launch": inside[0]}

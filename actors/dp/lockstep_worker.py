@@ -123,6 +123,12 @@ class LockstepWorker:
     def finish(self, step: LaunchedStep) -> StepOutput:
         return self.worker.finish(step)
 
+    def on_steps_back(self, callback) -> None:
+        """As RankWorker's: the channel answers the steps whose tokens a grammar step's
+        masks have read from inside its launch. The answer only sends this rank's tokens
+        to the engine core; it issues no collective, so the ranks stay paired."""
+        self.worker.on_steps_back(callback)
+
     def _run_idle_phases(self) -> None:
         while self.dp.pending and self.dp.pending[0].own_tokens == 0:
             self._idle(self.dp.pending[0])

@@ -341,7 +341,8 @@ def test_grammar_rows_launched_ahead_on_lockstep_ranks(loop, grammar_model, toke
     """Structured outputs under dp_attention, each rank's grammar plans launched before its
     step ahead finished (tests/dp_rank_hooks.py late_ready): a rank's masks wait inside
     `launch` for its own step before, whose collectives every rank has issued, so nothing
-    hangs; the group's greedy tokens equal one plain rank's, grammar rows beside free ones."""
+    hangs, and its channel answers that step from there; the group's greedy tokens equal
+    one plain rank's, grammar rows beside free ones."""
     import json
 
     from serve_app.grammar import GrammarCompiler
@@ -367,6 +368,9 @@ def test_grammar_rows_launched_ahead_on_lockstep_ranks(loop, grammar_model, toke
     got, reports = loop(run())
     assert got == want
     assert all(r["grammar_ahead"] > 0 for r in reports), reports
+    # Each rank's channel answered steps from inside a grammar step's launch, where its
+    # masks had read their tokens (LockstepWorker.on_steps_back).
+    assert all(r["answered_inside_launch"] > 0 for r in reports), reports
 
 
 def test_smollm2_on_two_ranks_equals_one_rank(loop, chat_prompts, plain_chat_outputs):
