@@ -175,6 +175,6 @@ def late_ready(rank: int):
         return finish(self, step)
 
     LockstepWorker.launch, LockstepWorker.finish = launching, finishing
-    LaunchedStep.ready = lambda self: ((time.monotonic() >= getattr(self, "ready_at", 0.0) or self.tokens_read)
+    LaunchedStep.ready = lambda self: ((time.monotonic() >= self.ready_at or self.tokens_read)
                                        and ready(self))
     return lambda: {"grammar_ahead": ahead[0], "answered_inside_launch": inside[0]}
