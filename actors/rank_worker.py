@@ -84,9 +84,7 @@ class RankWorker:
         CompileWatch.pause_all()
         self.device = torch.device(cfg.resolved_device())
         self.dtype = resolve_dtype(cfg.model.dtype, self.device.type)
-        if self.device.type == "cpu":
-            cores = os.cpu_count() or 1
-            torch.set_num_threads(cfg.cpu_threads or max(1, cores // cfg.parallel.dp_size))
+        torch.set_num_threads(cfg.resolved_cpu_threads(self.device.type, os.cpu_count() or 1))
         torch.manual_seed(cfg.seed)
         layer_ops.set_fused(cfg.model.fused_layer_ops)
         path = cfg.model.path or default_model_path()

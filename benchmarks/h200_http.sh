@@ -12,6 +12,8 @@
 #   bash benchmarks/h200_http.sh replicas2 OUT    two replicas of one GPU each (Serve)
 # A third argument `sampled` runs the part at temperature 0.7, top_p 0.9 (names end in -sampled):
 #   bash benchmarks/h200_http.sh kestrel-tree OUT sampled
+# SET="processing.grammar_threads=4" TAG=-gt4 bash benchmarks/h200_http.sh kestrel-tree OUT grammar
+# overrides the preset for a kestrel part (names get TAG).
 # `grammar` runs it twice over against one server, run by run, without and with a regex that allows
 # nearly any text and never ends (so ignore_eos keeps every token masked, and vLLM does not fail
 # the request on a token after the grammar's end); names end in -none and -grammar; HTTP only.
@@ -29,6 +31,9 @@ repeats=${REPEATS:-3}
 sampling=() suffix=""
 if [ "${3:-}" = sampled ]; then sampling=(--sampling '{"temperature": 0.7, "top_p": 0.9}'); suffix=-sampled; fi
 vllm_extra=()
+# SET="key=value ..." TAG=-x: config overrides for the kestrel parts, and a name suffix for them
+sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
+tag=${TAG:-}
 if [ "${3:-}" = grammar ]; then
   sampling=(--no-in-process --variant 'none={}' --variant 'grammar={"structured_outputs": {"regex": "[^\\x01]*\\x01"}}')
   vllm_extra=(--structured-outputs-config '{"backend": "xgrammar"}')  # the engine Kestrel uses
@@ -57,9 +62,9 @@ vllm_serve() {  # name, extra args: start vllm serve in its own environment, ben
 
 case $part in
   kestrel-tree)
-    bench 560 --config configs/h200.yaml --name kestrel-tree ;;
+    bench 560 --config configs/h200.yaml "${sets[@]}" --name "kestrel-tree$tag" ;;
   kestrel-plain)
-    bench 560 --config configs/h200.yaml --set draft.enabled=false --name kestrel-plain ;;
+    bench 560 --config configs/h200.yaml --set draft.enabled=false "${sets[@]}" --name "kestrel-plain$tag" ;;
   proxy)
     bench 560 --config configs/h200.yaml --set serve.http_proxy=serve --name kestrel-tree-serve-proxy --no-in-process ;;
   vllm-plain)

@@ -215,8 +215,10 @@ class KestrelConfig(_Strict):
     seed: int = 0
     # Synchronize and time each phase of a step (benchmarks); costs a sync per phase.
     profile_steps: bool = False
-    # torch threads of each rank on CPU; None = the machine's cores shared among DP ranks.
-    # (Ray starts an actor with OMP_NUM_THREADS = its bundle's CPUs, usually 1.)
+    # torch's host threads of each rank. None: on a CPU the machine's cores shared among DP
+    # ranks; on a GPU one, as Ray gives a GPU actor (OMP_NUM_THREADS = its bundle's CPUs):
+    # the rank's host tensors are small, and idle OpenMP threads spin on the cores that the
+    # grammar matchers and the server's other processes need (as vLLM sets for its workers).
     cpu_threads: int | None = Field(None, ge=1)
     model: ModelConfig = Field(default_factory=ModelConfig)
     draft: DraftConfig = Field(default_factory=DraftConfig)
@@ -226,6 +228,11 @@ class KestrelConfig(_Strict):
     processing: ProcessingConfig = Field(default_factory=ProcessingConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    def resolved_cpu_threads(self, device_type: str, cores: int) -> int:
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        return max(1, cores // self.parallel.dp_size) if device_type == "cpu" else 1
 
     def resolved_device(self) -> str:
         if self.device != "auto":
