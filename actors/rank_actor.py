@@ -18,6 +18,7 @@ import torch
 
 from actors.dp.group import find_free_port
 from actors.dp.lockstep_worker import LockstepWorker
+from actors import gc_pauses
 from actors.rank_worker import RankWorker
 from actors.step_channel import StepServer
 from configs.schema import KestrelConfig
@@ -38,6 +39,7 @@ class RankActor:
         index = torch.cuda.current_device() if self.worker.device.type == "cuda" else None
         bind = (lambda: torch.cuda.set_device(index)) if index is not None else None
         self.channel = StepServer(self.worker, host, on_start=bind)
+        gc_pauses.serving(f"rank {rank}", cfg.serve.gc_freeze)
 
     def info(self) -> dict:
         host, port = self.channel.address
@@ -49,6 +51,9 @@ class RankActor:
 
     def ping(self) -> int:
         return self.worker.rank
+
+    def gc_stats(self) -> dict[str, int]:
+        return gc_pauses.stats()
 
     def dp_address(self) -> tuple[str, int]:
         """Rank 0: where the group meets (this node, a free port)."""

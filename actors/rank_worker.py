@@ -19,6 +19,7 @@ from actors.attention.torch_native import TorchNativeBackend
 from actors.dp.sync import ForwardMode
 from actors.forward_batch import ForwardBatch
 from actors.future_map import FutureMap
+from actors.gc_pauses import watch
 from actors.grammar_rows import GrammarRows
 from actors.host_copy import to_device
 from actors.launched_step import Emitted, LaunchedStep, one_token_each, timing_event
@@ -82,6 +83,7 @@ class RankWorker:
         self.rank = rank
         self.compiles = CompileWatch()  # armed once start-up has compiled what serving needs
         CompileWatch.pause_all()
+        self.gc = watch()  # the collector's passes, a step's `gc` phase
         self.device = torch.device(cfg.resolved_device())
         self.dtype = resolve_dtype(cfg.model.dtype, self.device.type)
         torch.set_num_threads(cfg.resolved_cpu_threads(self.device.type, os.cpu_count() or 1))
@@ -332,6 +334,8 @@ class RankWorker:
         self._last_end = end
         if self.compiles.seconds:
             timings["compile"] = self.compiles.take_seconds()
+        if self.gc.seconds:
+            timings["gc"] = self.gc.take_seconds()
         if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
             timings.update(self.eagle.last_timings)
         return StepOutput(plan.step_id, tokens, timings, logprobs, step.prompt_logprobs)

@@ -68,9 +68,13 @@ def run(config: str, overrides: list[str], prompts_text: list[str], batches: lis
     from serve_app.llm_engine import LLMEngine
     from serve_app.request import SamplingParams
     from serve_app.tokenizer import apply_chat_template
+    from actors.gc_pauses import freeze_heap, watch
     eng = LLMEngine(load_config(config, overrides))
     if stand_in_graphs:
         cpu_graphs(eng)
+    if eng.cfg.serve.gc_freeze:  # as the served rank process does
+        freeze_heap("feature_cost")
+    gc_pauses = watch()
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in prompts_text]
     out = {}
     for feature, extra in FEATURES.items():
@@ -84,16 +88,17 @@ def run(config: str, overrides: list[str], prompts_text: list[str], batches: lis
             eng.generate(batch, SamplingParams(max_tokens=8, ignore_eos=True, **extra))  # warm-up
             best = None
             for _ in range(repeats):  # the best of them: a shared machine only ever slows a run
-                steps0, t0 = eng.steps, time.perf_counter()
+                steps0, t0, _ = eng.steps, time.perf_counter(), gc_pauses.take_seconds()
                 reqs = eng.generate(batch, params)
                 secs = time.perf_counter() - t0
                 if best is None or secs < best[0]:
-                    best = secs, eng.steps - steps0, sum(len(r.output_ids) for r in reqs)
-            secs, steps, tokens = best
+                    best = secs, eng.steps - steps0, sum(len(r.output_ids) for r in reqs), gc_pauses.take_seconds()
+            secs, steps, tokens, gc_s = best
             out[f"{feature}/{b}"] = tokens / secs
             out[f"{feature}/{b}/ms_per_step"] = 1000 * secs / steps
+            out[f"{feature}/{b}/gc_s"] = gc_s
             print(f"{'plain' if 'draft.enabled=false' in overrides else 'spec'} {feature} batch {b}: {out[f'{feature}/{b}']:.0f} tok/s, "
-                  f"{out[f'{feature}/{b}/ms_per_step']:.2f} ms/step", file=sys.stderr, flush=True)
+                  f"{out[f'{feature}/{b}/ms_per_step']:.2f} ms/step, GC {1000 * gc_s:.1f} ms", file=sys.stderr, flush=True)
             if count_ops:
                 from benchmarks.step_ops import count_decode_ops
                 with count_decode_ops(eng.workers) as c:

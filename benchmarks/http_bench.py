@@ -126,7 +126,10 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
     from serve_app.llm_engine import LLMEngine
     from serve_app.request import SamplingParams
     from serve_app.tokenizer import apply_chat_template
+    from actors.gc_pauses import freeze_heap
     eng = LLMEngine(load_config(config, overrides))
+    if eng.cfg.serve.gc_freeze:  # as the served rank process does
+        freeze_heap("http_bench in-process")
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in questions]
     outs = []
     for sampling in samplings:
@@ -161,7 +164,7 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
 def table(name: str, levels: list[dict]) -> str:
     head = ("| server | c | tok/s | in-process tok/s | HTTP / in-process | TTFT p50 / p99 ms | "
             "server TTFT ms | TPOT ms | chunk gap p50 / p99 ms | steps/s | per step ms: schedule, "
-            "process, execute, recv, compile | wait / GPU idle ms per pipelined step | in-process per step ms: "
+            "process, execute, recv, compile | GC s | wait / GPU idle ms per pipelined step | in-process per step ms: "
             "schedule, execute, process |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     def num(v, fmt: str) -> str:
@@ -180,7 +183,7 @@ def table(name: str, levels: list[dict]) -> str:
             f"{num(ratio, '.2f')} | {lv['ttft_p50_ms']:.0f} / {lv['ttft_p99_ms']:.0f} | "
             f"{num(sv.get('server_ttft_mean_ms'), '.0f')} | {lv['tpot_ms']:.2f} | "
             f"{lv['gap_p50_ms']:.1f} / {lv['gap_p99_ms']:.1f} | {num(sv.get('steps_s'), '.0f')} | "
-            f"{phases} | {num(sv.get('wait_ms_per_pipelined_step'), '.3f')} / "
+            f"{phases} | {num(sv.get('gc_s'), '.3f')} | {num(sv.get('wait_ms_per_pipelined_step'), '.3f')} / "
             f"{num(sv.get('gpu_idle_ms_per_pipelined_step'), '.3f')} | {ip_phases} |")
     return "\n".join(lines)
 

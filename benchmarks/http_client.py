@@ -113,6 +113,8 @@ def server_side(before: dict[str, float], after: dict[str, float], seconds: floa
     ttft_n = d.get("kestrel_time_to_first_token_seconds_count", 0)
     accepts = d.get("kestrel_spec_accept_length_count", 0)
     return {"steps_s": steps / seconds, "step_ms": per_step,
+            # the collector's full passes stop a step loop: their seconds in all
+            "gc_s": d.get("kestrel_engine_step_seconds_total:gc", 0.0),
             "extend_steps": d.get("kestrel_engine_steps_total:extend", 0),
             "accept_mean": d.get("kestrel_spec_accept_length_sum", 0.0) / accepts if accepts else None,
             "wait_ms_per_pipelined_step": 1000 * d.get("kestrel_engine_step_seconds_total:wait", 0.0)

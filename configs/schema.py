@@ -194,6 +194,11 @@ class ServeConfig(_Strict):
     # default is 15, which yields a shared core to any ordinary process (a load client, a
     # log shipper) while the GPU waits. A cluster setting, like http_proxy.
     ray_worker_niceness: int = Field(0, ge=0, le=19)
+    # Freeze the heap of each serving process (rank, engine core, replica) once started
+    # (gc.freeze), so the collector's full passes walk only what serving made since: a
+    # full pass over a started rank's heap stops its step loop ~100-230 ms
+    # (actors/gc_pauses.py).
+    gc_freeze: bool = True
     # Non-empty: every route but /health (and /metrics, below) needs one of these keys as
     # `Authorization: Bearer <key>`.
     api_keys: list[str] = Field(default_factory=list)

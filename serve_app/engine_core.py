@@ -40,6 +40,7 @@ from typing import Any
 
 import ray
 
+from actors import gc_pauses
 from actors.step_channel import HEADER, HELLO, OK, decode, encode
 from actors.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
@@ -52,7 +53,11 @@ log = logging.getLogger("kestrel.engine")
 # dp_attention: once a rank failed, how long its peers get to report their own failure
 # (theirs follows from it), so the error names the cause: a rank that is gone.
 FAILURE_GRACE_S = 1.0
-STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile", "gpu_idle")
+# A step this long, and this many times its mode's usual, stalled every stream of its
+# rank: it is logged with its parts, to tell the stall's cause (the rank's host, the
+# device, a compile, the collector) from the log.
+SLOW_STEP_S, SLOW_STEP_TIMES = 0.1, 5.0
+STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile", "gc", "gpu_idle")
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[str, Any]:
@@ -81,6 +86,8 @@ class EngineCore:
         # channel, and the GPU by its own clock, sat idle waiting on the control plane
         # although the next step could have been queued.
         self.step_seconds = [dict.fromkeys(STEP_PHASES, 0.0) for _ in infos]
+        self.gc = gc_pauses.watch()
+        self._usual_step: dict[tuple[int, str], float] = {}  # (rank, mode) -> moving mean, s
         self.step_counts = [{"extend": 0, "decode": 0, "pipelined": 0} for _ in infos]
         self.failed: str | None = None
         if cfg.parallel.dp_attention:
@@ -225,9 +232,18 @@ class EngineCore:
         self.schedulers[rank].process_output(plan, out)  # each request's outputs into the outbox
         seconds["process"] += time.perf_counter() - t1
         timings = out.timings
-        seconds["execute"] += timings.get(plan.mode, 0.0)
+        took = timings.get(plan.mode, 0.0)
+        seconds["execute"] += took
+        usual = self._usual_step.get((rank, plan.mode), took)
+        if took >= max(SLOW_STEP_S, SLOW_STEP_TIMES * usual):
+            log.warning("rank %d: a slow %s step, %d rows, usually %.1f ms: %s ms", rank, plan.mode,
+                        len(plan.rows), 1000 * usual, {k: round(1000 * v, 1) for k, v in timings.items()})
+        self._usual_step[(rank, plan.mode)] = 0.9 * usual + 0.1 * took
         seconds["recv"] += timings.get("recv", 0.0)
         seconds["compile"] += timings.get("compile", 0.0)
+        # The collector's passes on the rank and in this process (one watch per process:
+        # when both run in one, the rank's timings took them already).
+        seconds["gc"] += timings.get("gc", 0.0) + self.gc.take_seconds()
         counts[plan.mode] += 1
         if pipelined:
             seconds["wait"] += timings.get("wait", 0.0)
@@ -344,7 +360,11 @@ class EngineCoreActor:
         self.core = EngineCore(self.cfg, infos, channels, eos_token_ids)
         ip = ray.util.get_node_ip_address()
         host, port = await self.core.listen("127.0.0.1" if front_ip == ip else ip)
+        gc_pauses.serving("engine core", self.cfg.serve.gc_freeze)
         return {"host": host, "port": port, "token": self.core.token}
 
     async def check(self) -> None:
         self.core.check()
+
+    async def gc_stats(self) -> dict[str, int]:
+        return gc_pauses.stats()

@@ -13,7 +13,6 @@ ingress); with `serve`, Serve's Python proxy relays it (one Ray hop per SSE chun
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from typing import Any
 
@@ -21,6 +20,7 @@ import ray
 from ray import serve
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors import gc_pauses
 from actors.rank_actor import RankActor
 from configs.schema import KestrelConfig
 from serve_app.engine_client import EngineClient
@@ -110,7 +110,7 @@ class EngineDeployment:
         self._gauges_task = asyncio.create_task(self._publish_gauges(cfg_obj.model.name))
         # What is alive now lives as long as the replica: keep the collector off it, so
         # its full passes do not pause the event loop walking a heap that never changes.
-        gc.freeze()
+        gc_pauses.serving(f"replica {self._replica}", cfg_obj.serve.gc_freeze)
         log.info("engine replica %s ready: dp_size=%d, HTTP %s, placement group %s, %s",
                  self._replica, dp, _http_path(), pg.id.hex() if pg is not None else None,
                  {k: v for k, v in infos[0].items() if k != "channel"})
@@ -146,6 +146,13 @@ class EngineDeployment:
 
     async def rank_stats(self) -> list[dict[str, Any]]:
         return await self.engine.rank_stats()
+
+    async def gc_stats(self) -> dict[str, Any]:
+        """The collector in each process of this replica (serve.gc_freeze): objects frozen
+        out of its passes, and the full passes seen since start-up."""
+        core, ranks = await asyncio.gather(self.core.gc_stats.remote(),
+                                           asyncio.gather(*[a.gc_stats.remote() for a in self.actors]))
+        return {"replica": gc_pauses.stats(), "core": core, "ranks": list(ranks)}
 
     async def num_running(self) -> int:
         """Requests this replica holds (queued, prefilling or decoding)."""

@@ -122,8 +122,9 @@ class _StepCollector:
         for mode, n in (stats.get("steps") or {}).items():
             steps.add_metric([self.m.model, rep, mode], n)
         secs = CounterMetricFamily("kestrel_engine_step_seconds", "Seconds per step phase: "
-                                   "schedule, process (engine loop); execute, recv (rank "
-                                   "worker); wait (the worker idle before a pipelined step), "
+                                   "schedule, process (engine loop); execute, recv, compile "
+                                   "(rank worker); gc (the collector's passes, rank and "
+                                   "engine loop); wait (the worker idle before a pipelined step), "
                                    "gpu_idle (the GPU idle before it, by the GPU's clock)",
                                    labels=["model", "replica", "phase"])
         for phase, v in (stats.get("step_seconds") or {}).items():

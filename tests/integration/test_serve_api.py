@@ -67,6 +67,18 @@ def test_serving_processes_run_at_the_configured_niceness(server):
     assert seen == set(titles)
 
 
+def test_serving_processes_freeze_their_heap(server):
+    """serve.gc_freeze: the replica, its engine core and each rank freeze what start-up
+    left alive, so the collector's full passes do not walk it while streams wait; the
+    steps report the passes that remain as their `gc` phase."""
+    st = server.engine().gc_stats.remote().result(timeout_s=30)
+    # A started rank holds some 300,000 tracked objects (torch, the model, Ray).
+    assert st["ranks"][0]["frozen"] > 100_000, st
+    assert st["core"]["frozen"] > 10_000 and st["replica"]["frozen"] > 10_000, st
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    assert 'kestrel_engine_step_seconds_total{' in text and 'phase="gc"' in text
+
+
 def test_chat_usage_and_stream_equals_non_stream(client, tokenizer):
     from serve_app.tokenizer import apply_chat_template
     messages = [{"role": "user", "content": "Name three colours."}]
