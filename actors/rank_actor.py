@@ -52,6 +52,15 @@ class RankActor:
     def ping(self) -> int:
         return self.worker.rank
 
+    def set_grammar_vocab(self, vocab_json: str) -> None:
+        """Start-up, before the engine core connects: the grammar vocabulary, so the first
+        request with a grammar does not wait for it (the step thread is not running yet)."""
+        self.worker.grammars.set_vocab(vocab_json)
+
+    def grammar_vocab_size(self) -> int:
+        info = self.worker.grammars.info
+        return 0 if info is None else info.vocab_size
+
     def gc_stats(self) -> dict[str, int]:
         return gc_pauses.stats()
 

@@ -116,6 +116,7 @@ class RankWorker:
         self.counts = OutputCounts(self.num_rows, a.vocab_size, self.device)
         self.processing = ProcessingTable(self.num_rows, cfg.processing, self.device)
         self.grammars = GrammarRows(cfg.processing.grammar_threads)
+        GrammarRows.preload()  # not in the step that meets the first grammar
         self._last_end = None  # the end event of the last finished step (device idle time)
         self.future = FutureMap(self.num_rows, cfg.draft.topk,
                                 self.eagle.hidden_size if self.eagle else a.hidden_size,

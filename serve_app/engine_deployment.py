@@ -92,12 +92,19 @@ class EngineDeployment:
             self.actors.append(RankActor.options(name=f"{name}-rank{rank}", namespace="kestrel",
                                                  **opts, **in_bundle(1 + rank))
                                .remote(cfg, rank, core_ip))
-        # Load the tokenizer while the actors load their models.
+        # Load the tokenizer, and xgrammar's view of it, while the actors load their models.
         from actors.models.loader import default_model_path
+        from serve_app.grammar import compiler_for
         from serve_app.tokenizer import load_tokenizer
-        tok_task = asyncio.to_thread(load_tokenizer, cfg_obj.model.path or default_model_path())
-        infos, tokenizer = await asyncio.gather(
-            asyncio.gather(*[a.info.remote() for a in self.actors]), tok_task)
+
+        def tokenizer_and_vocab():
+            tok = load_tokenizer(cfg_obj.model.path or default_model_path())
+            return tok, compiler_for(tok).vocab_json
+
+        infos, (tokenizer, vocab) = await asyncio.gather(
+            asyncio.gather(*[a.info.remote() for a in self.actors]), asyncio.to_thread(tokenizer_and_vocab))
+        # Each rank takes the grammar vocabulary now, not in the first grammar request's step.
+        await asyncio.gather(*[a.set_grammar_vocab.remote(vocab) for a in self.actors])
         if cfg_obj.parallel.dp_attention:  # one group: rank 0 publishes where it meets
             addr, port = await self.actors[0].dp_address.remote()
             await asyncio.gather(*[a.join_dp.remote(addr, port) for a in self.actors])

@@ -67,6 +67,10 @@ class LockstepWorker:
     def device(self) -> torch.device:
         return self.worker.device
 
+    @property
+    def grammars(self):
+        return self.worker.grammars
+
     def join(self, master_addr: str, master_port: int | None) -> None:
         """Join the replica's group (every rank at once; rank 0 published the address),
         then capture the graphs, whose forwards hold the group's collectives."""
