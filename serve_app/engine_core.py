@@ -87,7 +87,8 @@ class EngineCore:
         # although the next step could have been queued.
         self.step_seconds = [dict.fromkeys(STEP_PHASES, 0.0) for _ in infos]
         self.gc = gc_pauses.watch()
-        self._usual_step: dict[tuple[int, str], float] = {}  # (rank, mode) -> moving mean, s
+        # (rank, mode) and (rank, mode, size bucket) -> a step's moving mean, s (_note_slow)
+        self._usual_step: dict[tuple, float] = {}
         self.step_counts = [{"extend": 0, "decode": 0, "pipelined": 0} for _ in infos]
         self.failed: str | None = None
         if cfg.parallel.dp_attention:
@@ -232,13 +233,8 @@ class EngineCore:
         self.schedulers[rank].process_output(plan, out)  # each request's outputs into the outbox
         seconds["process"] += time.perf_counter() - t1
         timings = out.timings
-        took = timings.get(plan.mode, 0.0)
-        seconds["execute"] += took
-        usual = self._usual_step.get((rank, plan.mode), took)
-        if took >= max(SLOW_STEP_S, SLOW_STEP_TIMES * usual):
-            log.warning("rank %d: a slow %s step, %d rows, usually %.1f ms: %s ms", rank, plan.mode,
-                        len(plan.rows), 1000 * usual, {k: round(1000 * v, 1) for k, v in timings.items()})
-        self._usual_step[(rank, plan.mode)] = 0.9 * usual + 0.1 * took
+        seconds["execute"] += timings.get(plan.mode, 0.0)
+        self._note_slow(rank, plan, timings)
         seconds["recv"] += timings.get("recv", 0.0)
         seconds["compile"] += timings.get("compile", 0.0)
         # The collector's passes on the rank and in this process (one watch per process:
@@ -249,6 +245,22 @@ class EngineCore:
             seconds["wait"] += timings.get("wait", 0.0)
             seconds["gpu_idle"] += timings.get("gpu_idle", 0.0)
             counts["pipelined"] += 1
+
+    def _note_slow(self, rank: int, plan: StepPlan, timings: dict[str, float]) -> None:
+        """Log a step far slower than the usual one of its mode and size (rows of a
+        decode, prompt tokens of an extend, by powers of two; a size not met before is
+        held to its mode's usual), with the parts the rank timed."""
+        took = timings.get(plan.mode, 0.0)
+        extend = plan.mode == "extend"
+        size = sum(plan.extend_lens) if extend else len(plan.rows)
+        by_mode, by_size = (rank, plan.mode), (rank, plan.mode, size.bit_length())
+        usual = self._usual_step.get(by_size, self._usual_step.get(by_mode, took))
+        if took >= max(SLOW_STEP_S, SLOW_STEP_TIMES * usual):
+            log.warning("rank %d: a slow %s step (%d rows%s), usually %.1f ms: %s ms", rank, plan.mode,
+                        len(plan.rows), f", {size} tokens" if extend else "", 1000 * usual,
+                        {k: round(1000 * v, 1) for k, v in timings.items()})
+        for key in (by_mode, by_size):
+            self._usual_step[key] = 0.9 * self._usual_step.get(key, took) + 0.1 * took
 
     def _fail(self, e: Exception, who: str, ranks: list[int]) -> None:
         """`ranks` cannot step any more: their requests fail with what went wrong."""
