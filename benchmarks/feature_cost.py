@@ -2,7 +2,7 @@
 
     python -m benchmarks.feature_cost [--config configs/h200.yaml] [--batch-sizes 1 64]
         [--max-tokens 256] [--out DIR] [--repeats R] [--set KEY=VALUE ...]
-        [--tiny-model [--count-ops]]
+        [--tiny-model [--count-ops]] [--timeline DIR]
 
 MT-bench first turns with the chat template, greedy, `ignore_eos`, at each batch size:
 tokens/s plain and speculative (the preset's tree), without any feature, then with each:
@@ -15,6 +15,7 @@ variants of the decode and step graphs, grammar batches the step graph's three p
 the masks walked between them (`--set attention.feature_graphs=false`: the eager paths
 instead).
 Prints a markdown table (tokens/s, and milliseconds per step); JSON under --out.
+--timeline DIR profiles one more run of each cell: where the GPU sits idle in a step.
 
 --tiny-model runs on the CPU: a random 1-layer model with SmolLM2's tokenizer
 (benchmarks/http_bench.py), a random draft head in the h200 preset's tree shape, and the
@@ -62,7 +63,7 @@ def cpu_graphs(eng) -> None:
 
 def run(config: str, overrides: list[str], prompts_text: list[str], batches: list[int],
         max_tokens: int, stand_in_graphs: bool = False, count_ops: bool = False,
-        repeats: int = 1, features: list[str] | None = None) -> dict:
+        repeats: int = 1, features: list[str] | None = None, timeline: str | None = None) -> dict:
     from configs.schema import load_config
     from serve_app.grammar import compiler_for
     from serve_app.llm_engine import LLMEngine
@@ -97,14 +98,36 @@ def run(config: str, overrides: list[str], prompts_text: list[str], batches: lis
             out[f"{feature}/{b}"] = tokens / secs
             out[f"{feature}/{b}/ms_per_step"] = 1000 * secs / steps
             out[f"{feature}/{b}/gc_s"] = gc_s
-            print(f"{'plain' if 'draft.enabled=false' in overrides else 'spec'} {feature} batch {b}: {out[f'{feature}/{b}']:.0f} tok/s, "
+            engine = "plain" if "draft.enabled=false" in overrides else "spec"
+            print(f"{engine} {feature} batch {b}: {out[f'{feature}/{b}']:.0f} tok/s, "
                   f"{out[f'{feature}/{b}/ms_per_step']:.2f} ms/step, GC {1000 * gc_s:.1f} ms", file=sys.stderr, flush=True)
+            if timeline:
+                out[f"{feature}/{b}/timeline"] = device_timeline(eng, batch, params, Path(timeline) / f"{engine}_{feature}_{b}.json")
             if count_ops:
                 from benchmarks.step_ops import count_decode_ops
                 with count_decode_ops(eng.workers) as c:
                     eng.generate(batch, SamplingParams(max_tokens=16, ignore_eos=True, **extra))
                 out[f"{feature}/{b}/ops"] = c.ops / c.steps
     return out
+
+
+def device_timeline(eng, batch: list, params, path: Path) -> dict:
+    """One more run of the cell under torch.profiler: the device's busy and idle time per
+    step and where the idle time sits (benchmarks/gpu_gaps.py), printed and written to
+    `path`. Profiling slows the host, so the run's own speed is no figure."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu_gaps import device_intervals, gaps, table
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    steps0 = eng.steps
+    with profile(activities=activities) as prof:
+        eng.generate(batch, params)
+    summary = gaps(device_intervals(prof), eng.steps - steps0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1))
+    print(f"{path.stem}: {table(summary)}", file=sys.stderr, flush=True)
+    return summary
 
 
 def main(argv=None) -> None:
@@ -124,6 +147,9 @@ def main(argv=None) -> None:
     ap.add_argument("--count-ops", action="store_true",
                     help="also count each decode step's eager device ops (benchmarks/step_ops.py; "
                          "with --tiny-model)")
+    ap.add_argument("--timeline", default=None, metavar="DIR",
+                    help="after each cell, one more run under torch.profiler: where the GPU sits "
+                         "idle in a step (benchmarks/gpu_gaps.py), a JSON per cell in DIR")
     args = ap.parse_args(argv)
     qs = load_questions(DATA, 80)
     base, tiny = list(args.overrides), args.tiny_model
@@ -135,7 +161,8 @@ def main(argv=None) -> None:
         base = TINY + [f"model.path={make_tiny_model(tempfile.mkdtemp(prefix='kestrel-tiny-'))}"] + base
     engines = {"spec": base, "plain": base + ["draft.enabled=false"]}
     results = {name: run(config, engines[name], qs, args.batch_sizes, args.max_tokens, tiny,
-                         args.count_ops, args.repeats, args.features) for name in args.engines}
+                         args.count_ops, args.repeats, args.features, args.timeline)
+               for name in args.engines}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "feature_cost.json").write_text(json.dumps(results, indent=1))
