@@ -16,9 +16,9 @@ from typing import Any
 import ray
 import torch
 
+from actors import gc_pauses
 from actors.dp.group import find_free_port
 from actors.dp.lockstep_worker import LockstepWorker
-from actors import gc_pauses
 from actors.rank_worker import RankWorker
 from actors.step_channel import StepServer
 from configs.schema import KestrelConfig

@@ -53,9 +53,9 @@ log = logging.getLogger("kestrel.engine")
 # dp_attention: once a rank failed, how long its peers get to report their own failure
 # (theirs follows from it), so the error names the cause: a rank that is gone.
 FAILURE_GRACE_S = 1.0
-# A step this long, and this many times its mode's usual, stalled every stream of its
-# rank: it is logged with its parts, to tell the stall's cause (the rank's host, the
-# device, a compile, the collector) from the log.
+# A step this long, and this many times the usual step of its mode and size, stalled
+# every stream of its rank: it is logged with its parts, to tell the stall's cause (the
+# rank's host, the device, a compile, the collector) from the log (_note_slow).
 SLOW_STEP_S, SLOW_STEP_TIMES = 0.1, 5.0
 STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile", "gc", "gpu_idle")
 
