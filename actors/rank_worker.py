@@ -139,9 +139,10 @@ class RankWorker:
             self.capture_prefill_graphs(self.graph_batch_sizes(), cfg.attention.prefill_graph_tokens,
                                         cfg.attention.prefill_graph_max_tokens)
         if self.device.type == "cuda":  # compile eager paths' kernels now, not at a first request
-            from actors.warmup import warm_up_prefill, warm_up_sampled_decode
+            from actors.warmup import warm_up_prefill, warm_up_processing, warm_up_sampled_decode
             warm_up_prefill(self)
             warm_up_sampled_decode(self)
+            warm_up_processing(self)
             self.compiles.arm()
 
     def graph_batch_sizes(self) -> list[int]:

@@ -5,7 +5,8 @@ CUDA graphs cover decode and prefill steps within the prefill-graph budget, but 
 prefills run eagerly, and their Triton kernels are compiled for each new combination of
 tile sizes (chosen from the longest prompt chunk) and of the integer arguments Triton
 specializes (1, multiples of 16, other). So is the accept kernel of sampled speculative
-decoding (tree rejection sampling), which no greedy graph contains. Compiling one took
+decoding (tree rejection sampling), which no greedy graph contains, and the penalties
+kernel where no graph holds the node count (prefill sampling). Compiling one took
 0.4-1 s on the H200, in front of the first token of every request of that batch: over
 HTTP a burst of 32 requests waited a second for its first tokens. Running these shapes
 at start-up moves that cost to the model load.
@@ -101,3 +102,25 @@ def warm_up_sampled_decode(worker) -> None:
     if worker.device.type == "cuda":
         torch.cuda.synchronize(worker.device)
     log.info("rank %d: sampled speculative decoding warmed up in %.1fs", worker.rank, time.time() - t0)
+
+
+def warm_up_processing(worker) -> None:
+    """The logit processing once at each shape serving meets, so its Triton kernel
+    (kernels/triton_penalties.py: one compilation per node count, and one for the tree's
+    path entries) is compiled at start-up: a plain row's N = 1 (prefill sampling, plain
+    decode), and with speculation the tree's N nodes on a chain of paths. On row 0, the
+    reserved row, whose processing is none."""
+    import torch
+    dev, V = worker.device, worker.arch.vocab_size
+    rows = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] int64: row 0
+    t0 = time.time()
+    worker.process(rows, torch.zeros(1, 1, V, device=dev))  # [1, 1, V] float32 logits
+    if worker.eagle is not None:
+        N = worker.eagle.N
+        path = torch.ones(N, N, dtype=torch.bool, device=dev).tril()  # [N, N] bool: a chain
+        path[:, 0] = False  # the root is not on a path
+        worker.process(rows, torch.zeros(1, N, V, device=dev),  # [1, N, V] float32 logits
+                       None, torch.arange(N, device=dev)[None], path[None])
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    log.info("rank %d: logit processing warmed up in %.1fs", worker.rank, time.time() - t0)

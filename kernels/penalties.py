@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.triton_available import use_triton
+from kernels.triton_penalties import penalize_triton
+
 
 @dataclass
 class Processing:
@@ -52,6 +55,18 @@ def _penalize(x: torch.Tensor, count: torch.Tensor, in_prompt: torch.Tensor | No
         seen = seen | in_prompt
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     return x - freq * count - pres * (count > 0).to(x.dtype)
+
+
+def _penalties(x: torch.Tensor, count: torch.Tensor, in_prompt: torch.Tensor | None,
+               p: Processing) -> torch.Tensor:
+    """`_penalize` on x [B, N, V] float32 with count [B, 1 or N, V] (any number type) and
+    in_prompt the same shape in bool, or None; on CUDA the Triton kernel (one pass), which
+    then computes every penalized logit of the GPU, tree nodes and plain rows alike."""
+    if use_triton(x):
+        return penalize_triton(x, count, in_prompt, p.repetition, p.frequency, p.presence)
+    B = x.shape[0]
+    return _penalize(x, count.to(x.dtype), in_prompt, p.repetition.view(B, 1, 1),
+                     p.frequency.view(B, 1, 1), p.presence.view(B, 1, 1))
 
 
 def node_context(tail: torch.Tensor, path_tokens: torch.Tensor | None,
@@ -127,13 +142,9 @@ def apply_processing(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
         ctx = node_context(tail, path_tokens, path_mask, p.bad_prefix.shape[2])  # [B, N, P]
         pre = p.bad_prefix[:, :, None, :]  # [B, W, 1, P]
         _ban(x, p.bad_last, ((pre < 0) | (ctx[:, None] == pre)).all(-1))  # [B, W, N] bool
-    rep = p.repetition.view(B, 1, 1)
-    freq = p.frequency.view(B, 1, 1)
-    pres = p.presence.view(B, 1, 1)
     raw = x  # biased and banned, not yet penalized
-    c = counts.to(x.dtype)[:, None, :]  # [B, 1, V]
     pm = prompt_mask[:, None, :] if prompt_mask is not None else None
-    out = _penalize(raw, c, pm, rep, freq, pres)  # [B, N, V]
+    out = _penalties(raw, counts[:, None, :], pm, p)  # [B, N, V]
     if path_mask is None:
         return out
     # Entries of ids on a node's path: recompute with the path's counts added. For the pair
@@ -146,7 +157,7 @@ def apply_processing(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
     i = torch.arange(N, device=x.device)[None, :, None].expand(B, N, N)
     base = counts.gather(1, path_tokens).to(x.dtype)[:, None, :]  # [B, 1, N(j)]
     in_prompt = prompt_mask.gather(1, path_tokens)[:, None, :] if prompt_mask is not None else None
-    fixed = _penalize(raw[b, i, tok], base + on_path, in_prompt, rep, freq, pres)
+    fixed = _penalties(raw[b, i, tok].contiguous(), base + on_path, in_prompt, p)  # [B, N, N]
     out[b, i, tok] = fixed
     return out
 

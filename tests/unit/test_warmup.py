@@ -3,7 +3,8 @@ must leave a worker exactly as usable as before: run here on the CPU worker, the
 output is unchanged."""
 from __future__ import annotations
 
-from actors.warmup import CHUNK_LENS, prefill_shapes, warm_up_prefill, warm_up_sampled_decode
+from actors.warmup import (CHUNK_LENS, prefill_shapes, warm_up_prefill, warm_up_processing,
+                            warm_up_sampled_decode)
 from configs.schema import load_config
 from serve_app.llm_engine import LLMEngine
 from serve_app.request import SamplingParams
@@ -47,4 +48,5 @@ def test_warm_up_leaves_a_speculative_worker_serving_the_same_tokens(tokenizer, 
     before = run()
     warm_up_prefill(worker)
     warm_up_sampled_decode(worker)
+    warm_up_processing(worker)  # the plain row's and the tree's shapes, on row 0
     assert run() == before
