@@ -8,9 +8,9 @@ some 1.7 GB of traffic per step. Here it is one read and one write. The counts a
 prompt flags are read with strides, so the same kernel serves the rows' counts [B, V]
 (node stride 0) and the tree's path entries [B, N, N] (counts per entry), and every
 penalized logit on a GPU comes from this one formula: a tree node and a plain step that
-see the same value and count compute the same result. The division rounds to nearest as
-torch's does; the difference and product may be fused (a multiply-add), so a value can
-differ from the torch reference by a rounding, never between two GPU paths.
+see the same value and count compute the same result. Each operation rounds as torch's
+does: the division to nearest, and no multiply-add fusion (enable_fp_fusion=False), so the
+kernel's values are the reference's bit for bit.
 """
 from __future__ import annotations
 
@@ -78,6 +78,6 @@ def penalize_triton(x: torch.Tensor, count: torch.Tensor, in_prompt: torch.Tenso
     _penalize_kernel[(B * N, triton.cdiv(V, block))](
         x, count, prompt, out, rep.float().contiguous(), freq.float().contiguous(),
         pres.float().contiguous(), N, V, x.stride(0), x.stride(1), scb, scn, spb, spn,
-        HAS_PROMPT=in_prompt is not None, BLOCK=block, num_warps=4,
+        HAS_PROMPT=in_prompt is not None, BLOCK=block, num_warps=4, enable_fp_fusion=False,
     )
     return out

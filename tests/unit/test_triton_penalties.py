@@ -1,9 +1,8 @@
 """The penalties kernel (kernels/triton_penalties.py) against its torch reference
 (kernels/penalties.py `_penalize`): the rows' counts broadcast over tree nodes, counts per
 entry (the tree's path recompute), with and without prompt flags, logits of both signs,
-repetition below and above 1. In Triton's interpreter on CPU tensors without CUDA (exact:
-the same operations in the same order); compiled with CUDA, where a multiply-add may round
-once instead of twice (tests/gpu/test_penalties_kernel_gpu.py has the full vocabulary)."""
+repetition below and above 1, bit for bit. In Triton's interpreter on CPU tensors without
+CUDA, compiled with CUDA (tests/gpu/test_penalties_kernel_gpu.py has the full vocabulary)."""
 from __future__ import annotations
 
 import pytest
@@ -41,10 +40,7 @@ def test_kernel_equals_the_reference(B, N, V, per_entry, prompt):
     to = lambda t: None if t is None else t.to(DEV)  # noqa: E731
     out = tpk.penalize_triton(to(x), to(count), to(in_prompt), to(rep), to(freq), to(pres)).cpu()
     assert out.shape == (B, N, V) and out.dtype == torch.float32
-    if INTERPRETED:
-        assert torch.equal(out, ref)
-    else:
-        torch.testing.assert_close(out, ref, rtol=2e-7, atol=2e-6)
+    assert torch.equal(out, ref)
     # Entries the penalties leave alone keep their values exactly.
     untouched = (count == 0).expand(B, N, V) & (True if in_prompt is None else ~in_prompt.expand(B, N, V))
     assert torch.equal(out[untouched], x[untouched])
