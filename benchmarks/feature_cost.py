@@ -25,6 +25,7 @@ each feature adds to a step's host work shows without a GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -64,18 +65,34 @@ def cpu_graphs(eng) -> None:
 def run(config: str, overrides: list[str], prompts_text: list[str], batches: list[int],
         max_tokens: int, stand_in_graphs: bool = False, count_ops: bool = False,
         repeats: int = 1, features: list[str] | None = None, timeline: str | None = None) -> dict:
-    from configs.schema import load_config
-    from serve_app.grammar import compiler_for
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
     from actors.gc_pauses import freeze_heap, watch
+    from configs.schema import load_config
+    from serve_app.llm_engine import LLMEngine
     eng = LLMEngine(load_config(config, overrides))
     if stand_in_graphs:
         cpu_graphs(eng)
     if eng.cfg.serve.gc_freeze:  # as the served rank process does
         freeze_heap("feature_cost")
     gc_pauses = watch()
+    try:
+        return _cells(eng, gc_pauses, overrides, prompts_text, batches, max_tokens, count_ops, repeats,
+                      features, timeline)
+    finally:
+        # A frozen engine's cycles are never collected: without this the engine (its KV
+        # cache and graphs on the GPU) stayed alive beside the next one in this process.
+        gc.unfreeze()
+        del eng
+        gc.collect()
+
+
+def _cells(eng, gc_pauses, overrides: list[str], prompts_text: list[str], batches: list[int],
+           max_tokens: int, count_ops: bool, repeats: int, features: list[str] | None,
+           timeline: str | None) -> dict:
+    """Each feature at each batch size on `eng` -> tok/s, ms per step, GC seconds (and
+    ops, timelines) by "feature/batch[/what]"."""
+    from serve_app.grammar import compiler_for
+    from serve_app.request import SamplingParams
+    from serve_app.tokenizer import apply_chat_template
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in prompts_text]
     out = {}
     for feature, extra in FEATURES.items():
