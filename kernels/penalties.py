@@ -157,7 +157,7 @@ def apply_processing(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
     i = torch.arange(N, device=x.device)[None, :, None].expand(B, N, N)
     base = counts.gather(1, path_tokens).to(x.dtype)[:, None, :]  # [B, 1, N(j)]
     in_prompt = prompt_mask.gather(1, path_tokens)[:, None, :] if prompt_mask is not None else None
-    fixed = _penalties(raw[b, i, tok].contiguous(), base + on_path, in_prompt, p)  # [B, N, N]
+    fixed = _penalties(raw[b, i, tok], base + on_path, in_prompt, p)  # [B, N, N], a new tensor
     out[b, i, tok] = fixed
     return out
 
