@@ -238,7 +238,7 @@ class GrammarRows:
         token on their path), rows without a live grammar and padded lanes stay all ones:
         verify never accepts the first, the others are free. An `out` wider than the masks
         gets zeros past them: ids past the tokenizer's are disallowed, as
-        apply_token_bitmask does for a narrower mask."""
+        mask_logits_ does for a narrower mask."""
         if copied is None:
             return None
         rows, N, host, done, device = copied

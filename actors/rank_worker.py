@@ -35,7 +35,7 @@ from configs.schema import KestrelConfig
 from kernels import layer_ops
 from kernels.compile_watch import CompileWatch
 from kernels.penalties import apply_processing
-from kernels.token_bitmask import apply_token_bitmask
+from kernels.token_bitmask import mask_logits_
 
 log = logging.getLogger("kestrel.worker")
 
@@ -362,7 +362,7 @@ class RankWorker:
             logits = self.process(rows, logits[:, None], plan.rows)[:, 0]
         masks = self.grammars.next_masks(plan.rows, logits.device)  # [B, W] int32 or None
         if masks is not None:
-            logits = apply_token_bitmask(logits, masks)
+            logits = mask_logits_(logits, masks)
         tokens = sample_tokens(logits, plan.temperature, plan.top_p, plan.top_k, plan.coins, plan.min_p)
         if plan.logprobs is None:
             return tokens, None

@@ -105,12 +105,15 @@ def warm_up_sampled_decode(worker) -> None:
 
 
 def warm_up_processing(worker) -> None:
-    """The logit processing once at each shape serving meets, so its Triton kernel
-    (kernels/triton_penalties.py: one compilation per node count, and one for the tree's
-    path entries) is compiled at start-up: a plain row's N = 1 (prefill sampling, plain
-    decode), and with speculation the tree's N nodes on a chain of paths. On row 0, the
-    reserved row, whose processing is none."""
+    """The logit processing once at each shape serving meets, so its Triton kernels are
+    compiled at start-up, not in the step of the first request that needs them:
+    kernels/triton_penalties.py once per node count (a plain row's N = 1: prefill
+    sampling, plain decode; with speculation the tree's N nodes on a chain of paths, and
+    its path entries), on row 0, the reserved row, whose processing is none; and
+    kernels/triton_token_bitmask.py, which plain steps with grammar rows run eagerly."""
     import torch
+
+    from kernels.token_bitmask import mask_logits_
     dev, V = worker.device, worker.arch.vocab_size
     rows = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] int64: row 0
     t0 = time.time()
@@ -121,6 +124,9 @@ def warm_up_processing(worker) -> None:
         path[:, 0] = False  # the root is not on a path
         worker.process(rows, torch.zeros(1, N, V, device=dev),  # [1, N, V] float32 logits
                        None, torch.arange(N, device=dev)[None], path[None])
+    for words in (16, 17):  # the grammar mask kernel: Triton compiles a width divisible by 16 apart
+        mask_logits_(torch.zeros(1, V, device=dev),  # [1, V] float32 logits
+                     torch.full((1, words), -1, dtype=torch.int32, device=dev))  # [1, words] int32
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     log.info("rank %d: logit processing warmed up in %.1fs", worker.rank, time.time() - t0)

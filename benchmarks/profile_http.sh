@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Where the serving path's CPU goes under load: one Kestrel server at one concurrency, 2048 tokens a
 # stream, three times back to back (http_bench), with py-spy sampling the Engine replica (the HTTP
-# front end) and the engine core during the second run, and top's per-process CPU beside.
+# front end), the engine core and the rank (the GPU's host thread) during the second run, and
+# top's per-process CPU beside.
 #   bash benchmarks/profile_http.sh PY_SPY OUT [CONCURRENCY] [--set k=v ...]
-# Writes OUT/profile_{replica,core}.txt (py-spy raw stacks: `python -m benchmarks.stack_summary`
+# Writes OUT/profile_{replica,core,rank}.txt (py-spy raw stacks: `python -m benchmarks.stack_summary`
 # sums them) and OUT/top.txt.
 set -uo pipefail
 spy=$1; out=$2; c=${3:-64}; shift 3 || shift $#
@@ -19,8 +20,10 @@ done
 replica=$(pgrep -f "ServeReplica:kestrel:EngineDeployment" | head -1)
 sleep 1  # into the second run's stream, past its warm-up
 core=$(pgrep -f "EngineCoreActor" | head -1)
+rank=$(pgrep -f "RankActor" | head -1)
 "$spy" record -p "$replica" -d 3 -r 500 -f raw -o "$out/profile_replica.txt" --nonblocking &
 "$spy" record -p "$core" -d 3 -r 500 -f raw -o "$out/profile_core.txt" --nonblocking &
+"$spy" record -p "$rank" -d 3 -r 500 -f raw -o "$out/profile_rank.txt" --nonblocking &
 top -b -d 0.5 -n 6 -w 200 | grep -v "^$" > "$out/top.txt"
 wait $bench
 tail -8 "$log"

@@ -48,7 +48,7 @@ from kernels.sampling import process_logits
 from kernels.spec_tree import TreeInfo
 from kernels.spec_ops import (assign_cache_locs, build_tree, expand_level, greedy_verify,
                               organize_draft, tree_sampling_verify)
-from kernels.token_bitmask import apply_token_bitmask
+from kernels.token_bitmask import mask_logits_
 from kernels.verify import select_last_index
 
 log = logging.getLogger("kestrel.worker")
@@ -340,7 +340,7 @@ class EagleWorker:
         if variant.processed:
             logits = w.process(rows, logits, None, tree.tokens, self._path(tree))
         if masks is not None:
-            logits = apply_token_bitmask(logits, masks)
+            logits = mask_logits_(logits, masks)
         accepted = greedy_verify(tree.tokens, logits.argmax(-1), tree.first_child, tree.next_sibling, S)
         if variant.sampled:
             accepted = self._sampled_accept(rows, tree, logits, coins, variant.filtered, accepted)
@@ -493,7 +493,7 @@ class EagleWorker:
         if plan.processing:  # each node processed with the counts along its own path
             logits = self.w.process(rows, logits, plan.rows, tree.tokens, self._path(tree))
         if grammar_masks is not None:  # each node's grammar state after its path
-            logits = apply_token_bitmask(logits, grammar_masks)
+            logits = mask_logits_(logits, grammar_masks)
         accept_index, accept_length, predict = greedy_verify(
             tree.tokens, logits.argmax(-1), tree.first_child, tree.next_sibling, S)
         hot = [i for i, t in enumerate(plan.temperature) if t > 0]
