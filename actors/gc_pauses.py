@@ -11,6 +11,7 @@ a serving process (`serving`) a long one is logged.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -77,6 +78,21 @@ def serving(who: str, freeze: bool) -> None:
     if freeze:
         freeze_heap(who)
     watch().log_long = True
+
+
+@contextlib.contextmanager
+def frozen_heap(who: str, freeze: bool):
+    """A benchmark's in-process engine run as a serving process runs (serve.gc_freeze): the
+    heap frozen for the block, then unfrozen, because a frozen object is never collected,
+    cycles included, and a second engine in the same process would find the first still
+    holding its GPU memory."""
+    if freeze:
+        freeze_heap(who)
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
 
 
 def stats() -> dict[str, int]:

@@ -65,23 +65,18 @@ def cpu_graphs(eng) -> None:
 def run(config: str, overrides: list[str], prompts_text: list[str], batches: list[int],
         max_tokens: int, stand_in_graphs: bool = False, count_ops: bool = False,
         repeats: int = 1, features: list[str] | None = None, timeline: str | None = None) -> dict:
-    from actors.gc_pauses import freeze_heap, watch
+    from actors.gc_pauses import frozen_heap, watch
     from configs.schema import load_config
     from serve_app.llm_engine import LLMEngine
     eng = LLMEngine(load_config(config, overrides))
     if stand_in_graphs:
         cpu_graphs(eng)
-    if eng.cfg.serve.gc_freeze:  # as the served rank process does
-        freeze_heap("feature_cost")
-    gc_pauses = watch()
     try:
-        return _cells(eng, gc_pauses, overrides, prompts_text, batches, max_tokens, count_ops, repeats,
-                      features, timeline)
+        with frozen_heap("feature_cost", eng.cfg.serve.gc_freeze):
+            return _cells(eng, watch(), overrides, prompts_text, batches, max_tokens, count_ops,
+                          repeats, features, timeline)
     finally:
-        # A frozen engine's cycles are never collected: without this the engine (its KV
-        # cache and graphs on the GPU) stayed alive beside the next one in this process.
-        gc.unfreeze()
-        del eng
+        del eng  # and its KV cache and graphs with it, before the next engine loads
         gc.collect()
 
 

@@ -122,43 +122,45 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
                samplings: list[dict | None] = (None,)) -> list[dict[int, dict]]:
     """Each sampling setting's levels on one in-process engine (loaded once) -> per setting,
     {level: the median run}."""
+    from actors.gc_pauses import frozen_heap
     from configs.schema import load_config
     from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
     from serve_app.tokenizer import apply_chat_template
-    from actors.gc_pauses import freeze_heap
     eng = LLMEngine(load_config(config, overrides))
-    if eng.cfg.serve.gc_freeze:  # as the served rank process does
-        freeze_heap("http_bench in-process")
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in questions]
-    outs = []
-    for sampling in samplings:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {}))
-        out = {}
-        for c in levels:
-            batches = [[p] for p in prompts[:c1_prompts]] if c == 1 else [prompts[:c]]
-            eng.generate(batches[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-            runs = []
-            for _ in range(repeats):
-                reqs, t0, steps0, secs0 = [], time.perf_counter(), dict(eng.mode_steps), dict(eng.seconds)
-                for b in batches:
-                    reqs += eng.generate(b, params)
-                seconds = time.perf_counter() - t0
-                ttft = [r.first_token_time - r.arrival for r in reqs]
-                accepts = [a for r in reqs for a in r.accept_lengths]
-                steps = sum(eng.mode_steps.values()) - sum(steps0.values())
-                runs.append({"tok_s": sum(len(r.output_ids) for r in reqs) / seconds,
-                             "ttft_p50_ms": 1000 * pct(ttft, 0.5), "steps_s": steps / seconds,
-                             "extend_steps": eng.mode_steps.get("extend", 0) - steps0.get("extend", 0),
-                             "accept_mean": sum(accepts) / len(accepts) if accepts else None,
-                             # The same phases as the server's, to tell a slower step from
-                             # a slower loop around it.
-                             "step_ms": {k: 1000 * (eng.seconds[k] - secs0.get(k, 0.0)) / max(1, steps)
-                                         for k in ("schedule", "execute", "process")}})
-            out[c] = median_run(runs)
-            print(f"in-process batch {c}, {sampling or 'greedy'}: {out[c]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-        outs.append(out)
-    return outs
+    with frozen_heap("http_bench in-process", eng.cfg.serve.gc_freeze):
+        return [_in_process_levels(eng, prompts, sampling, levels, max_tokens, c1_prompts, repeats)
+                for sampling in samplings]
+
+
+def _in_process_levels(eng, prompts: list[str], sampling: dict | None, levels: list[int],
+                       max_tokens: int, c1_prompts: int, repeats: int) -> dict[int, dict]:
+    from serve_app.request import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {}))
+    out = {}
+    for c in levels:
+        batches = [[p] for p in prompts[:c1_prompts]] if c == 1 else [prompts[:c]]
+        eng.generate(batches[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        runs = []
+        for _ in range(repeats):
+            reqs, t0, steps0, secs0 = [], time.perf_counter(), dict(eng.mode_steps), dict(eng.seconds)
+            for b in batches:
+                reqs += eng.generate(b, params)
+            seconds = time.perf_counter() - t0
+            ttft = [r.first_token_time - r.arrival for r in reqs]
+            accepts = [a for r in reqs for a in r.accept_lengths]
+            steps = sum(eng.mode_steps.values()) - sum(steps0.values())
+            runs.append({"tok_s": sum(len(r.output_ids) for r in reqs) / seconds,
+                         "ttft_p50_ms": 1000 * pct(ttft, 0.5), "steps_s": steps / seconds,
+                         "extend_steps": eng.mode_steps.get("extend", 0) - steps0.get("extend", 0),
+                         "accept_mean": sum(accepts) / len(accepts) if accepts else None,
+                         # The same phases as the server's, to tell a slower step from
+                         # a slower loop around it.
+                         "step_ms": {k: 1000 * (eng.seconds[k] - secs0.get(k, 0.0)) / max(1, steps)
+                                     for k in ("schedule", "execute", "process")}})
+        out[c] = median_run(runs)
+        print(f"in-process batch {c}, {sampling or 'greedy'}: {out[c]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    return out
 
 
 def table(name: str, levels: list[dict]) -> str:

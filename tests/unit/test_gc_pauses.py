@@ -37,3 +37,29 @@ def test_freeze_heap_keeps_started_objects_out_of_full_passes():
     finally:
         gc.unfreeze()
     assert len(gc.get_objects(generation=2)) >= len(kept)
+
+
+def test_frozen_heap_lets_a_dropped_engine_go():
+    """A benchmark's engine frozen for its runs is collected once dropped after the block:
+    a frozen cycle would otherwise outlive it (with its GPU memory)."""
+    import weakref
+
+    from actors.gc_pauses import frozen_heap
+
+    class Engine:
+        pass
+
+    gc.unfreeze()
+    eng = Engine()
+    eng.me = eng  # a cycle, as a real engine's are
+    gone = weakref.ref(eng)
+    with frozen_heap("test", True):
+        assert stats()["frozen"] > 0
+        del eng
+        gc.collect()
+        assert gone() is not None  # frozen: not collected
+    assert stats()["frozen"] == 0
+    gc.collect()
+    assert gone() is None
+    with frozen_heap("test", False):  # serve.gc_freeze off: nothing frozen
+        assert stats()["frozen"] == 0
