@@ -54,9 +54,11 @@ class EngineUnavailable(EngineError):
 class EngineClient:
     def __init__(self, cfg: KestrelConfig, num_ranks: int, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, tokenizer: Any,
-                 ping: Callable[[], Awaitable[None]] | None = None, replica: str = "local"):
+                 ping: Callable[[], Awaitable[None]] | None = None, replica: str = "local",
+                 vocab_at_ranks: bool = False):
         """`reader`/`writer`: the front channel, connected (see `connect`); `ping`: checks
-        the core and the rank actors (the health check); `replica`: its name in stats."""
+        the core and the rank actors (the health check); `replica`: its name in stats;
+        `vocab_at_ranks`: the ranks were given the grammar vocabulary at start-up."""
         self.cfg = cfg
         self.reader, self.writer = reader, writer
         self.tokenizer = tokenizer
@@ -72,6 +74,7 @@ class EngineClient:
         self.held = [0] * (1 if self.lockstep else num_ranks)  # streams per rank that have not ended
         self.closing = False
         self.failed: str | None = None
+        self.vocab_at_ranks = vocab_at_ranks
         self._vocab_sent = False  # the grammar vocabulary (serve_app/grammar.py), sent once
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -165,7 +168,8 @@ class EngineClient:
         if self.held[rank] >= self.capacity:
             raise QueueFull(f"the engine queue is full ({self.held[rank]} requests)")
         if params.grammar is not None and not self._vocab_sent:  # once: the core keeps it
-            self._send("vocab", compiler_for(self.tokenizer).vocab_json)
+            # None when the ranks hold it: the core only learns that grammars may come.
+            self._send("vocab", None if self.vocab_at_ranks else compiler_for(self.tokenizer).vocab_json)
             self._vocab_sent = True
         text = TextStream(self.tokenizer, prompt, params.stop) if self.tokenizer is not None else None
         stream = RequestStream(rid, rank, len(prompt), text, self._end, self.interval_s)

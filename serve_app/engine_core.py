@@ -131,7 +131,7 @@ class EngineCore:
                     for rank, s in enumerate(self.schedulers):
                         if s.finish(rid, reason):
                             self._wake[rank].set()
-                elif kind == "vocab":  # before the first request with a grammar
+                elif kind == "vocab":  # before the first request with a grammar (None: the ranks hold it)
                     for s in self.schedulers:
                         s.set_grammar_vocab(payload)
                 elif kind == "call":

@@ -112,7 +112,7 @@ class EngineDeployment:
         front = await self.core.start.remote(infos, eos, ray.util.get_node_ip_address())
         self.engine = await EngineClient.connect(
             cfg_obj, dp, front["host"], front["port"], front["token"], tokenizer,
-            ping=self._ping, replica=self._replica)
+            ping=self._ping, replica=self._replica, vocab_at_ranks=True)
         self.server = OpenAIServer(cfg_obj, self.engine, tokenizer)
         self._gauges_task = asyncio.create_task(self._publish_gauges(cfg_obj.model.name))
         # What is alive now lives as long as the replica: keep the collector off it, so

@@ -59,7 +59,7 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                     on_output=None) -> Request:
-        if params.grammar is not None and self.schedulers[0].grammar_vocab is None:
+        if params.grammar is not None and not self.schedulers[0].grammar_ready:
             from serve_app.grammar import compiler_for
             for s in self.schedulers:
                 s.set_grammar_vocab(compiler_for(self.tokenizer).vocab_json)

@@ -78,8 +78,10 @@ class Scheduler:
         self._grammar_rows: set[int] = set()  # rows whose worker holds a grammar matcher
         self._processing_resets: list[tuple[int, RowProcessing | None]] = []  # the same way
         self._processing_rows: set[int] = set()  # rows whose worker holds a request's processing or sampling
-        self.grammar_vocab: str | None = None  # set_grammar_vocab; the worker gets it once
-        self._vocab_sent = False
+        # The grammar vocabulary (set_grammar_vocab): requests with a grammar need it first,
+        # and the first plan with one carries it to the worker unless the worker holds it.
+        self.grammar_ready = False
+        self._vocab_to_send: str | None = None
         self.coins_per_request = coins_per_request(cfg)
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
         if self.slots.capacity < self.max_model_len + 2 * self.window + self.page:
@@ -87,16 +89,18 @@ class Scheduler:
                              f"request of model.max_model_len={self.max_model_len}")
 
     # ---- requests in and out ------------------------------------------------------------
-    def set_grammar_vocab(self, vocab_json: str) -> None:
+    def set_grammar_vocab(self, vocab_json: str | None) -> None:
         """The tokenizer as xgrammar knows it (serve_app/grammar.py): needed before any
-        request with a grammar; the next plan carries it to the worker."""
-        if self.grammar_vocab is None:
-            self.grammar_vocab = vocab_json
+        request with a grammar; the next plan with a grammar carries it to the worker. None:
+        the worker holds it already (a served replica sends it to its ranks at start-up),
+        so no plan carries its 1.6 MB through this loop."""
+        if not self.grammar_ready:
+            self.grammar_ready, self._vocab_to_send = True, vocab_json
 
     def add_request(self, req: Request) -> None:
         check_prompt(req.prompt_ids, self.max_model_len)
         p = req.params
-        if p.grammar is not None and self.grammar_vocab is None:
+        if p.grammar is not None and not self.grammar_ready:
             raise ValueError("a grammar needs the grammar vocabulary (set_grammar_vocab) first")
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
         req.max_output = min(p.max_tokens, self.max_model_len - len(req.prompt_ids))
@@ -234,8 +238,8 @@ class Scheduler:
             plan.count_resets, self._count_resets = self._count_resets, []
             plan.grammar_resets, self._grammar_resets = self._grammar_resets, []
             plan.processing_resets, self._processing_resets = self._processing_resets, []
-            if plan.grammar_resets and not self._vocab_sent:
-                plan.grammar_vocab, self._vocab_sent = self.grammar_vocab, True
+            if plan.grammar_resets and self._vocab_to_send is not None:
+                plan.grammar_vocab, self._vocab_to_send = self._vocab_to_send, None
         return plan
 
     def _admit(self, req: Request) -> bool:
