@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One device call's worth of measurements, named by stage, their outputs kept in one archive:
+# the device returns at most 8 files from $OUT, and $OUT is emptied by the next call, so each
+# stage re-packs everything so far into OUT/lease.tgz (a call cut at its time limit keeps
+# what ran).
+#   bash benchmarks/h200_lease.sh OUT STAGE [STAGE ...]
+# Stages (seconds on the H200, with the bundle already unstaged: source .stage/tools/unstage.sh):
+#   kernels    the Triton kernels' GPU tests (penalties, grammar mask) and grammar GPU tests  ~120
+#   features   feature_cost --batch-sizes 1 64 --repeats 2: every feature's cost, in-process   ~60
+#   tree       HTTP, the h200 preset, without and with the grammar, 1 and 64 streams         ~120
+#   plain      the same without speculation                                                  ~110
+#   vllm       vLLM 0.24 EAGLE (our head), the same client and grammar                      ~250
+#   profile    py-spy on the served plain and tree ranks under the grammar (profile_http.sh) ~300
+set -uo pipefail
+out=$1; shift
+cd "$(dirname "$0")/.."
+work=/tmp/kestrel-lease
+mkdir -p "$work" "$out"
+regex='{"structured_outputs": {"regex": "[^\\x01]*\\x01"}}'
+pack() {
+  for f in /tmp/kestrel-serve-*.log; do  # the servers' logs, without colour codes
+    [ -e "$f" ] && sed 's/\x1b\[[0-9;]*m//g' "$f" | tail -400 > "$work/$(basename "$f")"
+  done
+  tar czf "$out/lease.tgz" -C "$work" .
+}
+for stage in "$@"; do
+  echo "== $stage $(date +%T)"
+  case $stage in
+    kernels)
+      timeout 300 python3 -m pytest -q tests/gpu/test_token_bitmask_kernel_gpu.py \
+        tests/gpu/test_penalties_kernel_gpu.py tests/gpu/test_penalties_gpu.py \
+        "tests/gpu/test_feature_graphs_gpu.py::test_grammar_batches_replay_the_step_graph_parts" \
+        tests/gpu/test_step_channel_gpu.py > "$work/kernels.txt" 2>&1
+      tail -3 "$work/kernels.txt" ;;
+    features)
+      timeout 300 python3 -m benchmarks.feature_cost --batch-sizes 1 64 --repeats 2 \
+        --out "$work/features" > "$work/features.txt" 2>&1
+      grep "^|" "$work/features.txt" ;;
+    tree|plain)
+      LEVELS="1 64" REPEATS=2 timeout 300 bash benchmarks/h200_http.sh "kestrel-$stage" \
+        "$work/http" grammar > "$work/http_$stage.txt" 2>&1
+      grep "c=" "$work/http_$stage.txt" | cut -c1-90 ;;
+    vllm)
+      mkdir -p .peer && rm -rf .peer/tools && cp -r .xfer/tools/peer .peer/tools
+      LEVELS="1 64" REPEATS=2 timeout 400 bash benchmarks/h200_http.sh vllm-eagle "$work/http" grammar \
+        > "$work/http_vllm.txt" 2>&1
+      grep "c=" "$work/http_vllm.txt" | cut -c1-90 ;;
+    profile)
+      for engine in plain tree; do
+        set_=(); [ $engine = plain ] && set_=(--set draft.enabled=false)
+        mkdir -p "$work/profile_$engine"
+        bash benchmarks/profile_http.sh /tmp/pyspy/bin/py-spy "$work/profile_$engine" 64 "${set_[@]}" \
+          --variant "grammar=$regex" 2>&1 | tail -3
+      done ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+  pack
+done
