@@ -16,6 +16,7 @@ import time
 from collections import deque
 
 import pytest
+import torch
 from spec_helpers import TREE, random_prompts, tiny_config
 from test_grammar_lossless import SPECS, valid
 
@@ -106,8 +107,8 @@ def _check_ended(reqs, tokenizer, compiled, kinds=("regex", "choice")) -> None:
 def test_settle_accepts_each_launched_step_once_in_order_by_its_matcher(tokenizer, compiled):
     """Two steps launched before either settles: the masks' settle accepts both, in order;
     their finish then accepts nothing again; a row reset between launch and settle keeps
-    its fresh matcher, and the old one gets the tokens; a terminated matcher is offered
-    nothing."""
+    its fresh matcher, and the old one, whose request has left the row, is fed nothing
+    more; a terminated matcher is offered nothing."""
     class Step:
         def __init__(self, tokens):
             self._tokens, self.waits = tokens, 0
@@ -133,13 +134,14 @@ def test_settle_accepts_each_launched_step_once_in_order_by_its_matcher(tokenize
     g.settle(second)
     assert first.waits == second.waits == 1
     assert g.matchers[1].is_terminated()  # "alpha" and the stop token, each accepted once
-    m = xgr.GrammarMatcher(xgr.CompiledGrammar.deserialize_json(compiled["choice"], g.info))
-    assert m.accept_token(cd[0]) and not old.accept_token(cd[0])  # the old matcher took it
-    assert g.matchers[2] is not old and g.matchers[2].accept_token(cd[0])  # the new one did not
+    assert old.accept_token(cd[0])  # still at its start: the step's token was not fed to it
+    assert g.matchers[2] is not old and g.matchers[2].accept_token(cd[0])  # nor to the new one
     late = Step([cd[:1], []])  # row 1 ended; a plan made before the scheduler knew holds it
     g.launched(late, [1, 2])
     g.settle(late)
     assert g.matchers[1].is_terminated() and 1 in g.matchers
+    masks = g.next_masks([1, 2], torch.device("cpu"))  # [2, W] int32
+    assert (masks[0] == -1).all() and not (masks[1] == -1).all()  # the ended row masks nothing
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
