@@ -55,8 +55,8 @@ class Launched(Protocol):
 def _feed(m, tokens) -> tuple[bool, bool]:
     """Feed `tokens` to matcher `m`, up to its end: tokens after its stop token are not
     offered (a row planned before the scheduler learnt that its request ended, or one
-    that ignores EOS, emits them; xgrammar would refuse each with a warning) -> (False: it
-    rejected one, whether it has ended)."""
+    that ignores EOS, emits them; xgrammar would refuse each with a warning) -> (ok: False
+    when it rejected one; ended: it has accepted its stop token)."""
     for t in tokens:
         if not m.accept_token(int(t)):
             return False, False
@@ -96,8 +96,9 @@ class GrammarRows:
         _xgrammar()
 
     def set_vocab(self, vocab_json: str) -> None:
-        """The tokenizer as xgrammar knows it; sent at start-up by a served replica, and
-        again with the first grammar plan (the same: kept)."""
+        """The tokenizer as xgrammar knows it: at start-up from a served replica, or with
+        the first grammar plan of an engine whose workers were not given it. The same
+        vocabulary again is kept, with the compiled grammars deserialized for it."""
         if vocab_json == self._vocab_json:
             return
         self.info = _xgrammar().TokenizerInfo.deserialize_json(vocab_json)
