@@ -28,6 +28,7 @@ out=${2:-${OUT:-.}}
 cd "$(dirname "$0")/.."
 levels=${LEVELS:-1 8 32 64}  # LEVELS="1 64" REPEATS=2: a shorter run when device time is short
 repeats=${REPEATS:-3}
+max_tokens=${MAX_TOKENS:-256}  # MAX_TOKENS=1024: runs long enough that the ramp-up is a small part
 sampling=() suffix=""
 if [ "${3:-}" = sampled ]; then sampling=(--sampling '{"temperature": 0.7, "top_p": 0.9}'); suffix=-sampled; fi
 vllm_extra=()
@@ -41,7 +42,7 @@ fi
 bench() {  # limit, args...; the part's --name gets the suffix
   local args=("${@:2}")
   for i in "${!args[@]}"; do [ "${args[$i]}" = --name ] && args[$((i + 1))]+=$suffix; done
-  timeout "$1" python3 -m benchmarks.http_bench --concurrency $levels --max-tokens 256 --repeats "$repeats" \
+  timeout "$1" python3 -m benchmarks.http_bench --concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats" \
     --out "$out" "${sampling[@]}" "${args[@]}"
 }
 

@@ -11,6 +11,7 @@
 #   plain      the same without speculation                                                  ~110
 #   vllm       vLLM 0.24 EAGLE (our head), the same client and grammar                      ~250
 #   profile    py-spy on the served plain and tree ranks under the grammar (profile_http.sh) ~300
+# LEVELS, REPEATS and MAX_TOKENS pass through to h200_http.sh for tree, plain and vllm.
 set -uo pipefail
 out=$1; shift
 cd "$(dirname "$0")/.."
@@ -37,12 +38,12 @@ for stage in "$@"; do
         --out "$work/features" > "$work/features.txt" 2>&1
       grep "^|" "$work/features.txt" ;;
     tree|plain)
-      LEVELS="1 64" REPEATS=2 timeout 300 bash benchmarks/h200_http.sh "kestrel-$stage" \
+      LEVELS=${LEVELS:-1 64} REPEATS=${REPEATS:-2} timeout 300 bash benchmarks/h200_http.sh "kestrel-$stage" \
         "$work/http" grammar > "$work/http_$stage.txt" 2>&1
       grep "c=" "$work/http_$stage.txt" | cut -c1-90 ;;
     vllm)
       mkdir -p .peer && rm -rf .peer/tools && cp -r .xfer/tools/peer .peer/tools
-      LEVELS="1 64" REPEATS=2 timeout 400 bash benchmarks/h200_http.sh vllm-eagle "$work/http" grammar \
+      LEVELS=${LEVELS:-1 64} REPEATS=${REPEATS:-2} timeout 400 bash benchmarks/h200_http.sh vllm-eagle "$work/http" grammar \
         > "$work/http_vllm.txt" 2>&1
       grep "c=" "$work/http_vllm.txt" | cut -c1-90 ;;
     profile)
