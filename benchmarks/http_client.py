@@ -74,7 +74,10 @@ def summarize(rows: list[dict], seconds: float) -> dict:
             "ttft_mean_ms": 1000 * statistics.mean(ttft),
             "tpot_ms": 1000 * statistics.mean(r["tpot"] for r in rows),
             "gap_p50_ms": 1000 * pct(gaps, 0.5), "gap_p99_ms": 1000 * pct(gaps, 0.99),
-            "e2e_s": statistics.mean(r["e2e"] for r in rows)}
+            "e2e_s": statistics.mean(r["e2e"] for r in rows),
+            # the slowest stream sets a level's wall time: with speculation, the stream whose
+            # text the draft predicts worst (its acceptance, not the server's step time)
+            "e2e_max_s": max(r["e2e"] for r in rows)}
 
 
 # ---- the server's side, from /metrics ---------------------------------------------------------

@@ -1,0 +1,18 @@
+"""The HTTP benchmark's per-level summary: the level's wall time is set by its slowest
+stream, so the summary carries that stream's time beside the mean."""
+from benchmarks.http_client import summarize
+
+
+def _row(ttft: float, e2e: float, tokens: int) -> dict:
+    return {"ttft": ttft, "e2e": e2e, "tokens": tokens, "chunks": tokens, "tpot": (e2e - ttft) / (tokens - 1),
+            "gaps": [0.001] * (tokens - 1)}
+
+
+def test_summary_reports_the_slowest_stream_beside_the_mean():
+    rows = [_row(0.05, 1.0, 1024), _row(0.05, 1.0, 1024), _row(0.08, 1.6, 1024)]
+    s = summarize(rows, seconds=1.65)
+    assert s["tokens"] == 3072
+    assert abs(s["tok_s"] - 3072 / 1.65) < 1e-9
+    assert abs(s["e2e_s"] - 1.2) < 1e-9
+    assert s["e2e_max_s"] == 1.6
+    assert s["ttft_p50_ms"] == 50.0
