@@ -1,5 +1,5 @@
-"""The HTTP benchmark's per-level summary: the level's wall time is set by its slowest
-stream, so the summary carries that stream's time beside the mean."""
+"""The benchmarks' summaries: a level's slowest stream beside the mean (the HTTP client), and
+how many tokens of an ignore_eos run come after the answers' EOS."""
 from benchmarks.http_client import summarize
 
 
@@ -16,3 +16,10 @@ def test_summary_reports_the_slowest_stream_beside_the_mean():
     assert abs(s["e2e_s"] - 1.2) < 1e-9
     assert s["e2e_max_s"] == 1.6
     assert s["ttft_p50_ms"] == 50.0
+
+
+def test_tokens_after_eos_count_each_short_answer_up_to_the_cap():
+    from benchmarks.answer_lengths import after_eos
+    ended, share = after_eos([100, 256, 1024], 256)
+    assert ended == 1
+    assert abs(share - 156 / (3 * 256)) < 1e-12
