@@ -11,28 +11,34 @@ import torch
 from kernels.triton_available import use_triton
 from kernels.triton_token_bitmask import mask_logits_triton_
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[..., W] int32 -> [..., vocab_size] bool (True: allowed). Ids past 32*W (padding rows
-    of the model's vocabulary, which no tokenizer produces) are disallowed."""
-    shifts = _SHIFTS.get(bitmask.device)
-    if shifts is None:
-        shifts = _SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool()  # [..., W, 32] bool
-    allowed = bits.flatten(-2)  # [..., 32W] bool
-    width = allowed.shape[-1]
+def disallowed_ids(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., W] int32 -> [..., vocab_size] bool (True: disallowed). Ids past 32*W (padding rows
+    of the model's vocabulary, which no tokenizer produces) are disallowed.
+
+    Read as bytes (little-endian: byte k of word w holds ids 32w+8k .. 32w+8k+7), each byte
+    looked up in a [256, 8] table of its clear bits: one gather, where shifting every word by
+    0..31 made four passes over an [..., W, 32] int32 tensor (a batch-64 tree's 512 rows:
+    104 ms against 27 ms on the 2-core development CPU, for a JSON grammar's masks)."""
+    table = _BYTE_BITS.get(bitmask.device)
+    if table is None:
+        bits = torch.arange(8, dtype=torch.int32, device=bitmask.device)
+        byte = torch.arange(256, dtype=torch.int32, device=bitmask.device)
+        table = _BYTE_BITS[bitmask.device] = ((byte.unsqueeze(1) >> bits) & 1) == 0  # [256, 8] bool
+    by = bitmask.contiguous().view(torch.uint8)  # [..., 4W] uint8
+    off = table.index_select(0, by.flatten().int()).view(*by.shape[:-1], -1)  # [..., 32W] bool
+    width = off.shape[-1]
     if width >= vocab_size:
-        return allowed[..., :vocab_size]
-    pad = allowed.new_zeros(*allowed.shape[:-1], vocab_size - width)
-    return torch.cat([allowed, pad], -1)
+        return off[..., :vocab_size]
+    pad = off.new_ones(*off.shape[:-1], vocab_size - width)
+    return torch.cat([off, pad], -1)
 
 
 def mask_logits_torch_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """The reference: `mask_logits_` in torch ops."""
-    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
-    return logits.masked_fill_(~allowed, float("-inf"))
+    return logits.masked_fill_(disallowed_ids(bitmask.to(logits.device), logits.shape[-1]), float("-inf"))
 
 
 def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

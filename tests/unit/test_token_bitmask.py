@@ -4,7 +4,7 @@ in place, to rows of any leading shape."""
 import pytest
 import torch
 
-from kernels.token_bitmask import mask_logits_, unpack_bitmask
+from kernels.token_bitmask import disallowed_ids, mask_logits_
 
 
 @pytest.mark.parametrize("V", [64, 100, 49152])
@@ -22,8 +22,8 @@ def test_matches_xgrammar(V):
 
 def test_ids_past_the_mask_are_disallowed():
     bitmask = torch.full((2, 1), -1, dtype=torch.int32)  # 32 ids allowed
-    allowed = unpack_bitmask(bitmask, 40)
-    assert allowed[:, :32].all() and not allowed[:, 32:].any()
+    off = disallowed_ids(bitmask, 40)
+    assert off[:, 32:].all() and not off[:, :32].any()
     out = mask_logits_(torch.zeros(2, 40), bitmask)
     assert torch.isinf(out[:, 32:]).all() and (out[:, :32] == 0).all()
 
