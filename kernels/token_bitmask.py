@@ -21,7 +21,7 @@ def disallowed_ids(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     Read as bytes (little-endian: byte k of word w holds ids 32w+8k .. 32w+8k+7), each byte
     looked up in a [256, 8] table of its clear bits: one gather, where shifting every word by
     0..31 made four passes over an [..., W, 32] int32 tensor (a batch-64 tree's 512 rows:
-    104 ms against 27 ms on the 2-core development CPU, for a JSON grammar's masks)."""
+    104 ms against 25 ms on the 2-core development CPU, for JSON-like masks; docs/benchmarks.md)."""
     table = _BYTE_BITS.get(bitmask.device)
     if table is None:
         bits = torch.arange(8, dtype=torch.int32, device=bitmask.device)
