@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     from configs.schema import load_config
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
+    from serve_app.text.tokenizer import apply_chat_template
     cap = max(args.caps)
     cfg = load_config(args.config, ["draft.enabled=false", f"scheduler.max_running_requests={args.prompts}",
                                     *args.set])

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import ray
 
-from actors.step_plan import StepOutput, StepPlan
+from actors.protocol.step_plan import StepOutput, StepPlan
 
 
 def make_plan(step: int, batch: int) -> StepPlan:
@@ -36,7 +36,7 @@ def answer(plan: StepPlan) -> StepOutput:
 @ray.remote
 class Rank:
     def __init__(self):
-        from actors.step_channel import StepServer
+        from actors.worker.step_channel import StepServer
         self.server = StepServer(answer)
 
     def address(self):
@@ -51,7 +51,7 @@ def per_step_ms(seconds: float, steps: int) -> float:
 
 
 def bench_channel(rank, batch: int, steps: int) -> tuple[float, float]:
-    from serve_app.rank_channel import RankChannel
+    from serve_app.engine.rank_channel import RankChannel
     (host, port), token = ray.get(rank.address.remote())
 
     async def run() -> tuple[float, float]:
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     ray.init(include_dashboard=False, log_to_driver=False)
     rows = []
-    for name, fn in (("step channel (TCP, actors/step_channel.py)", bench_channel),
+    for name, fn in (("step channel (TCP, actors/worker/step_channel.py)", bench_channel),
                      ("Ray actor call", bench_actor_call),
                      ("Ray Compiled Graph", bench_compiled_graph)):
         rank = Rank.remote()  # a fresh actor each: a compiled graph keeps its actor's loop

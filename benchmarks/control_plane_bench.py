@@ -32,8 +32,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def _worker_main(conn, step_ms: float, max_accept: int) -> None:
     """Child process: a StepServer whose steps sleep `step_ms` and return random tokens."""
-    from actors.step_channel import StepServer
-    from actors.step_plan import StepOutput
+    from actors.worker.step_channel import StepServer
+    from actors.protocol.step_plan import StepOutput
     rng = random.Random(0)
 
     def execute(plan):
@@ -53,8 +53,8 @@ def _worker_main(conn, step_ms: float, max_accept: int) -> None:
 def _core_main(conn, cfg_dict: dict, info: dict, address, token: str) -> None:
     """Child process: the engine core (schedulers, step loop), as its Ray actor runs it."""
     from configs.schema import KestrelConfig
-    from serve_app.engine_core import EngineCore
-    from serve_app.rank_channel import RankChannel
+    from serve_app.engine.engine_core import EngineCore
+    from serve_app.engine.rank_channel import RankChannel
 
     async def run():
         cfg = KestrelConfig.model_validate(cfg_dict)
@@ -95,9 +95,9 @@ async def serve(cfg, front, port: int, stop: asyncio.Event) -> None:
     import uvicorn
 
     from actors.models.loader import default_model_path
-    from serve_app.engine_client import EngineClient
-    from serve_app.openai_server import OpenAIServer, build_api
-    from serve_app.tokenizer import load_tokenizer
+    from serve_app.engine.engine_client import EngineClient
+    from serve_app.api.openai_server import OpenAIServer, build_api
+    from serve_app.text.tokenizer import load_tokenizer
     tok = load_tokenizer(default_model_path())
     engine = await EngineClient.connect(cfg, 1, *front, tok)
     server = uvicorn.Server(uvicorn.Config(build_api(OpenAIServer(cfg, engine, tok)), host="127.0.0.1",

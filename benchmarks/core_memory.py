@@ -9,7 +9,7 @@ sampling, logprobs, penalties, stop strings, streams dropped after two outputs) 
 a time, traced by tracemalloc from the first. After `--warm` requests (the KV cache and
 the prefix cache full) it takes a snapshot and the resident size, and again at the end: what grew between the two, per request, and where (the ten largest
 growths by traceback). A leak shows as growth that scales with the requests; the prefix
-cache's index is bounded by the KV capacity (serve_app/radix_cache.py).
+cache's index is bounded by the KV capacity (serve_app/engine/radix_cache.py).
 """
 from __future__ import annotations
 
@@ -76,11 +76,11 @@ def main(argv=None) -> None:
     ap.add_argument("--slots", type=int, default=4096)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
-    from actors.rank_worker import RankWorker
+    from actors.worker.rank_worker import RankWorker
     from benchmarks.http_bench import make_tiny_model
     from configs.schema import load_config
     from kestrel_testing import LocalEngine
-    from serve_app.tokenizer import load_tokenizer
+    from serve_app.text.tokenizer import load_tokenizer
 
     path = make_tiny_model(tempfile.mkdtemp(prefix="kestrel-tiny-"))
     cfg = load_config(overrides=[

@@ -65,9 +65,9 @@ def cpu_graphs(eng) -> None:
 def run(config: str, overrides: list[str], prompts_text: list[str], batches: list[int],
         max_tokens: int, stand_in_graphs: bool = False, count_ops: bool = False,
         repeats: int = 1, features: list[str] | None = None, timeline: str | None = None) -> dict:
-    from actors.gc_pauses import frozen_heap, watch
+    from actors.worker.gc_pauses import frozen_heap, watch
     from configs.schema import load_config
-    from serve_app.llm_engine import LLMEngine
+    from serve_app.engine.llm_engine import LLMEngine
     eng = LLMEngine(load_config(config, overrides))
     if stand_in_graphs:
         cpu_graphs(eng)
@@ -85,9 +85,9 @@ def _cells(eng, gc_pauses, overrides: list[str], prompts_text: list[str], batche
            timeline: str | None) -> dict:
     """Each feature at each batch size on `eng` -> tok/s, ms per step, GC seconds (and
     ops, timelines) by "feature/batch[/what]"."""
-    from serve_app.grammar import compiler_for
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.text.grammar import compiler_for
+    from serve_app.engine.request import SamplingParams
+    from serve_app.text.tokenizer import apply_chat_template
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in prompts_text]
     out = {}
     for feature, extra in FEATURES.items():

@@ -42,8 +42,8 @@ def spec_shape(name: str) -> list[str]:
 
 
 def bench_engine(cfg, tok, prompts, batch, max_tokens, workers=None):
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
     eng = LLMEngine(cfg, tokenizer=tok, workers=workers)
     eng.generate(prompts[:batch], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     torch.cuda.synchronize()
@@ -131,7 +131,7 @@ def main(argv=None):
 
     from actors.models.loader import default_model_path
     from configs.schema import load_config
-    from serve_app.tokenizer import apply_chat_template, load_tokenizer
+    from serve_app.text.tokenizer import apply_chat_template, load_tokenizer
     path = default_model_path()
     tok = load_tokenizer(path)
     n = max(*args.batch_sizes, args.b1_prompts)

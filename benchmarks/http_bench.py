@@ -63,7 +63,7 @@ def make_tiny_model(folder: str) -> str:
     import transformers
 
     from actors.models.loader import default_model_path
-    from serve_app.tokenizer import load_tokenizer
+    from serve_app.text.tokenizer import load_tokenizer
     tok = load_tokenizer(default_model_path())
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
@@ -122,10 +122,10 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
                samplings: list[dict | None] = (None,)) -> list[dict[int, dict]]:
     """Each sampling setting's levels on one in-process engine (loaded once) -> per setting,
     {level: the median run}."""
-    from actors.gc_pauses import frozen_heap
+    from actors.worker.gc_pauses import frozen_heap
     from configs.schema import load_config
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.text.tokenizer import apply_chat_template
     eng = LLMEngine(load_config(config, overrides))
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in questions]
     with frozen_heap("http_bench in-process", eng.cfg.serve.gc_freeze):
@@ -135,7 +135,7 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
 
 def _in_process_levels(eng, prompts: list[str], sampling: dict | None, levels: list[int],
                        max_tokens: int, c1_prompts: int, repeats: int) -> dict[int, dict]:
-    from serve_app.request import SamplingParams
+    from serve_app.engine.request import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {}))
     out = {}
     for c in levels:

@@ -43,7 +43,7 @@ def main(argv=None):
 
     from actors.models.loader import default_model_path
     from configs.schema import load_config
-    from serve_app.tokenizer import apply_chat_template, load_tokenizer
+    from serve_app.text.tokenizer import apply_chat_template, load_tokenizer
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default=None, help="head folder (default: the shipped head)")
     ap.add_argument("--shape", default="tree", help="chain, tree or K-S-N")

@@ -32,8 +32,8 @@ def load_questions(path: Path, n: int) -> list[str]:
 
 
 def run_kestrel(cfg, tokenizer, prompts, batch, max_tokens, workers=None):
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
     eng = LLMEngine(cfg, tokenizer=tokenizer, workers=workers)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     eng.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from actors.models.loader import default_model_path
     from configs.schema import load_config
-    from serve_app.tokenizer import apply_chat_template, load_tokenizer
+    from serve_app.text.tokenizer import apply_chat_template, load_tokenizer
 
     path = default_model_path()
     base = [f"model.dtype={args.dtype}", "kv_cache.num_slots=16384"] + args.set
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
-        from actors.rank_worker import resolve_dtype
+        from actors.worker.rank_worker import resolve_dtype
         dt = resolve_dtype(args.dtype, cfg.resolved_device())
         hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
                                                   gguf_file=os.path.basename(path),

@@ -1,5 +1,5 @@
 """The penalties' cost on the GPU: `apply_processing` (presence, frequency, repetition and a
-logit bias) with the torch reference against the Triton kernel (kernels/triton_penalties.py),
+logit bias) with the torch reference against the Triton kernel (kestrel_kernels/triton_penalties.py),
 per call, at the shapes a step makes: plain batch 64 (N = 1) and batch 64 of 8-node trees
 with their paths, over SmolLM2's 49152 ids.
 
@@ -15,7 +15,7 @@ from unittest import mock
 import torch
 
 from benchmarks.sampling_ops import time_ms
-from kernels import penalties
+from kestrel_kernels import penalties
 
 
 def inputs(B: int, N: int, V: int) -> tuple:

@@ -24,9 +24,9 @@ def measure(config: str | None, overrides: list[str], questions: list[str], roun
     import torch
 
     from configs.schema import load_config
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
+    from serve_app.text.tokenizer import apply_chat_template
     eng = LLMEngine(load_config(config, ["kv_cache.prefix_caching=false", "kv_cache.num_slots=65536",
                                          *overrides]))
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in questions]

@@ -25,8 +25,8 @@ import time
 import torch
 
 from configs.schema import load_config
-from serve_app.llm_engine import LLMEngine
-from serve_app.request import Request, SamplingParams
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.request import Request, SamplingParams
 
 SHAPES = {"chain": ["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"],
           "tree": ["draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]}

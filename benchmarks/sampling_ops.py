@@ -1,5 +1,5 @@
 """Truncation cost on the GPU: `process_logits` with top-p (and top-k) by the sorted
-reference against the sort-free Triton kernel (kernels/triton_top_p.py), per call, at the
+reference against the sort-free Triton kernel (kestrel_kernels/triton_top_p.py), per call, at the
 row counts a step makes (plain batch 64; tree batch 64 x 8 nodes) over SmolLM2's 49152 ids.
 
     python -m benchmarks.sampling_ops [--rows 1 64 512] [--vocab 49152]
@@ -13,8 +13,8 @@ import statistics
 
 import torch
 
-from kernels import sampling
-from kernels.triton_top_p import top_k_top_p_triton
+from kestrel_kernels import sampling
+from kestrel_kernels.triton_top_p import top_k_top_p_triton
 
 
 def time_ms(fn, reps: int = 50) -> float:

@@ -26,10 +26,10 @@ import sys
 import time
 from types import SimpleNamespace
 
-from actors.step_plan import StepOutput, StepPlan
+from actors.protocol.step_plan import StepOutput, StepPlan
 from configs.schema import load_config
-from serve_app.llm_engine import LLMEngine
-from serve_app.request import SamplingParams
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.request import SamplingParams
 
 EOS = 2  # SmolLM2's <|im_end|>: the chat turn's end and the model's eos
 SHARED_PREFIX = list(range(1000, 1024))  # every prompt starts alike (a chat template's header)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     from actors.models.loader import default_model_path
-    from serve_app.tokenizer import load_tokenizer
+    from serve_app.text.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(default_model_path())
     engine, worker = build_engine(args, tokenizer)
     sched = engine.schedulers[0]

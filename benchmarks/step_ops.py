@@ -8,7 +8,7 @@ eager stand-in runs counted as one op (on a GPU, one replay).
 
 It also finds the host reads of device values in a decode step's launch (`find_host_reads`):
 on a GPU each waits for the stream to drain, so the host cannot queue step N+1 while step
-N runs (actors/step_channel.py). On a CPU they do not wait, but they dispatch the same ops.
+N runs (actors/worker/step_channel.py). On a CPU they do not wait, but they dispatch the same ops.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from actors.cuda_graph_runner import EagerGraph
+from actors.graphs.cuda_graph_runner import EagerGraph
 
 
 class StepWatch(TorchDispatchMode):

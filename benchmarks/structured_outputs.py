@@ -19,10 +19,10 @@ from pathlib import Path
 import jsonschema
 
 from configs.schema import load_config
-from serve_app.grammar import compiler_for
-from serve_app.llm_engine import LLMEngine
-from serve_app.request import SamplingParams
-from serve_app.tokenizer import apply_chat_template
+from serve_app.text.grammar import compiler_for
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.request import SamplingParams
+from serve_app.text.tokenizer import apply_chat_template
 
 SCHEMAS = [
     ("a person", {"type": "object", "additionalProperties": False, "required": ["name", "age"],

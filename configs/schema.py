@@ -23,7 +23,7 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(2048, ge=16)
     # On CUDA, RMSNorm (+ residual add), RoPE and SiLU-mul run as fused Triton kernels
-    # (kernels/layer_ops.py); false runs their torch references (to compare the two).
+    # (kestrel_kernels/layer_ops.py); false runs their torch references (to compare the two).
     fused_layer_ops: bool = True
 
 
@@ -111,7 +111,7 @@ class AttentionConfig(_Strict):
     # device (triton); false, or flashinfer: one graph per forward, eager ops between.
     spec_step_graph: bool = True
     # With cuda_graphs: a prefill step whose chunks are each at most max(prefill_graph_tokens)
-    # long replays as a graph (actors/prefill_graph.py), each chunk padded to the next size
+    # long replays as a graph (actors/graphs/prefill_graph.py), each chunk padded to the next size
     # here and the batch to the next cuda_graph_batch_sizes entry, when the padded total is
     # within prefill_graph_max_tokens, so a first token does not wait on some 400 kernel
     # launches. The budget bounds the padding's compute (lower it for large models); []
@@ -140,9 +140,9 @@ class AttentionConfig(_Strict):
 class ProcessingConfig(_Strict):
     """How a rank shapes logits for the requests that ask: per request row it keeps the
     logit processing on the device, in tables of fixed width that the decode graphs read
-    (actors/processing_table.py); a request with more entries than these still gets all of
+    (actors/sampling/processing_table.py); a request with more entries than these still gets all of
     them, from steps that run its batch on the eager path. Grammar masks are filled on
-    the host (actors/grammar_rows.py)."""
+    the host (actors/sampling/grammar_rows.py)."""
 
     logit_bias: int = Field(64, ge=1)  # logit_bias entries
     stop_ids: int = Field(8, ge=1)  # ids banned while under min_tokens (EOS and stop_token_ids)
@@ -197,7 +197,7 @@ class ServeConfig(_Strict):
     # Freeze the heap of each serving process (rank, engine core, replica) once started
     # (gc.freeze), so the collector's full passes walk only what serving made since: a
     # full pass over a started rank's heap stops its step loop ~100-230 ms
-    # (actors/gc_pauses.py).
+    # (actors/worker/gc_pauses.py).
     gc_freeze: bool = True
     # Non-empty: every route but /health (and /metrics, below) needs one of these keys as
     # `Authorization: Bearer <key>`.

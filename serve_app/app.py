@@ -105,7 +105,7 @@ def build_app(cfg: KestrelConfig, engine_options: dict[str, Any] | None = None):
     """The Serve application for `cfg`. `engine_options` are extra Serve deployment
     options (e.g. autoscaling_config={"look_back_period_s": 5}) laid over the ones derived
     from the config."""
-    from serve_app.engine_deployment import EngineDeployment
+    from serve_app.engine.engine_deployment import EngineDeployment
 
     cfg = cfg.model_copy(deep=True)
     cfg.device = resolve_device(cfg)

@@ -41,9 +41,9 @@ def _read_jsonl(path: str) -> list[dict]:
 def cmd_generate(args) -> None:
     from tqdm import tqdm
 
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
+    from serve_app.text.tokenizer import apply_chat_template
 
     cfg = _config(args, ["draft.enabled=false"] if args.no_spec else None)
     rows = _read_jsonl(args.input)
@@ -85,9 +85,9 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
+    from serve_app.text.tokenizer import apply_chat_template
 
     cfg = _config(args)
     print("loading the model...", file=sys.stderr)

@@ -12,8 +12,11 @@ import jinja2
 import pydantic
 import starlette.exceptions
 
-from actors import step_channel
-from serve_app import engine_client, errors, rank_channel, request_stream
+from actors.worker import step_channel
+from serve_app.engine import engine_client
+from serve_app.api import errors
+from serve_app.engine import rank_channel
+from serve_app.engine import request_stream
 
 TRACEBACK = re.compile(r'Traceback \(most recent call last\)|File "[^"]+", line \d+')
 _EXCEPTION_CLASSES = {

@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "spec"))  # spec_helpers
 sys.path.insert(0, str(ROOT / "tests"))  # kestrel_testing
 
-# Before any test module imports triton (actors import kernels.spec_ops): without CUDA the
+# Before any test module imports triton (actors import kestrel_kernels.spec_ops): without CUDA the
 # Triton kernels under test run in its interpreter, which is bound when they are decorated.
 import triton_interpreter  # noqa: E402,F401
 from kestrel_testing import mt_bench_first_turns  # noqa: E402
@@ -76,14 +76,14 @@ def smollm_path() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm_path):
-    from serve_app.tokenizer import load_tokenizer
+    from serve_app.text.tokenizer import load_tokenizer
     return load_tokenizer(smollm_path)
 
 
 @pytest.fixture(scope="session")
 def fp32_worker():
     """One fp32 RankWorker shared by engine tests: schedulers are cheap, weights are not."""
-    from actors.rank_worker import RankWorker
+    from actors.worker.rank_worker import RankWorker
     from configs.schema import load_config
     cfg = load_config(overrides=["model.dtype=float32", "kv_cache.num_slots=8192",
                                  "scheduler.max_running_requests=16", "device=cpu",
@@ -93,7 +93,7 @@ def fp32_worker():
 
 @pytest.fixture(scope="session")
 def chat_prompts(tokenizer) -> list[list[int]]:
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.text.tokenizer import apply_chat_template
     return [apply_chat_template(tokenizer, [{"role": "user", "content": q}])
             for q in mt_bench_first_turns(8)]
 
@@ -104,8 +104,8 @@ def plain_chat_outputs(fp32_worker, tokenizer, chat_prompts) -> list[list[int]]:
     chat prompts, in one batch: the reference of test_engine.py and of the C22
     losslessness tests (which compare a prefix), computed once."""
     from configs.schema import load_config
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
     cfg = load_config(overrides=["draft.enabled=false", "model.dtype=float32",
                                  "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
                                  "device=cpu"])

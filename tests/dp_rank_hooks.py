@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from actors.dp.attention_group import DPAttentionGroup
-from actors.dp.sync import ForwardMode, make_sync_row
+from actors.dp.sync import make_sync_row
+from actors.worker.forward_batch import ForwardMode
 
 COLLECTIVES = ("all_gather", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
 BIG = 2**40 + 3  # requests a rank claims in the last sync of the seed scenario
@@ -152,7 +153,7 @@ def late_ready(rank: int):
     import time
 
     from actors.dp.lockstep_worker import LockstepWorker
-    from actors.launched_step import LaunchedStep
+    from actors.worker.launched_step import LaunchedStep
     launch, finish, ready = LockstepWorker.launch, LockstepWorker.finish, LaunchedStep.ready
     unfinished, ahead, inside = [], [0], [0]  # steps launched and not finished, in launch order
     launching_now = [False]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.cuda_graph_runner import padded_size
-from actors.dp.sync import ForwardMode
+from actors.graphs.cuda_graph_runner import padded_size
+from actors.worker.forward_batch import ForwardMode
 from local_dp_engine import collect
 from spec_helpers import CHAIN, TREE, random_prompts
 

@@ -14,8 +14,8 @@ from typing import Any, Iterator
 import httpx
 import uvicorn
 
-from serve_app.openai_server import OpenAIServer, build_api
-from serve_app.request import RequestOutput
+from serve_app.api.openai_server import OpenAIServer, build_api
+from serve_app.engine.request import RequestOutput
 
 
 class FakeStream:

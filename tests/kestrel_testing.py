@@ -96,11 +96,11 @@ class LocalEngine:
 
     @classmethod
     async def start(cls, cfg, info: dict, runner, tokenizer, on_start=None) -> "LocalEngine":
-        from actors.step_channel import StepServer
-        from serve_app.engine_client import EngineClient
-        from serve_app.engine_core import EngineCore
-        from serve_app.rank_channel import RankChannel
-        from serve_app.tokenizer import stop_token_ids
+        from actors.worker.step_channel import StepServer
+        from serve_app.engine.engine_client import EngineClient
+        from serve_app.engine.engine_core import EngineCore
+        from serve_app.engine.rank_channel import RankChannel
+        from serve_app.text.tokenizer import stop_token_ids
         server = StepServer(runner, on_start=on_start)
         channel = await RankChannel.connect(*server.address, server.token, 0)
         eos = sorted(stop_token_ids(tokenizer, info["eos_token_ids"]))

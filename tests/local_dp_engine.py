@@ -19,7 +19,7 @@ def _rank_main(rank: int, cfg_json: dict, port: int, conn, hook) -> None:
     import torch
 
     from actors.dp.lockstep_worker import LockstepWorker
-    from actors.step_channel import StepServer
+    from actors.worker.step_channel import StepServer
     from configs.schema import KestrelConfig
     report = hook(rank) if hook is not None else None
     worker = LockstepWorker(KestrelConfig.model_validate(cfg_json), rank)
@@ -46,16 +46,16 @@ class LocalDPEngine:
         """`info_overrides`: per rank, entries laid over what the rank reports (fewer KV
         slots for one rank, say). `wait_s`: for the ranks to load, join and capture."""
         from actors.dp.group import find_free_port
-        from serve_app.engine_client import EngineClient
-        from serve_app.engine_core import EngineCore
-        from serve_app.rank_channel import RankChannel
-        from serve_app.tokenizer import stop_token_ids
+        from serve_app.engine.engine_client import EngineClient
+        from serve_app.engine.engine_core import EngineCore
+        from serve_app.engine.rank_channel import RankChannel
+        from serve_app.text.tokenizer import stop_token_ids
         W = cfg.parallel.dp_size
         # Fresh interpreters (no torch threads to fork), forked from one that imported the
         # rank's modules once: a spawned rank spent ~3 s of a 2-core CPU importing torch.
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["local_dp_engine", "actors.dp.lockstep_worker",
-                                    "actors.step_channel", "configs.schema"])
+                                    "actors.worker.step_channel", "configs.schema"])
         port = find_free_port()
         procs, conns = [], []
         for rank in range(W):

@@ -61,7 +61,7 @@ def user_turn_prefix(tokenizer) -> tuple[list[int], int]:
 
 def render_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
     """A user text (or a message list ending with a user turn) -> ids up to the assistant header."""
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.text.tokenizer import apply_chat_template
     msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     return apply_chat_template(tokenizer, msgs)
 
@@ -144,7 +144,7 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
     """
     from tqdm import tqdm
 
-    from serve_app.request import SamplingParams
+    from serve_app.engine.request import SamplingParams
 
     rng = random.Random(seed)
     t_start = time.monotonic()

@@ -31,8 +31,8 @@ def eval_acceptance(cfg, draft_path: str | None, prompts: list[list[int]], *, to
     from tqdm import tqdm
 
     from configs.schema import DraftConfig
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     runs = ([("no_spec", None)] if baseline else []) + [(n, (k, s, m)) for n, k, s, m in settings]
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     import sys
 
     from configs.schema import load_config
-    from serve_app.tokenizer import load_tokenizer
+    from serve_app.text.tokenizer import load_tokenizer
     from training.data import read_user_prompts, render_prompt
 
     names = [n for n, *_ in DEFAULT_SETTINGS]

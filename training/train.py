@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> dict:
     def get_tokenizer():
         nonlocal tokenizer
         if tokenizer is None:
-            from serve_app.tokenizer import load_tokenizer
+            from serve_app.text.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(target_path)
         return tokenizer
 
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["data"] = json.loads((data_dir / "stats.json").read_text()) if (data_dir / "stats.json").exists() else {}
         log.info("reusing %s (%d train, %d held-out samples)", data_dir, len(train), len(held))
     else:
-        from serve_app.llm_engine import LLMEngine
+        from serve_app.engine.llm_engine import LLMEngine
         from training.data import read_user_prompts
         gen_cfg = cfg.model_copy(deep=True)
         gen_cfg.draft.enabled = False

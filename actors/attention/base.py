@@ -5,8 +5,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from actors.forward_batch import ForwardBatch
-from actors.kv_cache import ReqToTokenPool, TokenToKVPool
+from actors.worker.forward_batch import ForwardBatch
+from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool
 
 
 class AttentionBackend(ABC):

@@ -1,6 +1,6 @@
 """FlashInfer attention backend: paged wrappers with host-side plan() (DESIGN.md 5).
 
-One layout for every mode (actors/forward_batch.py): request b attends to its prefix in
+One layout for every mode (actors/worker/forward_batch.py): request b attends to its prefix in
 full and to its new keys causally or through custom_mask. Decode (one query, the new key
 being the written token) runs BatchDecodeWithPagedKVCacheWrapper; everything else (extend,
 target verify's tree mask, draft extend, draft decode's ancestor masks over the scratch
@@ -26,8 +26,8 @@ import torch
 
 from actors.attention.base import AttentionBackend
 from actors.attention.flashinfer_metadata import full_mask, page_table, set_block_bits
-from actors.dp.sync import ForwardMode
-from actors.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardMode
+from actors.worker.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-k scratch, shared by all wrappers
 

@@ -1,7 +1,7 @@
 """FlashInfer metadata from Kestrel's paged layout: page tables and custom-mask bits.
 
 Runs on CPU too, tested there against straightforward references; the page-id gather is
-the kernels.spec_ops op (Triton on CUDA).
+the kestrel_kernels.spec_ops op (Triton on CUDA).
 
 Request b's keys are req_to_token[row_b, 0 : kv_b] (prefix, then the new keys: every
 caller writes the new keys' slots at positions prefix_b.. of the row, see
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import spec_ops
-from kernels.triton_kv_indices import indptr_and_last_len
+from kestrel_kernels import spec_ops
+from kestrel_kernels.triton_kv_indices import indptr_and_last_len
 
 
 def page_table(table: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, page_size: int):
@@ -28,7 +28,7 @@ def page_table(table: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, p
     kv_last_page_len [B] int32 host, for request b holding keys table[rows[b], :kv_lens[b]].
 
     kv_lens is a host tensor (FlashInfer plans on the host): the CSR sizes are computed
-    there, and the page-id gather (kernels.spec_ops.paged_kv_indices) writes into a buffer
+    there, and the page-id gather (kestrel_kernels.spec_ops.paged_kv_indices) writes into a buffer
     of the known size, so nothing waits for the device.
     """
     _, indptr, last = indptr_and_last_len(kv_lens, page_size)  # host int64

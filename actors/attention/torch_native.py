@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.attention.base import AttentionBackend
-from actors.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardBatch
 
 
 @dataclass

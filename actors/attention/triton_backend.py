@@ -6,7 +6,7 @@ data (no .tolist()/.item()), so building metadata and running the forward can bo
 captured in a CUDA graph; a replay then rebuilds the metadata from the graph's static
 inputs. The kernel reads request b's keys as req_to_token[row_b, 0 : prefix_b + E_b]: every
 caller writes the new keys' slots (out_cache_loc, draft scratch) at positions
-prefix_b.. of the request's row before the forward (see kernels/triton_attention.py).
+prefix_b.. of the request's row before the forward (see kestrel_kernels/triton_attention.py).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from actors.attention.base import AttentionBackend
-from actors.forward_batch import ForwardBatch
-from actors.host_copy import to_device
-from kernels.triton_attention import paged_attention
+from actors.worker.forward_batch import ForwardBatch
+from actors.worker.host_copy import to_device
+from kestrel_kernels.triton_attention import paged_attention
 
 
 @dataclass

@@ -24,13 +24,13 @@ import logging
 import time
 from typing import Any
 
-from actors.cuda_graph_runner import EagerGraph, GraphKind
+from actors.graphs.cuda_graph_runner import EagerGraph, GraphKind
 from actors.dp.attention_group import DPAttentionGroup
 from actors.dp.step_phases import (DRAFT_EXTEND, TARGET, GraphStep, Phase, graph_phases,
                                    is_draft_decode)
-from actors.dp.sync import ForwardMode
-from actors.rank_worker import RankWorker
-from actors.step_plan import StepPlan
+from actors.worker.forward_batch import ForwardMode
+from actors.worker.rank_worker import RankWorker
+from actors.protocol.step_plan import StepPlan
 
 log = logging.getLogger("kestrel.worker")
 

@@ -21,10 +21,11 @@ from actors.dp.attention_group import DPAttentionGroup
 from actors.dp.group_graphs import GroupGraphs
 from actors.dp.sharded_layers import shard_model, weight_bytes
 from actors.dp.step_phases import DRAFT_EXTEND, DraftShape, Phase
-from actors.dp.sync import ForwardMode, idle_sync_row, make_sync_row
-from actors.launched_step import LaunchedStep
-from actors.rank_worker import RankWorker
-from actors.step_plan import StepOutput, StepPlan
+from actors.dp.sync import idle_sync_row, make_sync_row
+from actors.worker.forward_batch import ForwardMode
+from actors.worker.launched_step import LaunchedStep
+from actors.worker.rank_worker import RankWorker
+from actors.protocol.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
 
 log = logging.getLogger("kestrel.worker")

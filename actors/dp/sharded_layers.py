@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.dp.attention_group import DPAttentionGroup
-from kernels import layer_ops
+from kestrel_kernels import layer_ops
 
 
 def _shard_rows(weight: torch.Tensor, rows: int, start: int) -> torch.Tensor:

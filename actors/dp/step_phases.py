@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.cuda_graph_runner import padded_size
-from actors.dp.sync import DPSyncResult, ForwardMode
+from actors.graphs.cuda_graph_runner import padded_size
+from actors.dp.sync import DPSyncResult
+from actors.worker.forward_batch import ForwardMode
 
 TARGET, DRAFT_EXTEND = "target", "draft_extend"
 

@@ -11,24 +11,23 @@ Contracts (docs/spec_v2_contracts.md):
   counts are column 0, ``can_run_graph`` is the min and ``is_extend`` the max
   (:func:`make_sync_row`, :func:`idle_sync_row`, :func:`dp_sync`).
 
-:class:`ForwardMode` lives here; other modules import it from this one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 
+from actors.worker.forward_batch import ForwardMode
+
 if TYPE_CHECKING:  # pragma: no cover
     from actors.dp.group import DPGroup
 
 __all__ = [
-    "ForwardMode",
     "SYNC_ROW_LEN",
     "COL_NUM_TOKENS",
     "COL_NUM_TOKENS_FOR_LOGPROB",
@@ -44,14 +43,6 @@ __all__ = [
     "stream_ctx",
     "draft_extend_ids",
 ]
-
-
-class ForwardMode(enum.IntEnum):
-    IDLE = 0
-    DECODE = 1
-    EXTEND = 2
-    TARGET_VERIFY = 3
-    DRAFT_EXTEND = 4
 
 
 # Sync row layout.

@@ -25,7 +25,7 @@ from actors.models.llama import (MLP, AttnFn, LlamaForCausalLM, RMSNorm, fuse_pr
                                  projection_sizes, split_projections)
 from actors.models.model_config import LlamaArch
 from actors.models.rope import RotaryEmbedding
-from kernels import layer_ops, spec_ops
+from kestrel_kernels import layer_ops, spec_ops
 
 
 @dataclass

@@ -10,7 +10,7 @@ from torch import nn
 
 from actors.models.model_config import LlamaArch
 from actors.models.rope import RotaryEmbedding
-from kernels import layer_ops
+from kestrel_kernels import layer_ops
 
 # attn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], layer_id) -> [T, Hq, D].
 # The backend owns the KV cache, the causal/tree mask and the 1/sqrt(D) softmax scale.

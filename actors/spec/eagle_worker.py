@@ -29,27 +29,28 @@ import time
 
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, VerifyPath
-from actors.dp.sync import ForwardMode, draft_extend_ids
-from actors.forward_batch import ForwardBatch
-from actors.host_copy import to_device
-from actors.launched_step import Emitted, accepted_tokens
-from actors.logprobs import MAX_TOP, asked_top, node_logprobs
-from actors.kv_cache import TokenToKVPool
-from actors.model_runner import ModelRunner
+from actors.graphs.cuda_graph_runner import GraphBatch, VerifyPath
+from actors.dp.sync import draft_extend_ids
+from actors.worker.forward_batch import ForwardMode
+from actors.worker.forward_batch import ForwardBatch
+from actors.worker.host_copy import to_device
+from actors.worker.launched_step import Emitted, accepted_tokens
+from actors.sampling.logprobs import MAX_TOP, asked_top, node_logprobs
+from actors.worker.kv_cache import TokenToKVPool
+from actors.worker.model_runner import ModelRunner
 from actors.models.eagle import load_eagle_head, resolve_draft_path
-from actors.plan_stream import PlanStream, VerifyInputs, prepare_draft_extend_inputs
-from actors.sampler import sampling_flags, truncates
+from actors.graphs.plan_stream import PlanStream, VerifyInputs, prepare_draft_extend_inputs
+from actors.sampling.sampler import sampling_flags, truncates
 from actors.spec.spec_graphs import SpecGraphs, capture_spec_graphs
 from actors.spec.step_graph import StepGraph, Variant
-from actors.step_plan import StepPlan
+from actors.protocol.step_plan import StepPlan
 from configs.schema import KestrelConfig
-from kernels.sampling import process_logits
-from kernels.spec_tree import TreeInfo
-from kernels.spec_ops import (assign_cache_locs, build_tree, expand_level, greedy_verify,
+from kestrel_kernels.sampling import process_logits
+from kestrel_kernels.spec_tree import TreeInfo
+from kestrel_kernels.spec_ops import (assign_cache_locs, build_tree, expand_level, greedy_verify,
                               organize_draft, tree_sampling_verify)
-from kernels.token_bitmask import mask_logits_
-from kernels.verify import select_last_index
+from kestrel_kernels.token_bitmask import mask_logits_
+from kestrel_kernels.verify import select_last_index
 
 log = logging.getLogger("kestrel.worker")
 
@@ -83,7 +84,7 @@ class PhaseClock:
 
 class EagleWorker:
     def __init__(self, cfg: KestrelConfig, worker):
-        from actors.rank_worker import make_backend
+        from actors.worker.rank_worker import make_backend
         self.cfg = cfg
         self.w = worker
         d = cfg.draft

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, graph_backend
+from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, graph_backend
 
 log = logging.getLogger("kestrel.worker")
 

@@ -15,7 +15,7 @@ Batches above the largest size take the per-phase path. On CPU the "graph" is th
 run on the same padded rows buffer, so CPU tests drive the same padding path.
 
 A variant is (processed, logprobs, sampled, filtered): whether the body applies the
-rows' logit processing (actors/processing_table.py: read by row on the device, so it
+rows' logit processing (actors/sampling/processing_table.py: read by row on the device, so it
 needs no host input), computes the emitted tokens' logprobs (MAX_TOP alternatives), and
 samples: each row with temperature > 0 in the processing table accepts by tree rejection
 sampling on its processed distribution with its coins, the others by the greedy walk,
@@ -46,9 +46,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from actors.cuda_graph_runner import EagerGraph, capture_cuda_graph, padded_size
-from actors.host_copy import to_device
-from actors.step_coins import StepCoins
+from actors.graphs.cuda_graph_runner import EagerGraph, capture_cuda_graph, padded_size
+from actors.worker.host_copy import to_device
+from actors.sampling.step_coins import StepCoins
 
 
 class Variant(NamedTuple):

@@ -40,8 +40,8 @@ def _cfg(model_dir: str, shape: str, *extra: str):
 @pytest.fixture(scope="module")
 def one_gpu(tiny_llama_dir):
     """Every prompt's greedy tokens from one plain rank on GPU 0, graphs on."""
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
     eng = LLMEngine(_cfg(tiny_llama_dir, "plain"), load_tokenizer=False)
     reqs = eng.generate([p for p, _ in LENGTHS], [SamplingParams(**greedy(n)) for _, n in LENGTHS])
     return {tuple(p): r.output_ids for (p, _), r in zip(LENGTHS, reqs)}

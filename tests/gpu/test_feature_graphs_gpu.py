@@ -8,7 +8,7 @@ import json
 from test_prefill_graph_gpu import engine
 
 from actors.spec.step_graph import Variant
-from serve_app.request import SamplingParams
+from serve_app.engine.request import SamplingParams
 
 MAX = 64
 FP32 = "model.dtype=float32"
@@ -52,7 +52,7 @@ def test_processing_and_logprobs_replay_and_equal_eager(tokenizer, chat_prompts)
 
 
 def test_grammar_batches_replay_the_step_graph_parts(tokenizer, chat_prompts):
-    from serve_app.grammar import compiler_for
+    from serve_app.text.grammar import compiler_for
     schema = {"type": "object", "additionalProperties": False, "required": ["answer", "score"],
               "properties": {"answer": {"type": "string", "maxLength": 40},
                              "score": {"type": "integer", "minimum": 0, "maximum": 10}}}

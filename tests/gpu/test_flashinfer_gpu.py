@@ -24,9 +24,9 @@ from test_gpu_engine import check_near_ties, run
 from test_triton_backend import CONFIGS, MAX_CTX, TOL, Case
 
 from actors.attention.flashinfer_metadata import full_mask, set_block_bits
-from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
-from actors.dp.sync import ForwardMode
-from actors.forward_batch import ForwardBatch
+from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
+from actors.worker.forward_batch import ForwardMode
+from actors.worker.forward_batch import ForwardBatch
 
 flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
 DEV = "cuda"
@@ -233,8 +233,8 @@ def test_smollm_greedy_flashinfer_equals_triton(tokenizer, chat_prompts, fp32_re
 
 
 def test_float32_is_refused_with_the_setting_named():
-    from actors.kv_cache import ReqToTokenPool, TokenToKVPool
-    from actors.rank_worker import make_backend
+    from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool
+    from actors.worker.rank_worker import make_backend
     kv = TokenToKVPool(64, 1, 2, 64, torch.float32, "cuda")
     with pytest.raises(ValueError, match="model.dtype"):
         make_backend("flashinfer", kv, ReqToTokenPool(4, 32, "cuda"), 1.0, page_size=16)

@@ -16,8 +16,8 @@ FLASHINFER = pytest.param("flashinfer", marks=pytest.mark.skipif(
 
 def run(tokenizer, prompts, *overrides):
     from configs.schema import load_config
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
     eng = LLMEngine(load_config(overrides=BASE + list(overrides)), tokenizer=tokenizer)
     return [r.output_ids for r in eng.generate(prompts, SamplingParams(max_tokens=MAX, ignore_eos=True))]
 
@@ -74,8 +74,8 @@ def test_eagle3_head_and_sampled_rows_on_gpu(tokenizer, chat_prompts, fp32_ref, 
     top-k kernel) keeps greedy output plain up to near-ties; a batch mixing greedy and
     seeded sampled rows keeps the greedy rows and repeats itself run to run."""
     from configs.schema import load_config
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
     prompts = chat_prompts[:6]
     spec = [f"attention.backend={backend}", "draft.enabled=true", "draft.path=random",
             "draft.arch=eagle3", *TREE]

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, VerifyPath
-from actors.plan_stream import PlanStream, VerifyInputs, prepare_verify_inputs
+from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, VerifyPath
+from actors.graphs.plan_stream import PlanStream, VerifyInputs, prepare_verify_inputs
 
 DEV = "cuda"
 V, H, P = 97, 32, 512  # vocab, hidden, position table

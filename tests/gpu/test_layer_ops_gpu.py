@@ -19,11 +19,11 @@ from unit.test_layer_ops import TOL  # isort: skip
 import torch.nn.functional as F  # noqa: E402
 from gpu.test_gpu_engine import check_near_ties  # noqa: E402
 from actors.models.rope import rope_inv_freq  # noqa: E402
-from kernels import activation, layer_ops, rmsnorm, rope  # noqa: E402
+from kestrel_kernels import activation, layer_ops, rmsnorm, rope  # noqa: E402
 from kestrel_testing import require_compiled_triton  # noqa: E402
-from kernels import triton_activation as tact  # noqa: E402
-from kernels import triton_rmsnorm as trms  # noqa: E402
-from kernels import triton_rope as trope  # noqa: E402
+from kestrel_kernels import triton_activation as tact  # noqa: E402
+from kestrel_kernels import triton_rmsnorm as trms  # noqa: E402
+from kestrel_kernels import triton_rope as trope  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ against 8 of 8 for the same check in fp32 on the CPU: fp32 here tells precision 
 GPU-only fault."""
 from test_prefill_graph_gpu import engine
 
-from serve_app.request import SamplingParams
+from serve_app.engine.request import SamplingParams
 
 MAX = 64
 
@@ -52,7 +52,7 @@ def test_json_schema_on_gpu_keeps_speculation_lossless(tokenizer, chat_prompts):
     validates."""
     import json
 
-    from serve_app.grammar import compiler_for
+    from serve_app.text.grammar import compiler_for
     schema = {"type": "object", "additionalProperties": False, "required": ["answer", "score"],
               "properties": {"answer": {"type": "string", "maxLength": 40},
                              "score": {"type": "integer", "minimum": 0, "maximum": 10}}}

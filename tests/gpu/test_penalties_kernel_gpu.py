@@ -13,8 +13,8 @@ import torch
 # before anything imports triton.
 from unit.test_triton_penalties import case  # isort: skip
 
-from kernels import penalties  # noqa: E402
-from kernels import triton_penalties as tpk  # noqa: E402
+from kestrel_kernels import penalties  # noqa: E402
+from kestrel_kernels import triton_penalties as tpk  # noqa: E402
 from kestrel_testing import require_compiled_triton  # noqa: E402
 
 B, N, V = 64, 8, 49152

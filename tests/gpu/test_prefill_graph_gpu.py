@@ -13,12 +13,12 @@ H200 = ["attention.cuda_graph_batch_sizes=[1,2,4,8,16]", "scheduler.max_running_
 
 def engine(tokenizer, *overrides):
     from configs.schema import load_config
-    from serve_app.llm_engine import LLMEngine
+    from serve_app.engine.llm_engine import LLMEngine
     return LLMEngine(load_config("configs/h200.yaml", H200 + list(overrides)), tokenizer=tokenizer)
 
 
 def one_by_one_and_together(eng, prompts):
-    from serve_app.request import SamplingParams
+    from serve_app.engine.request import SamplingParams
     params = SamplingParams(max_tokens=MAX, ignore_eos=True)
     alone = [eng.generate([p], params)[0].output_ids for p in prompts]
     return alone + [r.output_ids for r in eng.generate(prompts, params)]
@@ -42,7 +42,7 @@ def test_prefill_graphs_equal_eager_on_gpu(tokenizer, chat_prompts, fp32_ref, sp
 
 
 def test_serving_compiles_no_kernel_after_start_up(tokenizer, chat_prompts):
-    from serve_app.request import SamplingParams
+    from serve_app.engine.request import SamplingParams
     eng = engine(tokenizer)
     watch = eng.workers[0].compiles
     assert watch._armed

@@ -8,7 +8,7 @@ from test_feature_graphs_gpu import same_or_all_but_one, spy_step_graph
 from test_prefill_graph_gpu import engine
 
 from actors.spec.step_graph import Variant
-from serve_app.request import SamplingParams
+from serve_app.engine.request import SamplingParams
 
 MAX = 64
 FP32 = "model.dtype=float32"

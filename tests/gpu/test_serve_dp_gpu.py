@@ -27,8 +27,8 @@ def test_two_gpu_ranks_over_http_equal_one_gpu(h200_serve_port, tokenizer, atten
     from configs.schema import load_config
     from kestrel_testing import ROOT
     from serve_app.app import build_app
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
 
     app = f"dp2-{'attn' if attention else 'ind'}"
     overrides = FP32 + ["parallel.dp_size=2", f"parallel.dp_attention={str(attention).lower()}"]

@@ -30,12 +30,12 @@ MAX = 48
 
 def engine(tokenizer, *overrides):
     from configs.schema import load_config
-    from serve_app.llm_engine import LLMEngine
+    from serve_app.engine.llm_engine import LLMEngine
     return LLMEngine(load_config(overrides=BASE + list(overrides)), tokenizer=tokenizer)
 
 
 def generate(eng, prompts, max_tokens=MAX):
-    from serve_app.request import SamplingParams
+    from serve_app.engine.request import SamplingParams
     return [r.output_ids for r in eng.generate(prompts, SamplingParams(max_tokens=max_tokens,
                                                                        ignore_eos=True))]
 

@@ -6,7 +6,7 @@ worker gives in-process, one step at a time (same batches, same graphs; greedy, 
 with seeded sampling and logprobs, whose paths copy to the host inside a step). With
 grammar rows (structured outputs) beside free ones, the grammar plans are launched behind
 the running step too, their masks made from its tokens once they are back
-(actors/grammar_rows.py), and the JSON answers parse."""
+(actors/sampling/grammar_rows.py), and the JSON answers parse."""
 import asyncio
 import json
 
@@ -56,10 +56,10 @@ def through_channel(cfg, worker, tokenizer, prompts, params):
 @pytest.mark.parametrize("spec,mixed", [([], True), (TREE, False), (TREE, True)],
                          ids=["plain-mixed", "tree-greedy", "tree-mixed"])
 def test_channel_thread_replays_graphs_as_in_process(tokenizer, chat_prompts, spec, mixed):
-    from actors.rank_worker import RankWorker
+    from actors.worker.rank_worker import RankWorker
     from configs.schema import load_config
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
 
     cfg = load_config(overrides=H200 + (spec or ["draft.enabled=false"]))
     worker = RankWorker(cfg)
@@ -96,13 +96,13 @@ def _grammar_params(grammar: str, i: int) -> dict:
 @pytest.mark.parametrize("spec,mixed", [([], True), (TREE, False), (TREE, True)],
                          ids=["plain-mixed", "tree-greedy", "tree-mixed"])
 def test_grammar_plans_launch_ahead_as_in_process(tokenizer, spec, mixed):
-    from actors.grammar_rows import GrammarRows
-    from actors.rank_worker import RankWorker
+    from actors.sampling.grammar_rows import GrammarRows
+    from actors.worker.rank_worker import RankWorker
     from configs.schema import load_config
-    from serve_app.grammar import GrammarCompiler
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.text.grammar import GrammarCompiler
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
+    from serve_app.text.tokenizer import apply_chat_template
 
     cfg = load_config(overrides=H200 + (spec or ["draft.enabled=false"]))
     worker = RankWorker(cfg)

@@ -12,8 +12,8 @@ import torch
 # before anything imports triton.
 from unit.test_triton_token_bitmask import words  # isort: skip
 
-from kernels import triton_token_bitmask as tbk  # noqa: E402
-from kernels.token_bitmask import mask_logits_, mask_logits_torch_  # noqa: E402
+from kestrel_kernels import triton_token_bitmask as tbk  # noqa: E402
+from kestrel_kernels.token_bitmask import mask_logits_, mask_logits_torch_  # noqa: E402
 from kestrel_testing import require_compiled_triton  # noqa: E402
 
 B, N, V, W = 64, 8, 49152, 1536

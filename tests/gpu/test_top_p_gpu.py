@@ -11,8 +11,8 @@ import torch
 # before anything imports triton.
 from unit.test_triton_top_p import near_the_cut  # isort: skip
 
-from kernels import triton_top_p as ttp  # noqa: E402
-from kernels.sampling import top_k_top_p_ref  # noqa: E402
+from kestrel_kernels import triton_top_p as ttp  # noqa: E402
+from kestrel_kernels.sampling import top_k_top_p_ref  # noqa: E402
 from kestrel_testing import require_compiled_triton  # noqa: E402
 
 T, V = 512, 49152

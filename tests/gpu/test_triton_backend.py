@@ -15,9 +15,9 @@ import torch
 from kestrel_testing import random_draft_mask, random_tree_mask
 
 from actors.attention.torch_native import TorchNativeBackend
-from actors.dp.sync import ForwardMode
-from actors.forward_batch import ForwardBatch
-from actors.kv_cache import ReqToTokenPool, TokenToKVPool
+from actors.worker.forward_batch import ForwardMode
+from actors.worker.forward_batch import ForwardBatch
+from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool
 
 DEV = "cuda"
 CONFIGS = {"smollm": (9, 3, 64), "llama": (32, 8, 128)}  # H, Hkv, D
@@ -29,7 +29,7 @@ TOL = dict(atol=4e-3, rtol=1.6e-2)
 def _backend_cls():
     # Imported here, not at module level: collecting this file on a CPU-only machine must
     # not import triton before the unit tests switch on its interpreter.
-    import kernels.triton_attention as ta
+    import kestrel_kernels.triton_attention as ta
     from actors.attention.triton_backend import TritonBackend
 
     if type(ta._paged_attn_kernel).__name__ == "InterpretedFunction":
@@ -154,7 +154,7 @@ def _compiled_variants(kernel) -> int:
 def test_a_new_split_count_compiles_no_new_kernel():
     """Split counts follow the batch's shape: as a compile-time constant each new one
     compiled the kernel again (0.5-1 s in front of a batch's first tokens)."""
-    from kernels import triton_attention as ta
+    from kestrel_kernels import triton_attention as ta
     case = Case("decode", 2, 16, "smollm", seed=5, prefix=[300, 40])
     _check(case, num_kv_splits=2)
     before = (_compiled_variants(ta._paged_attn_kernel), _compiled_variants(ta._merge_splits_kernel))

@@ -9,7 +9,7 @@ one CUDA graph and replayed on fresh inputs.
 
 Sampling decisions are compared exactly: with truncated rows every float64 sum is exact, so
 they must agree; with full-softmax rows the summation orders differ and a mismatch would
-need a coin within ~1e-16 of a threshold (kernels/triton_verify.py).
+need a coin within ~1e-16 of a threshold (kestrel_kernels/triton_verify.py).
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ from unit.test_triton_spec_ops import (  # isort: skip
     topk_logits,
 )
 
-from kernels import cache_loc, spec_ops, spec_tree, verify  # noqa: E402
+from kestrel_kernels import cache_loc, spec_ops, spec_tree, verify  # noqa: E402
 from kestrel_testing import require_compiled_triton  # noqa: E402
-from kernels import triton_spec_tree as tst  # noqa: E402
-from kernels.triton_kv_indices import paged_kv_indices_ref  # noqa: E402
+from kestrel_kernels import triton_spec_tree as tst  # noqa: E402
+from kestrel_kernels.triton_kv_indices import paged_kv_indices_ref  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from api_fuzzing import ROUTES, document_routes, fuzz_route
 from fake_engine import FakeEngine, echo_script, serve_over_http
 
 from configs.schema import load_config
-from serve_app.openai_server import OpenAIServer, build_api
+from serve_app.api.openai_server import OpenAIServer, build_api
 
 EXAMPLES_PER_ROUTE = 100
 KEY = "fuzz-key"

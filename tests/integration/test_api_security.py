@@ -13,7 +13,7 @@ from api_fuzzing import ROUTES
 from fake_engine import FakeEngine, echo_script, serve_over_http
 
 from configs.schema import load_config
-from serve_app.openai_server import OpenAIServer, build_api
+from serve_app.api.openai_server import OpenAIServer, build_api
 
 KEY = "sk-kestrel-Zq7vK2mW9xR4"
 PROMPT = "The okapi named Philomena-Quetzal-7731 sings"

@@ -11,7 +11,7 @@ import pytest
 from fake_engine import FakeEngine, FakeStream, serve_over_http, tokens
 
 from configs.schema import load_config
-from serve_app.openai_server import OpenAIServer, build_api
+from serve_app.api.openai_server import OpenAIServer, build_api
 
 
 class EndlessStream(FakeStream):

@@ -1,7 +1,7 @@
 """Logprobs in OpenAI's shapes, over HTTP with the official client: chat's
 `choices[].logprobs.content` (token, logprob, bytes, top_logprobs) and completions'
 parallel lists, streamed and not, from a scripted engine whose outputs carry the
-engine's entries (actors/logprobs.py). The values themselves are the engine's: see
+engine's entries (actors/sampling/logprobs.py). The values themselves are the engine's: see
 tests/unit/spec/test_logprobs_lossless.py and the Serve app test."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from fake_engine import FakeEngine, serve_over_http
 
 from configs.schema import load_config
-from serve_app.openai_server import OpenAIServer, build_api
-from serve_app.request import RequestOutput
+from serve_app.api.openai_server import OpenAIServer, build_api
+from serve_app.engine.request import RequestOutput
 
 MODEL = "SmolLM2-135M-Instruct"
 

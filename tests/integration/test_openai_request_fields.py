@@ -9,7 +9,7 @@ import pytest
 from fake_engine import BosTokenizer, FakeEngine, Recorder, call, serve_recorded
 
 from configs.schema import load_config
-from serve_app.tokenizer import apply_chat_template
+from serve_app.text.tokenizer import apply_chat_template
 
 MODEL = "SmolLM2-135M-Instruct"
 MSGS = [{"role": "user", "content": "Hi"}]
@@ -129,7 +129,7 @@ def test_non_text_content_parts_are_400(client, engine_asked, part):
 
 def test_tool_turns_reach_the_prompt(client, engine_asked, tokenizer):
     """An assistant turn of tool calls and the tool's result, in the Hermes format the
-    app writes for a template without a tool format (serve_app/tools.py)."""
+    app writes for a template without a tool format (serve_app/api/tools.py)."""
     chat(client, messages=[*MSGS, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"}])

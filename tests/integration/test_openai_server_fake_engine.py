@@ -8,8 +8,8 @@ import pytest
 from fake_engine import FakeEngine, call, echo_script, tokens
 
 from configs.schema import load_config
-from serve_app.engine_client import EngineUnavailable, QueueFull, RequestRejected
-from serve_app.request_stream import StreamFailed
+from serve_app.engine.engine_client import EngineUnavailable, QueueFull, RequestRejected
+from serve_app.engine.request_stream import StreamFailed
 
 MODEL = "SmolLM2-135M-Instruct"
 

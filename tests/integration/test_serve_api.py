@@ -90,7 +90,7 @@ def test_ranks_hold_the_grammar_vocabulary_from_start_up(server, tokenizer):
 
 
 def test_chat_usage_and_stream_equals_non_stream(client, tokenizer):
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.text.tokenizer import apply_chat_template
     messages = [{"role": "user", "content": "Name three colours."}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
                                           extra_body=IGNORE_EOS, **GREEDY)
@@ -120,7 +120,7 @@ def test_chat_usage_and_stream_equals_non_stream(client, tokenizer):
 def test_cached_prompt_tokens_in_usage(client, tokenizer):
     """usage.prompt_tokens_details.cached_tokens: what the prefix cache held of a prompt sent
     before (of a new one at most the chat template's shared start), in streamed usage too."""
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.text.tokenizer import apply_chat_template
     messages = [{"role": "user", "content": "Cached tokens: a prompt long enough to fill " * 6}]
     n = len(apply_chat_template(tokenizer, messages))
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)
@@ -205,9 +205,9 @@ def test_n_choices_seeded(client):
 def test_concurrent_streams_equal_in_process_engine(server, tokenizer, fp32_worker):
     """12 concurrent streamed greedy chats through HTTP produce exactly what the in-process
     LLMEngine produces for the same prompts (same tokenizer, template and detokenizer)."""
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
+    from serve_app.text.tokenizer import apply_chat_template
     server.wait_idle()
     questions = mt_bench(12)
     max_tokens = 16
@@ -246,9 +246,9 @@ def test_concurrent_streams_equal_in_process_engine(server, tokenizer, fp32_work
 def test_penalized_streams_equal_the_plain_in_process_engine(server, tokenizer, fp32_worker):
     """Penalties and a bias through HTTP (the served preset speculates) give, greedy, the
     tokens the plain in-process engine gives with the same processing."""
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
+    from serve_app.text.tokenizer import apply_chat_template
     server.wait_idle()
     questions = mt_bench(4)
     pen = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "logit_bias": {"30": -100}}
@@ -273,9 +273,9 @@ def test_penalized_streams_equal_the_plain_in_process_engine(server, tokenizer, 
 def test_logprobs_over_http_equal_the_plain_in_process_engine(server, tokenizer, fp32_worker):
     """Chat logprobs through HTTP (the served preset speculates: accepted tokens' logprobs
     come from their tree nodes) equal the plain in-process engine's, token for token."""
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
+    from serve_app.text.tokenizer import apply_chat_template
     server.wait_idle()
     q = mt_bench(1)[0]
     client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=180)
@@ -298,8 +298,8 @@ def test_echo_and_prompt_logprobs_over_http(server, tokenizer, fp32_worker):
     without one) and vLLM's prompt_logprobs, streamed and not, with the official client:
     the values equal the plain in-process engine's, and a second request finds the same
     prompt in the prefix cache yet still gets every prompt logprob."""
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
     server.wait_idle()
     prompt = "The capital of France is Paris. The capital of Italy is"
     ids = tokenizer.encode(prompt)
@@ -343,8 +343,8 @@ def test_bad_words_over_http_equal_the_plain_in_process_engine(server, tokenizer
     """vLLM's bad_words through the served (speculating) app: a word of the free answer is
     gone from the answer, which equals the plain in-process engine's with the same token
     sequences (the word with and without a leading space), streamed and not."""
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
     server.wait_idle()
     prompt = "List the days of the week: Monday, Tuesday,"
     client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=180)

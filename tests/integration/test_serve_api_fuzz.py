@@ -13,7 +13,7 @@ from api_answer_contract import assert_api_answer, assert_error_body
 from api_fuzzing import ROUTES, fuzz_route
 
 from configs.schema import load_config
-from serve_app.openai_server import OpenAIServer, build_api
+from serve_app.api.openai_server import OpenAIServer, build_api
 
 pytestmark = pytest.mark.timeout(300)
 

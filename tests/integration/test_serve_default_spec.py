@@ -23,10 +23,10 @@ def test_default_config_speculates_losslessly_through_serve(server, tokenizer, f
 
     from configs.schema import load_config
     from serve_app.app import build_app
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.grammar import compiler_for
-    from serve_app.request import SamplingParams
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.text.grammar import compiler_for
+    from serve_app.engine.request import SamplingParams
+    from serve_app.text.tokenizer import apply_chat_template
 
     # The default preset as shipped; only fp32 (token-for-token comparison) and a small cache.
     cfg = load_config(overrides=["device=cpu", "model.dtype=float32", "kv_cache.num_slots=4096"])

@@ -22,11 +22,11 @@ MODEL = "SmolLM2-135M-Instruct"
 def test_two_dp_ranks_share_the_load_and_match_the_in_process_engine(server, tokenizer, tiny_model):
     from ray import serve
 
-    from actors.rank_worker import RankWorker
+    from actors.worker.rank_worker import RankWorker
     from configs.schema import load_config
     from serve_app.app import build_app
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
 
     # Also exercises batching of streamed tokens on an interval.
     cfg = load_config(overrides=server.overrides + [f"model.path={tiny_model}", "parallel.dp_size=2",

@@ -42,9 +42,9 @@ def dp_attention_cfg(server, tiny_model):
 def test_lockstep_ranks_serve_the_tokens_of_one_rank(server, dp_attention_cfg, tokenizer):
     from ray import serve
 
-    from actors.rank_worker import RankWorker
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from actors.worker.rank_worker import RankWorker
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
 
     prompts = [f"Write a haiku about the number {i}." for i in range(5)]
     lens = [12, 4, 12, 8, 12]  # some finish early: steps with an idle rank

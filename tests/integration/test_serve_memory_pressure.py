@@ -25,8 +25,8 @@ def test_more_requests_than_the_kv_holds_all_finish_exactly(server, tiny_model, 
 
     from configs.schema import load_config
     from serve_app.app import build_app
-    from serve_app.llm_engine import LLMEngine
-    from serve_app.request import SamplingParams
+    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.request import SamplingParams
     model = tiny_model
     base = ["device=cpu", "model.dtype=float32", f"model.path={model}", "model.max_model_len=256",
             "kv_cache.prefix_caching=false", "scheduler.max_running_requests=16",

@@ -6,8 +6,8 @@ import pytest
 from fake_engine import BosTokenizer, FakeEngine, Recorder, request
 
 from configs.schema import load_config
-from serve_app.openai_server import OpenAIServer, build_api
-from serve_app.tokenizer import apply_chat_template
+from serve_app.api.openai_server import OpenAIServer, build_api
+from serve_app.text.tokenizer import apply_chat_template
 
 MODEL = "SmolLM2-135M-Instruct"
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -1,6 +1,6 @@
 """tool_choice auto over HTTP with the official client: a scripted engine answers in the
 <tool_call> format, and the app returns the calls as tool_calls (the text around them as
-content), streamed and not, with n > 1; the tools reach the prompt (serve_app/tools.py)."""
+content), streamed and not, with n > 1; the tools reach the prompt (serve_app/api/tools.py)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ import pytest
 from fake_engine import FakeEngine, serve_over_http, tokens
 
 from configs.schema import load_config
-from serve_app.openai_server import OpenAIServer, build_api
-from serve_app.tools import CLOSE, OPEN
+from serve_app.api.openai_server import OpenAIServer, build_api
+from serve_app.api.tools import CLOSE, OPEN
 
 MODEL = "SmolLM2-135M-Instruct"
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {

@@ -3,7 +3,7 @@ one per-step draws from the same seeded generator give (so seeded outputs never 
 with the block size), across block boundaries."""
 import torch
 
-from serve_app.request import COIN_BLOCK, CoinStream
+from serve_app.engine.request import COIN_BLOCK, CoinStream
 
 
 def test_block_draws_equal_per_step_draws():

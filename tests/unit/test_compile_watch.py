@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from kernels.compile_watch import CompileWatch
+from kestrel_kernels.compile_watch import CompileWatch
 
 knobs = pytest.importorskip("triton").knobs
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from serve_app.detokenizer import IncrementalDetokenizer, StopChecker
+from serve_app.text.detokenizer import IncrementalDetokenizer, StopChecker
 
 TEXTS = [
     "Hello, world! This is plain English text with punctuation: a , b . c ?",

@@ -21,12 +21,13 @@ import torch
 import dp_rank_hooks
 from actors.dp.attention_group import DPAttentionGroup
 from actors.dp.step_phases import DraftShape, GraphStep, Phase, graph_step, step_phases
-from actors.dp.sync import DPSyncResult, ForwardMode, make_sync_row
+from actors.dp.sync import DPSyncResult, make_sync_row
+from actors.worker.forward_batch import ForwardMode
 from dp_scenario import (EXTEND, FIRST, FIRST_TOKENS, IDLE, LENGTHS, SHAPES, VERIFY, DECODE,
                          check_graph_steps, greedy, mixed_run)
 from local_dp_engine import LocalDPEngine, collect
-from serve_app.request import SamplingParams
-from serve_app.request_stream import StreamFailed
+from serve_app.engine.request import SamplingParams
+from serve_app.engine.request_stream import StreamFailed
 from spec_helpers import random_prompts, tiny_config, tiny_engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -345,8 +346,8 @@ def test_grammar_rows_launched_ahead_on_lockstep_ranks(loop, grammar_model, toke
     one plain rank's, grammar rows beside free ones."""
     import json
 
-    from serve_app.grammar import GrammarCompiler
-    from serve_app.llm_engine import LLMEngine
+    from serve_app.text.grammar import GrammarCompiler
+    from serve_app.engine.llm_engine import LLMEngine
     c = GrammarCompiler(tokenizer)
     grammars = [c.compile(("json_schema", json.dumps({"type": "object"}))), None,
                 c.compile(("regex", "[a-z]{2,6}(-[0-9]{2})?")), c.compile(("choice", '["alpha", "beta"]'))]

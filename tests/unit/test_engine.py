@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from configs.schema import load_config
-from serve_app.llm_engine import LLMEngine
-from serve_app.request import SamplingParams
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.request import SamplingParams
 
 from kestrel_testing import assert_greedy_under_reference, assert_same_or_near_tie
 
@@ -34,7 +34,7 @@ def batch_outputs(plain_chat_outputs):
 
 @pytest.fixture(scope="module")
 def tiny_worker(tiny_model):
-    from actors.rank_worker import RankWorker
+    from actors.worker.rank_worker import RankWorker
     return RankWorker(load_config(overrides=BASE + [f"model.path={tiny_model}"]))
 
 
@@ -76,7 +76,7 @@ def test_free_count_returns_to_start(tiny_worker, tokenizer, chat_prompts):
 
 
 def test_prefix_cache_computes_only_new_tokens(fp32_worker, tokenizer):
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.text.tokenizer import apply_chat_template
     long_system = "You are a meticulous assistant. " * 20
     msgs = lambda q: [{"role": "system", "content": long_system}, {"role": "user", "content": q}]
     first = apply_chat_template(tokenizer, msgs("Name a color."))

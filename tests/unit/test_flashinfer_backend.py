@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from actors.attention.flashinfer_metadata import full_mask, page_table, set_block_bits
-from actors.dp.sync import ForwardMode
-from actors.kv_cache import ReqToTokenPool, TokenToKVPool
+from actors.worker.forward_batch import ForwardMode
+from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool
 
 
 def paged_table(rows: int, width: int, page: int, seed: int) -> torch.Tensor:
@@ -138,7 +138,7 @@ def tiny_pools():
 
 
 def test_flashinfer_on_cpu_names_the_setting_and_the_alternatives():
-    from actors.rank_worker import make_backend
+    from actors.worker.rank_worker import make_backend
     kv, rt = tiny_pools()
     with pytest.raises(RuntimeError) as err:
         make_backend("flashinfer", kv, rt, 1.0, page_size=16)
@@ -165,7 +165,7 @@ def test_module_imports_without_flashinfer(monkeypatch):
 
 
 def test_unknown_backend_lists_flashinfer():
-    from actors.rank_worker import make_backend
+    from actors.worker.rank_worker import make_backend
     kv, rt = tiny_pools()
     with pytest.raises(NotImplementedError, match="torch_native, triton, flashinfer"):
         make_backend("nope", kv, rt, 1.0)
@@ -268,7 +268,7 @@ class CpuCase:
     """Scattered pages, random fp32 K/V, one forward of `mode` (as the workers build it)."""
 
     def __init__(self, mode, B, page, seed, n=4, K=2, step=1, rows=None, prefix=None, like=None):
-        from actors.forward_batch import ForwardBatch
+        from actors.worker.forward_batch import ForwardBatch
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
         width, self.H, self.Hkv, self.D = 64, 6, 2, 8

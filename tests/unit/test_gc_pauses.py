@@ -1,7 +1,7 @@
 """The collector's passes: timed by the process's watch, and kept off a frozen heap."""
 import gc
 
-from actors.gc_pauses import freeze_heap, stats, watch
+from actors.worker.gc_pauses import freeze_heap, stats, watch
 
 
 def _cycles(n: int) -> None:
@@ -44,7 +44,7 @@ def test_frozen_heap_lets_a_dropped_engine_go():
     a frozen cycle would otherwise outlive it (with its GPU memory)."""
     import weakref
 
-    from actors.gc_pauses import frozen_heap
+    from actors.worker.gc_pauses import frozen_heap
 
     class Engine:
         pass

@@ -1,4 +1,4 @@
-"""Grammar steps launched ahead (actors/grammar_rows.py `launched` / `settle`): step N+1
+"""Grammar steps launched ahead (actors/sampling/grammar_rows.py `launched` / `settle`): step N+1
 with grammar rows is launched before step N has finished, and its masks wait for N's
 tokens only where they are made. The matchers accept each step's tokens exactly once, in
 step order, by the matcher the row held at launch; the outputs then equal the in-process
@@ -20,11 +20,11 @@ import torch
 from spec_helpers import TREE, random_prompts, tiny_config
 from test_grammar_lossless import SPECS, valid
 
-from actors.grammar_rows import GrammarRows
+from actors.sampling.grammar_rows import GrammarRows
 from kestrel_testing import LocalEngine
-from serve_app.grammar import GrammarCompiler
-from serve_app.llm_engine import LLMEngine
-from serve_app.request import SamplingParams
+from serve_app.text.grammar import GrammarCompiler
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.request import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)  # SmolLM2 through the channel: 4 min on a loaded 2-core CPU
 
@@ -278,7 +278,7 @@ def smollm2_worker():
     """A SmolLM2 RankWorker per shape, built on demand; `fresh` gives it new matchers: a
     worker's matchers outlive the scheduler that set them (rows that ended by length keep
     theirs until their row's next reset)."""
-    from actors.rank_worker import RankWorker
+    from actors.worker.rank_worker import RankWorker
     from configs.schema import load_config
     workers = {}
 
@@ -299,7 +299,7 @@ def test_grammar_plans_launch_ahead_on_the_step_channel(smollm2_worker, tokenize
     """Through the step channel (EngineCore -> StepServer -> RankWorker) on SmolLM2: grammar
     plans are launched before the step ahead of them finished, and the outputs equal the
     in-process engine's token for token; the JSON answers parse."""
-    from serve_app.tokenizer import apply_chat_template
+    from serve_app.text.tokenizer import apply_chat_template
     prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in ASK]
     params = [_channel_params(compiled, i) for i in range(len(prompts))]
     worker = smollm2_worker(shape)

@@ -1,12 +1,12 @@
-"""A rank's grammar state set up ahead of the step that needs it (actors/grammar_rows.py):
+"""A rank's grammar state set up ahead of the step that needs it (actors/sampling/grammar_rows.py):
 the vocabulary sent at start-up is kept when the first grammar plan brings it again, and
 a compiled grammar is deserialized once for the requests that share it (on the step
 thread each costs 1.7-2.4 ms for a JSON schema), within a bound."""
 from __future__ import annotations
 
-import actors.grammar_rows as grammar_rows
-from actors.grammar_rows import GrammarRows
-from serve_app.grammar import GrammarCompiler
+import actors.sampling.grammar_rows as grammar_rows
+from actors.sampling.grammar_rows import GrammarRows
+from serve_app.text.grammar import GrammarCompiler
 
 SCHEMA = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
 

@@ -1,11 +1,11 @@
-"""The grammar vocabulary's route to the worker (serve_app/scheduler.py): the first plan
+"""The grammar vocabulary's route to the worker (serve_app/engine/scheduler.py): the first plan
 with a grammar carries it, once, unless the worker holds it already (a served replica
 sends it to its ranks at start-up, and then tells the core only that grammars may come)."""
 import pytest
 
 from configs.schema import load_config
-from serve_app.request import Request, SamplingParams
-from serve_app.scheduler import Scheduler
+from serve_app.engine.request import Request, SamplingParams
+from serve_app.engine.scheduler import Scheduler
 
 
 def scheduler() -> Scheduler:

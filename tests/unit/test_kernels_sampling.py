@@ -1,4 +1,4 @@
-"""kernels.sampling: process_logits and sample_from_probs."""
+"""kestrel_kernels.sampling: process_logits and sample_from_probs."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kernels.sampling import process_logits, sample_from_probs
+from kestrel_kernels.sampling import process_logits, sample_from_probs
 
 
 def _row(logits, temperature, top_p, top_k):
@@ -203,7 +203,7 @@ def test_a_row_is_processed_alone_whatever_else_is_in_the_batch():
 
 
 def test_sample_rows_is_argmax_for_greedy_rows_and_the_sampled_rows_alone_for_the_rest():
-    from kernels.sampling import sample_rows
+    from kestrel_kernels.sampling import sample_rows
     logits, temperature, top_p, top_k, min_p = _mixed_rows()
     coins = torch.rand(logits.shape[0], generator=torch.Generator().manual_seed(1))
     tokens = sample_rows(logits, temperature, top_p, top_k, min_p, coins)
@@ -219,7 +219,7 @@ def test_sampling_reads_nothing_on_the_host():
     """No op of the sampling reads a device value on the host (on a GPU each would wait for
     the stream: benchmarks/step_ops.py): what the data decides is selected on the device."""
     from benchmarks.step_ops import HostReads
-    from kernels.sampling import sample_rows
+    from kestrel_kernels.sampling import sample_rows
     logits, temperature, top_p, top_k, min_p = _mixed_rows()
     coins = torch.rand(logits.shape[0])
     edge = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0]])  # a coin at the top of the range: the rare branch

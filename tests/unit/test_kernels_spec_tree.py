@@ -1,4 +1,4 @@
-"""kernels.spec_tree (draft-tree growth, selection, layout) and kernels.cache_loc."""
+"""kestrel_kernels.spec_tree (draft-tree growth, selection, layout) and kestrel_kernels.cache_loc."""
 from __future__ import annotations
 
 import random
@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from kernels.cache_loc import assign_cache_locs, kv_indices
-from kernels.spec_tree import (
+from kestrel_kernels.cache_loc import assign_cache_locs, kv_indices
+from kestrel_kernels.spec_tree import (
     build_tree,
     expand_level,
     flatten_tree_mask,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.kv_cache import TokenToKVPool
+from actors.worker.kv_cache import TokenToKVPool
 
 
 def test_move_copies_every_layer_reading_sources_first():
@@ -53,7 +53,7 @@ def test_req_to_token_write_many_equals_writes_in_order():
     """One batched scatter for a step's row growths; overlapping writes keep their order."""
     import numpy as np
 
-    from actors.kv_cache import ReqToTokenPool
+    from actors.worker.kv_cache import ReqToTokenPool
     rng = np.random.default_rng(0)
     for overlapping in (False, True):
         writes = [(1, 0, rng.integers(1, 100, 5)), (3, 16, rng.integers(1, 100, 16)),

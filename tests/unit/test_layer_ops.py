@@ -14,10 +14,10 @@ import torch
 
 import triton_interpreter  # before actors/kernels import triton: picks its interpreter without CUDA
 from actors.models.rope import rope_inv_freq
-from kernels import activation, layer_ops, rmsnorm, rope
-from kernels import triton_activation as tact
-from kernels import triton_rmsnorm as trms
-from kernels import triton_rope as trope
+from kestrel_kernels import activation, layer_ops, rmsnorm, rope
+from kestrel_kernels import triton_activation as tact
+from kestrel_kernels import triton_rmsnorm as trms
+from kestrel_kernels import triton_rope as trope
 
 INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(trms, "_rmsnorm_kernel")
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from actors.models.gguf_loader import permute_rows
 from actors.models.loader import build_model, default_model_path
-from serve_app.tokenizer import apply_chat_template, load_tokenizer
+from serve_app.text.tokenizer import apply_chat_template, load_tokenizer
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -16,7 +16,7 @@ from actors.models.llama import LlamaForCausalLM  # noqa: E402
 from actors.models.loader import build_model, default_model_path, load_model_weights  # noqa: E402
 from actors.models.model_config import LlamaArch  # noqa: E402
 from actors.models.rope import rope_inv_freq  # noqa: E402
-from serve_app.tokenizer import apply_chat_template, gguf_cache_dir, load_tokenizer, stop_token_ids  # noqa: E402
+from serve_app.text.tokenizer import apply_chat_template, gguf_cache_dir, load_tokenizer, stop_token_ids  # noqa: E402
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -6,8 +6,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from serve_app.errors import KestrelAPIError, error_body, loc_to_param, validation_error_body
-from serve_app.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionChunk,
+from serve_app.api.errors import KestrelAPIError, error_body, loc_to_param, validation_error_body
+from serve_app.api.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionChunk,
                                        ChatCompletionMessage, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatCompletionStreamChoice,
                                        CompletionChoice, CompletionChunk, CompletionRequest,

@@ -1,8 +1,8 @@
-"""actors/output_counts.py: rows restarted from a request's outputs (admission, or after a
+"""actors/sampling/output_counts.py: rows restarted from a request's outputs (admission, or after a
 preemption) and grown by each step's emitted tokens, on the device without host reads."""
 import torch
 
-from actors.output_counts import TAIL, OutputCounts
+from actors.sampling.output_counts import TAIL, OutputCounts
 
 
 def test_reset_then_record():

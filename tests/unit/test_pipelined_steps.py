@@ -4,7 +4,7 @@ in-process one on a GPU), gives the same tokens as one step at a time, with chun
 requests joining mid-run, plain and speculative, greedy, sampled and with logprobs."""
 import pytest
 
-from serve_app.request import SamplingParams
+from serve_app.engine.request import SamplingParams
 from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
 
 

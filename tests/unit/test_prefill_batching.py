@@ -2,7 +2,7 @@
 prefilled together (or prefill_max_delay_steps pass). Tokens stay the same; extend steps
 become fewer; nobody waits past the delay."""
 from spec_helpers import greedy, random_prompts, tiny_engine
-from serve_app.request import SamplingParams
+from serve_app.engine.request import SamplingParams
 
 
 def run(engine, prompts):

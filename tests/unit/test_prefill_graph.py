@@ -1,4 +1,4 @@
-"""Prefill graphs (actors/prefill_graph.py) wired into the real engine on CPU.
+"""Prefill graphs (actors/graphs/prefill_graph.py) wired into the real engine on CPU.
 
 On CPU the graphs are their bodies run eagerly on the static buffers, so these tests drive
 the padded path a CUDA replay takes: each chunk padded to the next captured length and the
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
 
-from actors.prefill_graph import PrefillGraphs
-from serve_app.request import SamplingParams
+from actors.graphs.prefill_graph import PrefillGraphs
+from serve_app.engine.request import SamplingParams
 
 BATCHES, TOKENS, BUDGET = [1, 2, 4], [8, 16], 64
 CHUNK = "scheduler.chunked_prefill_size=16"

@@ -1,12 +1,12 @@
-"""actors/processing_table.py: rows written at admission and read by row, entries past the
+"""actors/sampling/processing_table.py: rows written at admission and read by row, entries past the
 table widths kept for the eager path, a row cleared when a request without processing
 takes it."""
 import numpy as np
 import torch
 
-from actors.output_counts import TAIL
-from actors.processing_table import ProcessingTable
-from actors.step_plan import RowProcessing
+from actors.sampling.output_counts import TAIL
+from actors.sampling.processing_table import ProcessingTable
+from actors.protocol.step_plan import RowProcessing
 from configs.schema import ProcessingConfig
 
 

@@ -16,7 +16,7 @@ def test_short_hunt_passes_on_cpu(tiny_llama_dir, capsys):
 def test_mismatch_fails_and_near_ties_do_not(monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from serve_app.request import SamplingParams
+    from serve_app.engine.request import SamplingParams
 
     def req(out):
         return SimpleNamespace(output_ids=out, prompt_ids=[7, 8], params=SamplingParams())

@@ -1,4 +1,4 @@
-"""Unit tests for serve_app/radix_cache.py (prefix cache over the paged slot allocator)."""
+"""Unit tests for serve_app/engine/radix_cache.py (prefix cache over the paged slot allocator)."""
 from __future__ import annotations
 
 import random
@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from actors.kv_cache import SlotAllocator
-from serve_app.radix_cache import MatchResult, RadixCache
+from actors.worker.kv_cache import SlotAllocator
+from serve_app.engine.radix_cache import MatchResult, RadixCache
 
 
 class CheckedAllocator(SlotAllocator):

@@ -1,5 +1,5 @@
 """No silent drops: every request field is honoured, accepted as no-effect, or a 400 that
-names it (serve_app/request_field_policy.py). The field lists below are the test's own
+names it (serve_app/api/request_field_policy.py). The field lists below are the test's own
 copy of docs/serve.md's; a field added to a model without a place here fails."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import typing
 import pytest
 from pydantic import ValidationError
 
-from serve_app.errors import validation_error_body
-from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
-from serve_app.tokenize_protocol import (DetokenizeRequest, TokenizeChatRequest,
+from serve_app.api.errors import validation_error_body
+from serve_app.api.openai_protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from serve_app.api.tokenize_protocol import (DetokenizeRequest, TokenizeChatRequest,
                                          TokenizePromptRequest, tokenize_request_model)
 
 MSGS = [{"role": "user", "content": "Hi"}]

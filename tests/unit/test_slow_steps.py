@@ -4,8 +4,8 @@ timed; the ordinary spread of step times, and bigger batches, stay quiet."""
 import logging
 from types import SimpleNamespace
 
-from actors.step_plan import StepPlan
-from serve_app.engine_core import EngineCore
+from actors.protocol.step_plan import StepPlan
+from serve_app.engine.engine_core import EngineCore
 
 
 def _steps(core, steps) -> list[str]:

@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-from actors.step_channel import HEADER, StepServer, encode
-from actors.step_plan import StepOutput, StepPlan
+from actors.worker.step_channel import HEADER, StepServer, encode
+from actors.protocol.step_plan import StepOutput, StepPlan
 from configs.schema import load_config
 from kestrel_testing import LocalEngine
-from serve_app.llm_engine import LLMEngine
-from serve_app.rank_channel import RankChannel, RankFailed
-from serve_app.request import SamplingParams
-from serve_app.request_stream import StreamFailed
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.rank_channel import RankChannel, RankFailed
+from serve_app.engine.request import SamplingParams
+from serve_app.engine.request_stream import StreamFailed
 
 pytestmark = pytest.mark.timeout(300)
 

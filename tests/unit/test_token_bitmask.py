@@ -1,10 +1,10 @@
-"""kernels/token_bitmask.py against xgrammar's own CPU kernel, on random bitmasks, with a
+"""kestrel_kernels/token_bitmask.py against xgrammar's own CPU kernel, on random bitmasks, with a
 model vocabulary wider than the tokenizer's (its padding ids are disallowed); masks applied
 in place, to rows of any leading shape."""
 import pytest
 import torch
 
-from kernels.token_bitmask import disallowed_ids, mask_logits_
+from kestrel_kernels.token_bitmask import disallowed_ids, mask_logits_
 
 
 @pytest.mark.parametrize("V", [64, 100, 49152])

@@ -1,4 +1,4 @@
-"""serve_app/tools.py: tool calls out of a model's text (streamed in any split), the
+"""serve_app/api/tools.py: tool calls out of a model's text (streamed in any split), the
 prompt for a template without a tool format, and the constraint of required and named
 tool_choice, which compiles and admits exactly the calls it should."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from serve_app.grammar import check_spec
-from serve_app.tools import OPEN, CLOSE, AutoParser, ToolOutput, constraint, template_messages
+from serve_app.text.grammar import check_spec
+from serve_app.api.tools import OPEN, CLOSE, AutoParser, ToolOutput, constraint, template_messages
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

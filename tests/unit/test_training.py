@@ -10,8 +10,8 @@ import torch
 from actors.models.eagle import load_eagle_head
 from actors.models.loader import build_model
 from configs.schema import load_config
-from serve_app.llm_engine import LLMEngine
-from serve_app.request import SamplingParams
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.request import SamplingParams
 from training.export import export_head
 from training.train import Trainer, TrainConfig, init_head, make_spec, unroll
 from training.vocab import build_draft_vocab, count_assistant_tokens, coverage, from_d2t

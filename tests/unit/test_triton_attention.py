@@ -1,4 +1,4 @@
-"""kernels.triton_attention and actors.attention.triton_backend, small sizes.
+"""kestrel_kernels.triton_attention and actors.attention.triton_backend, small sizes.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors; with CUDA the same
 tests run compiled on the GPU. Skipped (kernel tests only) when triton is missing.
@@ -23,10 +23,10 @@ import triton_interpreter  # before actors/kernels import triton: picks its inte
 from kestrel_testing import random_draft_mask, random_tree_mask
 
 from actors.attention.torch_native import TorchNativeBackend
-from actors.dp.sync import ForwardMode
-from actors.forward_batch import ForwardBatch
-from actors.kv_cache import ReqToTokenPool, SlotAllocator, TokenToKVPool
-from kernels import triton_attention as ta
+from actors.worker.forward_batch import ForwardMode
+from actors.worker.forward_batch import ForwardBatch
+from actors.worker.kv_cache import ReqToTokenPool, SlotAllocator, TokenToKVPool
+from kestrel_kernels import triton_attention as ta
 
 INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(ta, "_paged_attn_kernel")
 

@@ -1,5 +1,5 @@
-"""The penalties kernel (kernels/triton_penalties.py) against its torch reference
-(kernels/penalties.py `_penalize`): the rows' counts broadcast over tree nodes, counts per
+"""The penalties kernel (kestrel_kernels/triton_penalties.py) against its torch reference
+(kestrel_kernels/penalties.py `_penalize`): the rows' counts broadcast over tree nodes, counts per
 entry (the tree's path recompute), with and without prompt flags, logits of both signs,
 repetition below and above 1, bit for bit. In Triton's interpreter on CPU tensors without
 CUDA, compiled with CUDA (tests/gpu/test_penalties_kernel_gpu.py has the full vocabulary)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import triton_interpreter  # before kernels import triton: picks its interpreter without CUDA
-from kernels import penalties
-from kernels import triton_penalties as tpk
+from kestrel_kernels import penalties
+from kestrel_kernels import triton_penalties as tpk
 
 INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(tpk, "_penalize_kernel")
 

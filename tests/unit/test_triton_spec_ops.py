@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import triton_interpreter  # before actors/kernels import triton: picks its interpreter without CUDA
-from actors.kv_cache import SlotAllocator
-from kernels import cache_loc, spec_ops, spec_tree, verify
-from kernels import triton_cache_loc as tcl
-from kernels import triton_kv_indices as tkv
-from kernels import triton_spec_tree as tst
-from kernels import triton_topk as ttk
-from kernels import triton_verify as tv
+from actors.worker.kv_cache import SlotAllocator
+from kestrel_kernels import cache_loc, spec_ops, spec_tree, verify
+from kestrel_kernels import triton_cache_loc as tcl
+from kestrel_kernels import triton_kv_indices as tkv
+from kestrel_kernels import triton_spec_tree as tst
+from kestrel_kernels import triton_topk as ttk
+from kestrel_kernels import triton_verify as tv
 
 INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(tst, "_build_tree_kernel")
 

@@ -1,5 +1,5 @@
-"""The grammar mask kernel (kernels/triton_token_bitmask.py) against its torch reference
-(kernels/token_bitmask.py `mask_logits_torch_`): random words, a mask narrower than the
+"""The grammar mask kernel (kestrel_kernels/triton_token_bitmask.py) against its torch reference
+(kestrel_kernels/token_bitmask.py `mask_logits_torch_`): random words, a mask narrower than the
 vocabulary (the ids past it disallowed) and one wider, rows at a stride, exactly. In
 Triton's interpreter on CPU tensors without CUDA, compiled with CUDA
 (tests/gpu/test_token_bitmask_kernel_gpu.py has the serving size and a CUDA graph)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import triton_interpreter  # before kernels import triton: picks its interpreter without CUDA
-from kernels import triton_token_bitmask as tbk
-from kernels.token_bitmask import mask_logits_torch_
+from kestrel_kernels import triton_token_bitmask as tbk
+from kestrel_kernels.token_bitmask import mask_logits_torch_
 
 INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(tbk, "_mask_logits_kernel")
 

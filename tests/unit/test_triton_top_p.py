@@ -1,4 +1,4 @@
-"""The sort-free top-k/top-p kernel (kernels/triton_top_p.py) against its sorted reference.
+"""The sort-free top-k/top-p kernel (kestrel_kernels/triton_top_p.py) against its sorted reference.
 
 Without CUDA the kernel runs in Triton's interpreter on CPU tensors (small vocabularies);
 with CUDA compiled (tests/gpu/test_top_p_gpu.py adds 512 x 49152). The kept ids must be
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import triton_interpreter  # before kernels import triton: picks its interpreter without CUDA
-from kernels import sampling
-from kernels import triton_top_p as ttp
+from kestrel_kernels import sampling
+from kestrel_kernels import triton_top_p as ttp
 
 INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(ttp, "_top_k_top_p_kernel")
 

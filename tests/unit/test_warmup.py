@@ -3,11 +3,11 @@ must leave a worker exactly as usable as before: run here on the CPU worker, the
 output is unchanged."""
 from __future__ import annotations
 
-from actors.warmup import (CHUNK_LENS, prefill_shapes, warm_up_prefill, warm_up_processing,
+from actors.graphs.warmup import (CHUNK_LENS, prefill_shapes, warm_up_prefill, warm_up_processing,
                             warm_up_sampled_decode)
 from configs.schema import load_config
-from serve_app.llm_engine import LLMEngine
-from serve_app.request import SamplingParams
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.request import SamplingParams
 
 
 def test_shapes_cover_every_chunk_length_alone_and_batched_within_the_pools():
@@ -33,7 +33,7 @@ def test_warm_up_leaves_the_worker_serving_the_same_tokens(fp32_worker, tokenize
 
 
 def test_warm_up_leaves_a_speculative_worker_serving_the_same_tokens(tokenizer, chat_prompts):
-    from actors.rank_worker import RankWorker
+    from actors.worker.rank_worker import RankWorker
     cfg = load_config(overrides=["model.dtype=float32", "kv_cache.num_slots=8192", "device=cpu",
                                  "scheduler.max_running_requests=4", "scheduler.chunked_prefill_size=64"])
     assert cfg.draft.enabled  # the default preset's chain, with the shipped head

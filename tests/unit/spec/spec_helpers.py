@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import random
 
-from actors.rank_worker import RankWorker
+from actors.worker.rank_worker import RankWorker
 from configs.schema import load_config
-from serve_app.llm_engine import LLMEngine
-from serve_app.request import SamplingParams
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.request import SamplingParams
 
 CHAIN = ("draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4")
 TREE = ("draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8")

@@ -1,4 +1,4 @@
-"""vLLM's bad_words under speculation (kernels/penalties.py): a word's last token is banned
+"""vLLM's bad_words under speculation (kestrel_kernels/penalties.py): a word's last token is banned
 where the tokens before it end what was emitted, and on a tree node, what was emitted and
 then the node's path. So greedy speculative output equals greedy plain output with the
 same words, token for token, and no output holds a banned sequence.
@@ -13,10 +13,10 @@ import torch
 from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
 from test_penalties_lossless import speculate_and_compare
 
-from actors.output_counts import TAIL
-from kernels.penalties import Processing, apply_processing, node_context
-from kernels.spec_tree import build_tree
-from serve_app.request import SamplingParams
+from actors.sampling.output_counts import TAIL
+from kestrel_kernels.penalties import Processing, apply_processing, node_context
+from kestrel_kernels.spec_tree import build_tree
+from serve_app.engine.request import SamplingParams
 
 MAX = 24
 
@@ -117,7 +117,7 @@ def test_greedy_bad_words_speculative_equals_plain(tiny_llama_dir, shape, draft,
 def test_preempted_requests_keep_their_tail(tiny_llama_dir):
     """Re-prefilled with their outputs as prompt, requests restart their worker tail from
     those outputs: a word spanning the preemption is still banned."""
-    from serve_app.llm_engine import LLMEngine
+    from serve_app.engine.llm_engine import LLMEngine
     from spec_helpers import tiny_config
     prompts = random_prompts(8, seed=5)
     over = ["model.max_model_len=128", *TREE]

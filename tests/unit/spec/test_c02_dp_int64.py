@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from dp_harness import finish_rank, run_ranks
 from actors.dp.group import DPGroup, find_free_port
-from actors.dp.sync import ForwardMode, dp_sync, idle_sync_row, make_sync_row, pad_int64
+from actors.dp.sync import dp_sync, idle_sync_row, make_sync_row, pad_int64
+from actors.worker.forward_batch import ForwardMode
 
 WORLD = 2
 PAD_FILL = 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
+from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
 from graph_fakes import RecordingBackend
 
 K, H, SLOTS = 2, 3, 4  # topk lanes, hidden size, draft scratch slots per request

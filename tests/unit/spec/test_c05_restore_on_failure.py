@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, pad_graph_batch
+from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, pad_graph_batch
 
 FILL = 1
 N = 3  # draft tokens per request (target verify width)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
+from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
 
 FILL = 3  # not 0/1, so a missed fill cannot pass by accident
 K, H, N, SLOTS = 2, 3, 3, 4

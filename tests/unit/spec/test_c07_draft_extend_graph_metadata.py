@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
+from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
 from graph_fakes import RecordingBackend
 
 N, H = 4, 5

@@ -2,7 +2,7 @@
 import torch
 
 from actors.spec.eagle_worker import prepare_draft_extend
-from serve_app.request import SamplingParams
+from serve_app.engine.request import SamplingParams
 
 
 def test_c09_draft_extend_prep_leaves_lengths_alone():

@@ -8,9 +8,9 @@ OWNED = {"kv_committed_len", "kv_allocated_len"}
 # seq_lens is never assigned as an attribute: ForwardBatch derives it, the future map
 # updates it only through item assignment in its own store(), and the graph runner
 # fills its own static buffers (and restores the caller's values, C04/C05).
-OWNERS = {"kv_committed_len": {"serve_app/scheduler.py", "serve_app/request.py"},
-          "kv_allocated_len": {"serve_app/scheduler.py", "serve_app/request.py"},
-          "seq_lens": {"actors/future_map.py", "actors/cuda_graph_runner.py"}}
+OWNERS = {"kv_committed_len": {"serve_app/engine/scheduler.py", "serve_app/engine/request.py"},
+          "kv_allocated_len": {"serve_app/engine/scheduler.py", "serve_app/engine/request.py"},
+          "seq_lens": {"actors/worker/future_map.py", "actors/graphs/cuda_graph_runner.py"}}
 
 
 def assignments(tree: ast.AST):
@@ -54,7 +54,7 @@ def assignments(tree: ast.AST):
 
 
 def sources():
-    for folder in ("serve_app", "actors", "kernels", "training"):
+    for folder in ("serve_app", "actors", "kestrel_kernels", "training"):
         for p in sorted((ROOT / folder).rglob("*.py")):
             yield p.relative_to(ROOT).as_posix(), ast.parse(p.read_text())
 
@@ -69,7 +69,7 @@ def test_c10_only_owners_write_lengths():
 
 
 def test_c10_scheduler_roles():
-    tree = ast.parse((ROOT / "serve_app/scheduler.py").read_text())
+    tree = ast.parse((ROOT / "serve_app/engine/scheduler.py").read_text())
     writers = {}
     for attr, func in assignments(tree):
         if attr in OWNED:

@@ -2,8 +2,8 @@
 import pytest
 
 from configs.schema import load_config
-from serve_app.request import Request, SamplingParams
-from serve_app.scheduler import Scheduler
+from serve_app.engine.request import Request, SamplingParams
+from serve_app.engine.scheduler import Scheduler
 
 
 def scheduler(page: int, cache: bool) -> Scheduler:

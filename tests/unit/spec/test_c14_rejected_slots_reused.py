@@ -1,7 +1,7 @@
 """C14: slots of rejected drafts stay allocated and the next round writes into them."""
 import torch
 
-from actors.dp.sync import ForwardMode
+from actors.worker.forward_batch import ForwardMode
 from spec_helpers import TREE, greedy, random_prompts, tiny_engine
 
 

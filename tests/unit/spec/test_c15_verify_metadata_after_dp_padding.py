@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, VerifyPath
-from actors.dp.sync import ForwardMode
-from actors.forward_batch import ForwardBatch
-from actors.plan_stream import PlanStream, VerifyInputs
+from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, VerifyPath
+from actors.worker.forward_batch import ForwardMode
+from actors.worker.forward_batch import ForwardBatch
+from actors.graphs.plan_stream import PlanStream, VerifyInputs
 from graph_fakes import FakeEvent, FakeStream, without_event_names
 
 FILL = 1

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from actors.cuda_graph_runner import GraphBatch
-from actors.plan_stream import (PlanStream, VerifyInputs, prepare_draft_extend_inputs,
+from actors.graphs.cuda_graph_runner import GraphBatch
+from actors.graphs.plan_stream import (PlanStream, VerifyInputs, prepare_draft_extend_inputs,
                                 prepare_verify_inputs)
 
 B, N = 2, 3

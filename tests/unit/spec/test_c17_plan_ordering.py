@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, VerifyPath
+from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, VerifyPath
 from actors.dp.sync import draft_extend_ids, stream_ctx
-from actors.plan_stream import (PlanStream, VerifyInputs, prepare_draft_extend_inputs,
+from actors.graphs.plan_stream import (PlanStream, VerifyInputs, prepare_draft_extend_inputs,
                                 prepare_verify_inputs)
 from graph_fakes import FakeEvent, FakeStream
 

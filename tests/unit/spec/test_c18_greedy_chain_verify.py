@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.spec_tree import build_tree
-from kernels.verify import greedy_verify
+from kestrel_kernels.spec_tree import build_tree
+from kestrel_kernels.verify import greedy_verify
 
 R, A, B_, C, X, Y = 100, 11, 12, 13, 21, 22  # token ids
 N, S = 4, 3

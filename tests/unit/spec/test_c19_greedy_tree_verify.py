@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from kernels.spec_tree import build_tree
-from kernels.verify import greedy_verify
+from kestrel_kernels.spec_tree import build_tree
+from kestrel_kernels.verify import greedy_verify
 
 
 def _verify(tokens, parents, target, S):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.spec_tree import build_tree, expand_level, flatten_tree_mask, level_offset, organize_draft
+from kestrel_kernels.spec_tree import build_tree, expand_level, flatten_tree_mask, level_offset, organize_draft
 
 
 def _chain_draft(B: int, S: int, gen: torch.Generator):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.verify import select_last_index
+from kestrel_kernels.verify import select_last_index
 
 
 def test_c21_contract_example():

@@ -7,7 +7,7 @@ import torch
 
 from kestrel_testing import assert_same_or_near_tie
 from configs.schema import load_config
-from serve_app.llm_engine import LLMEngine
+from serve_app.engine.llm_engine import LLMEngine
 from spec_helpers import CHAIN, TREE, greedy
 
 BASE = ["draft.enabled=false", "model.dtype=float32", "kv_cache.num_slots=8192",
@@ -18,7 +18,7 @@ MAX = 16  # past a page of 16 on every row; a wrong accept or KV move shows in t
 @pytest.fixture(scope="module")
 def spec_workers(smollm_path):
     """SmolLM2 workers with a random EAGLE head, one per draft shape (built on demand)."""
-    from actors.rank_worker import RankWorker
+    from actors.worker.rank_worker import RankWorker
     cache = {}
 
     def get(shape):

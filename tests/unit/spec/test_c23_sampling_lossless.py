@@ -15,9 +15,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kernels.sampling import process_logits, sample_from_probs
-from kernels.spec_tree import TreeInfo, build_tree
-from kernels.verify import greedy_verify, tree_sampling_verify
+from kestrel_kernels.sampling import process_logits, sample_from_probs
+from kestrel_kernels.spec_tree import TreeInfo, build_tree
+from kestrel_kernels.verify import greedy_verify, tree_sampling_verify
 
 V = 8
 N, S = 5, 2  # K=2: root -> 2 children; one of them -> 2 children

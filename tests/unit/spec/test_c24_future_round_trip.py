@@ -1,7 +1,7 @@
 """C24: values carried to the next iteration come back unchanged; idle resolve is a no-op."""
 import torch
 
-from actors.future_map import FutureMap
+from actors.worker.future_map import FutureMap
 
 
 def test_c24_round_trip():

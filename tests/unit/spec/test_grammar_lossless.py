@@ -1,4 +1,4 @@
-"""Structured outputs under speculation (actors/grammar_rows.py): each tree node's target
+"""Structured outputs under speculation (actors/sampling/grammar_rows.py): each tree node's target
 logits are masked by the grammar state after the node's path, so greedy speculative
 output equals greedy plain output under the same grammar, token for token, on chain and
 tree shapes, with the random head and with an oracle draft (long accepts, so masks deep
@@ -17,9 +17,9 @@ from spec_helpers import CHAIN, TREE, random_prompts, tiny_config
 from test_penalties_lossless import speculate_and_compare
 
 from actors.spec.step_graph import Variant
-from serve_app.grammar import GrammarCompiler
-from serve_app.llm_engine import LLMEngine
-from serve_app.request import SamplingParams
+from serve_app.text.grammar import GrammarCompiler
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.request import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "n": {"type": "integer"}},

@@ -1,4 +1,4 @@
-"""Logprobs under speculation (actors/logprobs.py): the logprob of every emitted token and
+"""Logprobs under speculation (actors/sampling/logprobs.py): the logprob of every emitted token and
 its alternatives, taken at the tree node that predicted it, equal plain decoding's, fp32,
 greedy and with penalties, on chain and tree shapes (an oracle draft for long accepts)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
 from test_c22_greedy_lossless import OracleDraft
 
 from actors.spec.step_graph import Variant
-from serve_app.request import SamplingParams
+from serve_app.engine.request import SamplingParams
 
 MAX = 20
 # fp32: a tree's verify batch and a plain decode step round differently; the tiny model's

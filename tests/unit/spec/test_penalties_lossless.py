@@ -1,4 +1,4 @@
-"""Logit processing under speculation (kernels/penalties.py): presence, frequency and
+"""Logit processing under speculation (kestrel_kernels/penalties.py): presence, frequency and
 repetition penalties, logit bias and min_tokens keep greedy speculative output equal to
 greedy plain output with the same processing, token for token.
 
@@ -15,9 +15,9 @@ from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
 from test_c22_greedy_lossless import OracleDraft
 
 from actors.spec.step_graph import Variant
-from kernels.penalties import Processing, _penalize, apply_processing
-from kernels.spec_tree import build_tree
-from serve_app.request import SamplingParams
+from kestrel_kernels.penalties import Processing, _penalize, apply_processing
+from kestrel_kernels.spec_tree import build_tree
+from serve_app.engine.request import SamplingParams
 
 PENALIZED = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3,
                  logit_bias={5: 2.5, 7: -1.5, 11: 4.0})
@@ -191,7 +191,7 @@ def test_min_tokens_holds_back_a_forced_stop(tiny_llama_dir, shape):
 def test_preempted_requests_keep_their_counts(tiny_llama_dir, shape):
     """Out of KV, requests are preempted and re-prefilled with their outputs as prompt: the
     worker's counts restart from those outputs, so the penalized answer is unchanged."""
-    from serve_app.llm_engine import LLMEngine
+    from serve_app.engine.llm_engine import LLMEngine
     from spec_helpers import tiny_config
     prompts = random_prompts(8, seed=5)
     params = SamplingParams(max_tokens=40, ignore_eos=True, **PENALIZED)
@@ -239,7 +239,7 @@ def test_sampled_tree_with_penalties_keeps_the_target_distribution(tiny_llama_di
     from scipy.stats import chisquare
     from transformers import LlamaForCausalLM
 
-    from kernels.sampling import process_logits
+    from kestrel_kernels.sampling import process_logits
     prompt = random_prompts(1, seed=13)[0]
     pen = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5)
     model = LlamaForCausalLM.from_pretrained(tiny_llama_dir).float().eval()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from spec_helpers import TREE, random_prompts, tiny_engine
 
-from serve_app.request import SamplingParams
+from serve_app.engine.request import SamplingParams
 
 TOL = 5e-5
 

@@ -16,7 +16,7 @@ from test_grammar_lossless import REGEX, compiled  # noqa: F401 (fixture)
 from test_penalties_lossless import GRAPH_SIZES, PENALIZED, spy_variants
 
 from actors.spec.step_graph import Variant
-from serve_app.request import SamplingParams
+from serve_app.engine.request import SamplingParams
 
 SHAPES = {"plain": None, "chain": CHAIN, "tree": TREE}
 TOL = 5e-5  # logprobs: a padded graph batch and the eager batch round differently (fp32)
@@ -214,7 +214,7 @@ def test_sampled_grammar_batches_replay_the_sampled_accept_part(grammar_model, t
 
     from spec_helpers import tiny_config
 
-    from serve_app.llm_engine import LLMEngine
+    from serve_app.engine.llm_engine import LLMEngine
     g = compiled["regex"]
     plist = [SamplingParams(max_tokens=16, temperature=1.0, seed=1, grammar=g),
              SamplingParams(max_tokens=16, grammar=g),

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from serve_app.request import SamplingParams
+from serve_app.engine.request import SamplingParams
 from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
 
 SHAPES = [CHAIN, TREE, ("draft.topk=2", "draft.num_steps=1", "draft.num_draft_tokens=3"),

@@ -13,7 +13,7 @@ import pytest
 from graph_fakes import FakeEvent, FakeStream, without_event_names
 from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
 
-from actors.cuda_graph_runner import GraphRunner
+from actors.graphs.cuda_graph_runner import GraphRunner
 from actors.spec.step_graph import Variant
 
 SIZES = [1, 2, 4, 8]
@@ -95,7 +95,7 @@ def test_one_draft_step_has_no_draft_decode_runner(tiny_llama_dir):
 # ----------------------------------------------------------------------- plan stream
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_iteration_prepares_verify_and_draft_extend_on_plan_stream(tiny_llama_dir, graphs):
-    from actors.plan_stream import PlanStream
+    from actors.graphs.plan_stream import PlanStream
     prompts = random_prompts(3, seed=3)
     want = outputs(tiny_engine(tiny_llama_dir, *TREE), prompts, MAX_TOKENS)
     eng = tiny_engine(tiny_llama_dir, *TREE)
@@ -160,7 +160,7 @@ def test_step_graph_padded_lanes_touch_only_reserved_row_and_slot(tiny_llama_dir
 def test_sampled_batches_take_the_sampled_step_graph(tiny_llama_dir, feature_graphs):
     """With attention.feature_graphs a sampled batch replays the step graph (its sampled
     variant); without, the per-phase runners. Both give the eager output."""
-    from serve_app.request import SamplingParams
+    from serve_app.engine.request import SamplingParams
     prompts = random_prompts(3, seed=13)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=5)
 

@@ -1,0 +1,1 @@
+"""CUDA graphs: decode, verify and prefill replays, the plan stream, and warm-up."""

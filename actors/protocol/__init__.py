@@ -1,0 +1,1 @@
+"""Messages that cross a process: what the scheduler sends a rank for one step, and what comes back."""

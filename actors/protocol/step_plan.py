@@ -1,0 +1,98 @@
+"""What the scheduler sends a rank worker for one step, and what comes back.
+
+Plain data (lists and numpy arrays) so it crosses the step channel cheaply: pickling a
+plan holding torch tensors took 0.85 ms each way on the 2-core CPU, the same plan with
+numpy arrays 0.05 ms. Lengths the worker needs for decode come from its own future map,
+not from the plan: with overlap the scheduler learns them one step late.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def coins_per_request(cfg) -> int:
+    """Uniforms a sampled request draws per step (a KestrelConfig): one per tree node and a
+    final one under speculation, else one."""
+    return (cfg.draft.num_draft_tokens + 1) if cfg.draft.enabled else 1
+
+
+@dataclass
+class RowProcessing:
+    """One request's logit processing (kestrel_kernels/penalties.py) and sampling parameters
+    (kestrel_kernels/sampling.py), sent once when it is admitted to a row; the rank keeps them in
+    its processing table (actors/sampling/processing_table.py)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0  # 1 = off
+    min_tokens: int = 0
+    bias_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [M] int64
+    bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # [M] float32
+    stop_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S] int64, under min_tokens
+    bad_words: list[list[int]] = field(default_factory=list)  # token sequences, each at most TAIL + 1 long
+    temperature: float = 0.0  # <= 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # <= 0: no limit
+    min_p: float = 0.0
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    mode: str  # "extend" | "decode" | "idle"
+    rows: list[int]  # req_to_token rows, one per request
+    # New KV slots to record: (row, first position, slots [n] int64), in order.
+    kv_writes: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    temperature: list[float] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    coins: np.ndarray | None = None  # [B, C] float32 uniforms from each request's seeded generator
+    # extend only
+    input_ids: list[int] = field(default_factory=list)  # chunk tokens, requests concatenated
+    prefix_lens: list[int] = field(default_factory=list)  # tokens already in KV before the chunk
+    extend_lens: list[int] = field(default_factory=list)
+    last_chunk: list[bool] = field(default_factory=list)  # sample the first output token
+    next_ids: list[int] = field(default_factory=list)  # prompt token after the chunk (-1 on the last)
+    # decode only: requests whose future values were just created (sanity checking)
+    use_spec: bool = False
+    # Some request's logits are processed (penalties, bias, min_tokens, bad words): the rank
+    # applies its processing table's rows of the plan.
+    processing: bool = False
+    min_p: np.ndarray | None = None  # [B] float32 per request (0 = off); None: nobody
+    # Per request, how many alternatives its logprobs list (-1: none asked); None: nobody.
+    logprobs: list[int] | None = None
+    # extend only: per request, the alternatives its prompt tokens' logprobs list (-1:
+    # none); None: nobody. A plan with any runs eagerly (the graphs keep the last logits).
+    prompt_logprobs: list[int] | None = None
+    # Rows whose output counts restart (a request admitted, or readmitted after preemption):
+    # (row, prompt ids or None when no repetition penalty needs them, outputs so far).
+    count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = field(default_factory=list)
+    # Rows whose processing table entry changes: a request admitted that asks for processing
+    # or samples, or one admitted after such a request, which clears it (None).
+    processing_resets: list[tuple[int, RowProcessing | None]] = field(default_factory=list)
+    # Rows that start a request with a grammar, or after one (actors/sampling/grammar_rows.py):
+    # (row, serialized compiled grammar or None, outputs so far [n] int64).
+    grammar_resets: list[tuple[int, str | None, np.ndarray]] = field(default_factory=list)
+    # xgrammar's TokenizerInfo, serialized: on the first plan with a grammar only.
+    grammar_vocab: str | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class StepOutput:
+    step_id: int
+    # Per request in plan order: the tokens emitted this step (empty for a non-final chunk).
+    # For speculative decode its length is the accept length (accepted drafts + bonus).
+    tokens: list[list[int]]
+    timings: dict[str, float] = field(default_factory=dict)
+    # Per request, None or one (logprob, top ids, top logprobs) per emitted token
+    # (actors/sampling/logprobs.py); None when the plan asked for none.
+    logprobs: list | None = None
+    # extend only: per request in plan order, None or one (logprob, top ids, top
+    # logprobs, rank) per prompt token this chunk predicts (the next one's, from each position).
+    prompt_logprobs: list | None = None

@@ -1,0 +1,1 @@
+"""From logits to tokens: processing tables, grammar masks, coins, sampling, logprobs."""

@@ -1,0 +1,1 @@
+"""One rank: its models, KV cache and step execution, and the step channel it serves."""

@@ -1,0 +1,1 @@
+"""The engine: scheduler, prefix cache, engine core and its client, the Serve deployment."""

@@ -1,0 +1,382 @@
+"""The engine core: each DP rank's scheduler and step loop, in a process of their own.
+
+When the step loops shared the replica's event loop with the HTTP handlers, every
+stream's chunk (detokenization, SSE, a socket write: 120-180 us on the 2-core CPU) ran
+between two steps, and at 64 streams that work outgrew a step: the GPU waited ~1.4 ms per
+5 ms step on the H200 for its next plan. As in vLLM's engine core, the loops now run in
+a Ray actor of their own (EngineCoreActor, in the replica's placement group) that does
+nothing but steps; the replica's front end (serve_app/engine/engine_client.py) sends it requests
+over the front channel and gets back one frame per step with every request's new tokens.
+When the front end falls behind, its streams carry several steps per chunk; the GPU does
+not wait for it.
+
+One step loop per rank: schedule -> send the plan down the rank's step channel (the next
+plan goes out before this one returns) -> receive the output -> process_output -> one
+"out" frame to the front end. Under parallel.dp_attention the ranks step in lockstep
+(their collectives must line up): one loop sends every rank a plan each step, an idle
+one where a rank's scheduler has none, and takes the step's outputs together; a new
+request goes to the rank with the least load (requests held, then KV in use), and a
+rank that fails fails the whole replica, whose ranks cannot step without it.
+
+Front channel frames (length-prefixed pickles, as the step channel's; the first frame
+from the front end must carry the core's token):
+  in:  ("add", (rank, rid, prompt_ids, sampling_params)), ("finish", (rid, reason)),
+       ("vocab", grammar vocabulary json: once, before the first add with a grammar),
+       ("call", (call_id, name))  name: "kv_stats" | "rank_stats" | "stats"
+  out: ("out", [(rid, token_ids, finished, finish_reason, num_output_tokens, accept_lengths,
+                 cached_tokens, logprobs, prompt_logprobs)]),
+       ("reply", (call_id, value)), ("reject", (rid, message)), ("failed", (rank, message))
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import socket
+import time
+from collections import deque
+from typing import Any
+
+import ray
+
+from actors.worker import gc_pauses
+from actors.worker.step_channel import HEADER, HELLO, OK, decode, encode
+from actors.protocol.step_plan import StepOutput, StepPlan
+from configs.schema import KestrelConfig
+from serve_app.engine.rank_channel import RankChannel
+from serve_app.engine.request import Request, RequestOutput, SamplingParams
+from serve_app.engine.scheduler import Scheduler
+
+log = logging.getLogger("kestrel.engine")
+
+# dp_attention: once a rank failed, how long its peers get to report their own failure
+# (theirs follows from it), so the error names the cause: a rank that is gone.
+FAILURE_GRACE_S = 1.0
+# A step this long, and this many times the usual step of its mode and size, stalled
+# every stream of its rank: it is logged with its parts, to tell the stall's cause (the
+# rank's host, the device, a compile, the collector) from the log (_note_slow).
+SLOW_STEP_S, SLOW_STEP_TIMES = 0.1, 5.0
+STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile", "gc", "gpu_idle")
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[str, Any]:
+    (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    return decode(await reader.readexactly(n))
+
+
+class EngineCore:
+    def __init__(self, cfg: KestrelConfig, infos: list[dict], channels: list[RankChannel],
+                 eos_token_ids: list[int]):
+        """`infos`: each rank's RankWorker.info(); `channels`: connected, one per rank;
+        `eos_token_ids`: the model's and the tokenizer's. Call on the event loop that
+        will run the steps."""
+        self.cfg = cfg
+        # Plans in flight per rank: the running one and the next, queued in its channel, so
+        # the worker starts step N+1 the moment step N returns (scheduler.launch_ahead).
+        self.max_in_flight = cfg.scheduler.steps_in_flight()
+        self.channels = channels
+        self.schedulers = [Scheduler(cfg, info, eos_token_ids) for info in infos]
+        self.token = secrets.token_hex(16)
+        self.writer: asyncio.StreamWriter | None = None
+        self._outbox: list[tuple] = []  # this step's outputs, sent as one frame
+        # Per rank: seconds in each phase of a step (schedule and process here; execute,
+        # wait, recv and gpu_idle as the actor measured them), and steps by mode. `wait`
+        # and `gpu_idle` count only plans sent while another was in flight: the time the
+        # channel, and the GPU by its own clock, sat idle waiting on the control plane
+        # although the next step could have been queued.
+        self.step_seconds = [dict.fromkeys(STEP_PHASES, 0.0) for _ in infos]
+        self.gc = gc_pauses.watch()
+        # (rank, mode) and (rank, mode, size bucket) -> a step's moving mean, s (_note_slow)
+        self._usual_step: dict[tuple, float] = {}
+        self.step_counts = [{"extend": 0, "decode": 0, "pipelined": 0} for _ in infos]
+        self.failed: str | None = None
+        if cfg.parallel.dp_attention:
+            self._wake = [asyncio.Event()] * len(infos)  # one loop: any rank's request wakes it
+            self.loops = [asyncio.create_task(self._run_lockstep(), name="kestrel-ranks")]
+        else:
+            self._wake = [asyncio.Event() for _ in infos]
+            self.loops = [asyncio.create_task(self._run_rank(r), name=f"kestrel-rank-{r}")
+                          for r in range(len(infos))]
+
+    # ---- the front channel -------------------------------------------------------------
+    async def listen(self, host: str) -> tuple[str, int]:
+        """Serve one front end at a time on a free port of `host`."""
+        self.server = await asyncio.start_server(self._front, host, 0)
+        return host, self.server.sockets[0].getsockname()[1]
+
+    async def _front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        expected = encode(HELLO, self.token)
+        try:  # compared as bytes: nothing from an unknown peer is unpickled
+            hello = await reader.readexactly(len(expected))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        if not hmac.compare_digest(hello, expected):
+            log.warning("front channel: a connection without the core's token was refused")
+            writer.close()
+            return
+        self.writer = writer
+        writer.write(encode(OK, None))
+        try:
+            while True:
+                kind, payload = await read_frame(reader)
+                if kind == "add":
+                    self._add(*payload)
+                elif kind == "finish":
+                    rid, reason = payload
+                    for rank, s in enumerate(self.schedulers):
+                        if s.finish(rid, reason):
+                            self._wake[rank].set()
+                elif kind == "vocab":  # before the first request with a grammar (None: the ranks hold it)
+                    for s in self.schedulers:
+                        s.set_grammar_vocab(payload)
+                elif kind == "call":
+                    call_id, name = payload
+                    writer.write(encode("reply", (call_id, getattr(self, name)())))
+                self._flush()  # aborts answered at once
+        except (asyncio.IncompleteReadError, ConnectionError):
+            log.warning("front channel closed: aborting every request")
+            for s in self.schedulers:
+                s.abort_all()
+            self._outbox.clear()
+            self.writer = None
+
+    def _send(self, kind: str, payload: Any) -> None:
+        if self.writer is not None and not self.writer.is_closing():
+            self.writer.write(encode(kind, payload))
+
+    def _emit(self, out: RequestOutput) -> None:
+        self._outbox.append((out.rid, out.new_token_ids, out.finished, out.finish_reason,
+                             out.num_output_tokens, out.accept_lengths, out.cached_tokens,
+                             out.logprobs, out.prompt_logprobs))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            self._send("out", self._outbox)
+            self._outbox = []
+
+    def _add(self, rank: int | None, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+        try:
+            req = Request(rid, prompt_ids, SamplingParams(**params), on_output=self._emit)
+            if rank is None:  # dp_attention: the core places it, by the ranks' loads
+                rank = min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].load())
+            self.schedulers[rank].add_request(req)
+        except (TypeError, ValueError) as e:  # the front end checked; say so if it missed
+            self._send("reject", (rid, str(e)))
+            return
+        self._wake[rank].set()
+
+    # ---- calls -------------------------------------------------------------------------
+    def kv_stats(self) -> list[dict[str, int]]:
+        return [{"rank": r, "free": s.kv_free_slots(), "capacity": s.slots.capacity}
+                for r, s in enumerate(self.schedulers)]
+
+    def rank_stats(self) -> list[dict[str, Any]]:
+        """Per DP rank: requests held now, the scheduler's counters, step phase seconds."""
+        return [{"rank": r, "requests": s.num_requests, **s.stats,
+                 "step_seconds": dict(self.step_seconds[r]), "steps": dict(self.step_counts[r])}
+                for r, s in enumerate(self.schedulers)]
+
+    def stats(self) -> dict[str, Any]:
+        scheds = self.schedulers
+        return {"running": sum(len(s.running) + len(s.prefilling) for s in scheds),
+                "waiting": sum(len(s.waiting) for s in scheds),
+                "kv": self.kv_stats(),
+                "prompt_tokens_cached": sum(s.stats["prompt_tokens_cached"] for s in scheds),
+                "prompt_tokens_computed": sum(s.stats["prompt_tokens_computed"] for s in scheds),
+                "step_seconds": {p: sum(s[p] for s in self.step_seconds) for p in STEP_PHASES},
+                "steps": {k: sum(c[k] for c in self.step_counts)
+                          for k in ("extend", "decode", "pipelined")}}
+
+    def check(self) -> None:
+        """Raises if a rank failed or a step loop stopped."""
+        if self.failed:
+            raise RuntimeError(self.failed)
+        for r, task in enumerate(self.loops):
+            if task.done():
+                which = "of the ranks" if self.cfg.parallel.dp_attention else f"of rank {r}"
+                raise RuntimeError(f"the step loop {which} stopped")
+
+    # ---- the step loop ---------------------------------------------------------------
+    async def _run_rank(self, rank: int) -> None:
+        sched, channel, wake = self.schedulers[rank], self.channels[rank], self._wake[rank]
+        seconds = self.step_seconds[rank]
+        inflight: deque = deque()  # (plan, sent while another was in flight), in send order
+        try:
+            while True:
+                t0 = time.perf_counter()
+                for plan in sched.plans_ahead(len(inflight), self.max_in_flight):
+                    channel.send(plan)
+                    inflight.append((plan, bool(inflight)))
+                seconds["schedule"] += time.perf_counter() - t0
+                if not inflight:
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                out = await channel.recv()
+                plan, pipelined = inflight.popleft()
+                self._process(rank, plan, out, pipelined)
+                self._flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # actor died, scheduler bug: fail this rank's requests loudly
+            self._fail(e, f"engine rank {rank}", [rank])
+
+    def _process(self, rank: int, plan: StepPlan, out: StepOutput, pipelined: bool) -> None:
+        """A step's output on `rank`: lengths committed, outputs into the outbox, timings."""
+        seconds, counts = self.step_seconds[rank], self.step_counts[rank]
+        t1 = time.perf_counter()
+        self.schedulers[rank].process_output(plan, out)  # each request's outputs into the outbox
+        seconds["process"] += time.perf_counter() - t1
+        timings = out.timings
+        seconds["execute"] += timings.get(plan.mode, 0.0)
+        self._note_slow(rank, plan, timings)
+        seconds["recv"] += timings.get("recv", 0.0)
+        seconds["compile"] += timings.get("compile", 0.0)
+        # The collector's passes on the rank and in this process (one watch per process:
+        # when both run in one, the rank's timings took them already).
+        seconds["gc"] += timings.get("gc", 0.0) + self.gc.take_seconds()
+        counts[plan.mode] += 1
+        if pipelined:
+            seconds["wait"] += timings.get("wait", 0.0)
+            seconds["gpu_idle"] += timings.get("gpu_idle", 0.0)
+            counts["pipelined"] += 1
+
+    def _note_slow(self, rank: int, plan: StepPlan, timings: dict[str, float]) -> None:
+        """Log a step far slower than the usual one of its mode and size (rows of a
+        decode, prompt tokens of an extend, by powers of two; a size not met before is
+        held to its mode's usual), with the parts the rank timed."""
+        took = timings.get(plan.mode, 0.0)
+        extend = plan.mode == "extend"
+        size = sum(plan.extend_lens) if extend else len(plan.rows)
+        by_mode, by_size = (rank, plan.mode), (rank, plan.mode, size.bit_length())
+        usual = self._usual_step.get(by_size, self._usual_step.get(by_mode, took))
+        if took >= max(SLOW_STEP_S, SLOW_STEP_TIMES * usual):
+            log.warning("rank %d: a slow %s step (%d rows%s), usually %.1f ms: %s ms", rank, plan.mode,
+                        len(plan.rows), f", {size} tokens" if extend else "", 1000 * usual,
+                        {k: round(1000 * v, 1) for k, v in timings.items()})
+        for key in (by_mode, by_size):
+            self._usual_step[key] = 0.9 * self._usual_step.get(key, took) + 0.1 * took
+
+    def _fail(self, e: Exception, who: str, ranks: list[int]) -> None:
+        """`ranks` cannot step any more: their requests fail with what went wrong."""
+        log.exception("%s step loop failed%s", who,
+                      f"; the rank's traceback:\n{e.detail}" if getattr(e, "detail", "") else "")
+        # Clients see this message: what failed, without the insides (class, traceback).
+        self.failed = f"{who} failed: {str(e) or 'an error without a message'}"
+        # One rank's streams, or (None) every stream of the replica.
+        self._send("failed", (ranks[0] if len(ranks) == 1 else None, self.failed))
+        for r in ranks:
+            self.schedulers[r].abort_all()
+        self._outbox.clear()  # the front end fails those streams itself
+
+    # ---- the lockstep loop (dp_attention) -------------------------------------------------
+    async def _run_lockstep(self) -> None:
+        """Every rank gets a plan each step, an idle one when its scheduler has none, so the
+        ranks' collectives line up; a step's outputs come back together. Two steps stay in
+        flight, as in the per-rank loops."""
+        scheds, channels = self.schedulers, self.channels
+        wake = self._wake[0]
+        inflight: deque = deque()  # (one plan per rank, sent while another step was in flight)
+        try:
+            while True:
+                while len(inflight) < self.max_in_flight:
+                    plans = self._schedule_all()
+                    if all(p is None for p in plans):
+                        if inflight or not any(s.has_work for s in scheds):
+                            break
+                        # Decode plans that preempted every running request: planning
+                        # again prefills them.
+                        plans = self._schedule_all()
+                        if all(p is None for p in plans):
+                            raise RuntimeError("the schedulers have requests but could not plan a step")
+                    plans = [p or StepPlan(s.step_id, "idle", []) for p, s in zip(plans, scheds)]
+                    for channel, plan in zip(channels, plans):
+                        channel.send(plan)
+                    inflight.append((plans, bool(inflight)))
+                if not inflight:
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                outs = await self._recv_all()
+                plans, pipelined = inflight.popleft()
+                for rank, (plan, out) in enumerate(zip(plans, outs)):
+                    if plan.mode != "idle":
+                        self._process(rank, plan, out, pipelined)
+                self._flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail(e, "the engine's rank group", list(range(len(scheds))))
+
+    def _schedule_all(self) -> list[StepPlan | None]:
+        plans = []
+        for sched, seconds in zip(self.schedulers, self.step_seconds):
+            t0 = time.perf_counter()
+            plans.append(sched.schedule())
+            seconds["schedule"] += time.perf_counter() - t0
+        return plans
+
+    async def _recv_all(self) -> list[StepOutput]:
+        """Every rank's output of the oldest step in flight. A rank's failure fails its
+        peers too (their collectives lose it: at once when it died, after
+        parallel.dp_timeout_s when it hangs); what is raised is the failure that explains
+        the others: a rank whose channel closed, else the first."""
+        tasks = [asyncio.ensure_future(ch.recv()) for ch in self.channels]
+        try:
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            if pending:
+                await asyncio.wait(pending, timeout=FAILURE_GRACE_S)
+        finally:  # also when the loop is cancelled (stop)
+            for task in tasks:
+                task.cancel()
+        errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        if errors:
+            closed = [e for e in errors if getattr(e, "closed", False)]
+            raise (closed or errors)[0]
+        return [t.result() for t in tasks]
+
+    def stop(self) -> None:
+        for task in self.loops:
+            task.cancel()
+        for ch in self.channels:
+            ch.close()
+        if getattr(self, "server", None) is not None:
+            self.server.close()
+
+
+@ray.remote
+class EngineCoreActor:
+    """EngineCore as a Ray actor, placed by its replica beside itself (bundle 0 of the
+    replica's placement group). Async: the step loops and the front channel run on the
+    actor's event loop between (and during) its method calls."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        self.cfg = KestrelConfig.model_validate(cfg)
+        self.core: EngineCore | None = None
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    async def start(self, infos: list[dict], eos_token_ids: list[int], front_ip: str) -> dict:
+        """Connect to every rank's step channel, start the step loops, listen for the
+        front end (on loopback when it runs on this node); returns where and the token."""
+        channels = [await RankChannel.connect(i["channel"]["host"], i["channel"]["port"],
+                                              i["channel"]["token"], r)
+                    for r, i in enumerate(infos)]
+        self.core = EngineCore(self.cfg, infos, channels, eos_token_ids)
+        ip = ray.util.get_node_ip_address()
+        host, port = await self.core.listen("127.0.0.1" if front_ip == ip else ip)
+        gc_pauses.serving("engine core", self.cfg.serve.gc_freeze)
+        return {"host": host, "port": port, "token": self.core.token}
+
+    async def check(self) -> None:
+        self.core.check()
+
+    async def gc_stats(self) -> dict[str, int]:
+        return gc_pauses.stats()

@@ -1,0 +1,140 @@
+"""In-process engine: schedulers and rank workers in one process, no Ray.
+
+`kestrel generate`, `kestrel chat`, the offline benchmark and most tests use it; the Serve
+Engine deployment drives the same Scheduler and RankWorker classes across Ray.
+Without dp_attention, DP ranks are independent: each has its own scheduler and requests
+go to the least-loaded one.
+
+Steps run as the served engine runs them (serve_app/engine/engine_core.py): with
+scheduler.launch_ahead (by default on a GPU), step N+1 is planned and launched on the worker
+before step N is finished, so the device does not wait for the host between steps.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+
+from actors.worker.rank_worker import RankWorker
+from configs.schema import KestrelConfig
+from serve_app.text.detokenizer import detokenizer_factory
+from serve_app.engine.request import Request, RequestOutput, SamplingParams
+from serve_app.engine.scheduler import Scheduler
+from serve_app.text.tokenizer import stop_token_ids
+
+log = logging.getLogger("kestrel.engine")
+
+
+class LLMEngine:
+    def __init__(self, cfg: KestrelConfig, tokenizer=None, load_tokenizer: bool = True,
+                 workers: list[RankWorker] | None = None, worker_info: dict | None = None):
+        """`workers` reuses loaded ranks (tests: schedulers are cheap, weights are not);
+        `worker_info` entries override what the workers report (e.g. fewer KV slots)."""
+        self.cfg = cfg
+        if cfg.parallel.dp_attention:
+            raise NotImplementedError("parallel.dp_attention runs a process per rank: serve it "
+                                      "(kestrel serve); the in-process engine runs independent ranks")
+        self.workers = workers or [RankWorker(cfg, rank) for rank in range(cfg.parallel.dp_size)]
+        arch = self.workers[0].arch
+        if tokenizer is None and load_tokenizer:
+            from actors.models.loader import default_model_path
+            from serve_app.text.tokenizer import load_tokenizer as _load
+            tokenizer = _load(cfg.model.path or default_model_path())
+        self.tokenizer = tokenizer
+        eos = sorted(stop_token_ids(tokenizer, arch))
+        factory = detokenizer_factory(tokenizer) if tokenizer is not None else None
+        self.schedulers = [Scheduler(cfg, {**w.info(), **(worker_info or {})}, eos, factory)
+                           for w in self.workers]
+        self._ids = itertools.count()
+        # Per rank: (plan, launched step) in launch order, at most steps_in_flight of them.
+        self.steps_in_flight = cfg.scheduler.steps_in_flight(cfg.resolved_device())
+        self._inflight = [deque() for _ in self.workers]
+        self.steps = 0
+        # Where step time goes (seconds, summed over ranks): host scheduling, the worker
+        # (model and sampling), committing outputs; and steps per mode. For progress lines.
+        self.seconds = {"schedule": 0.0, "execute": 0.0, "process": 0.0}
+        self.mode_steps = {"extend": 0, "decode": 0}
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                    on_output=None) -> Request:
+        if params.grammar is not None and not self.schedulers[0].grammar_ready:
+            from serve_app.text.grammar import compiler_for
+            for s in self.schedulers:
+                s.set_grammar_vocab(compiler_for(self.tokenizer).vocab_json)
+        req = Request(rid or f"req-{next(self._ids)}", list(prompt_ids), params, on_output)
+        min(self.schedulers, key=lambda s: s.num_requests).add_request(req)
+        return req
+
+    def abort(self, rid: str) -> bool:
+        return any(s.abort(rid) for s in self.schedulers)
+
+    def abort_all(self) -> None:
+        """Cancel every request, and finish the steps already launched (their outputs for
+        the cancelled requests are dropped), so the engine is idle when this returns."""
+        for s in self.schedulers:
+            s.abort_all()
+        for sched, worker, inflight in zip(self.schedulers, self.workers, self._inflight):
+            while inflight:
+                plan, launched = inflight.popleft()
+                sched.process_output(plan, worker.finish(launched))
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to run, or a launched step to finish (its rows may all have ended)."""
+        return any(s.has_work for s in self.schedulers) or any(self._inflight)
+
+    @property
+    def launched(self) -> int:
+        """Steps launched and not yet finished, over all ranks."""
+        return sum(len(q) for q in self._inflight)
+
+    def step(self) -> list[RequestOutput]:
+        """One finished step on every rank with work (ranks are independent without
+        dp_attention); the rank's next step is launched before this one is finished."""
+        events: list[RequestOutput] = []
+        limit = self.steps_in_flight
+        for sched, worker, inflight in zip(self.schedulers, self.workers, self._inflight):
+            t0 = time.perf_counter()
+            launch_s = 0.0
+            for plan in sched.plans_ahead(len(inflight), limit):
+                t = time.perf_counter()
+                inflight.append((plan, worker.launch(plan)))
+                launch_s += time.perf_counter() - t
+            if not inflight:
+                continue
+            t1 = time.perf_counter()
+            plan, launched = inflight.popleft()
+            out = worker.finish(launched)
+            t2 = time.perf_counter()
+            events += sched.process_output(plan, out)
+            self.seconds["schedule"] += t1 - t0 - launch_s
+            self.seconds["execute"] += t2 - t1 + launch_s
+            self.seconds["process"] += time.perf_counter() - t2
+            self.mode_steps[plan.mode] = self.mode_steps.get(plan.mode, 0) + 1
+        self.steps += 1
+        return events
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 progress=None) -> list[Request]:
+        """Run prompts to completion; returns the finished requests in input order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_work:
+            for ev in self.step():
+                if ev.finished and progress is not None:
+                    progress.update(1)
+        return reqs
+
+    def kv_free_slots(self) -> list[int]:
+        return [s.kv_free_slots() for s in self.schedulers]
+
+    def kv_capacity(self) -> list[int]:
+        return [s.slots.capacity for s in self.schedulers]
+
+
+def timed_generate(engine: LLMEngine, prompts, params, progress=None) -> tuple[list[Request], float]:
+    t0 = time.perf_counter()
+    reqs = engine.generate(prompts, params, progress)
+    return reqs, time.perf_counter() - t0

@@ -1,0 +1,174 @@
+"""A request as the scheduler sees it: sampling settings, tokens, KV bookkeeping, output."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+COIN_BLOCK = 32  # steps of coins drawn per generator call
+
+
+class CoinStream:
+    """A sampled request's uniforms: `width` per step from its seeded generator, drawn a
+    block of steps at a time. One torch.rand per block yields the same numbers as one per
+    step (the CPU generator fills tensors in order), at a 32nd of the calls."""
+
+    def __init__(self, seed: int, width: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.width = width
+        self.block = np.zeros((0, width), dtype=np.float32)  # [COIN_BLOCK, width] float32
+        self.pos = 0
+
+    def next(self) -> np.ndarray:
+        if self.pos == len(self.block):
+            self.block = torch.rand(COIN_BLOCK, self.width, generator=self.generator).numpy()
+            self.pos = 0
+        self.pos += 1
+        return self.block[self.pos - 1]
+
+
+MAX_BAD_WORD_TOKENS = 16  # = actors.sampling.output_counts.TAIL + 1
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # Logit processing (kestrel_kernels/penalties.py): OpenAI's penalties and bias, vLLM's extensions.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    # vLLM's bad_words, tokenized: a sequence's last id is never emitted right after the
+    # ids before it (a one-id sequence never at all). At most 16 ids each (the worker
+    # keeps the last 15 emitted: actors/sampling/output_counts.py).
+    bad_words: list[list[int]] = field(default_factory=list)
+    logprobs: int | None = None  # alternatives listed with each token's logprob; None = none
+    # The prompt's own tokens' logprobs (vLLM's prompt_logprobs), with this many
+    # alternatives each; None = none. Taken from the raw logits (no processing applies
+    # to a prompt), so a request asking for them is not served from the prefix cache.
+    prompt_logprobs: int | None = None
+    # Structured outputs: the compiled grammar, serialized (serve_app/text/grammar.py); every
+    # output token is one the grammar allows, on every decoding path.
+    grammar: str | None = None
+
+    @property
+    def needs_counts(self) -> bool:
+        """Whether the worker must count this request's outputs (penalties, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.bad_words)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the worker processes this request's logits (its processing table row)."""
+        return self.needs_counts or bool(self.logit_bias)
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be within [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be within (0, 2], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be within [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be within [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be within [0, 20], got {self.prompt_logprobs}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if any(not 1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
+            raise ValueError(f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    accept_lengths: list[int] = field(default_factory=list)  # new ones since the last output
+    cached_tokens: int = 0  # prompt tokens the prefix cache held at the request's admission
+    logprobs: list | None = None  # per new token: (logprob, top ids, top logprobs), if asked
+    # With the first output of a request that asked: per prompt token, None for the first,
+    # then (logprob, top ids, top logprobs, rank) (actors/sampling/logprobs.py).
+    prompt_logprobs: list | None = None
+
+
+@dataclass(eq=False)  # a request is itself: queue lookups compare identity, not fields
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping (written only by the scheduler: see C10)
+    row: int | None = None
+    # The row's slots as allocated, piece by piece (see `slots`).
+    slot_pieces: list[torch.Tensor] = field(default_factory=list, repr=False)
+    kv_committed_len: int = 0  # tokens whose KV is valid
+    kv_allocated_len: int = 0  # slots reserved in this request's row (monotonic while it lives)
+    prefilled: int = 0  # tokens of `fill_ids` whose KV the current prefill has computed
+    scheduled: int = 0  # tokens of `fill_ids` already put in a plan (ahead of `prefilled`
+    # when steps are pipelined)
+    fill_ids: list[int] = field(default_factory=list)  # what the current prefill covers
+    cache_node: object | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (all prefills)
+    prompt_cached: int = 0  # of the prompt, at its first admission (usage reports it)
+    token_logprobs: list = field(default_factory=list)  # per output token, when asked
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token after the first, when asked
+    prompt_logprobs_sent: bool = False
+    computed_prompt_tokens: int = 0  # prompt tokens the model actually ran
+    num_preemptions: int = 0
+    # Times the scheduler admitted it (given a row): an output of a step planned under an
+    # earlier admission is stale, even when the row it had then is its row again.
+    admissions: int = 0
+    # outcome
+    finished: bool = False
+    finish_reason: str | None = None
+    text: str = ""
+    accept_lengths: list[int] = field(default_factory=list)
+    arrival: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    coin_stream: CoinStream | None = None  # sampled requests only
+    text_stream: object | None = None  # serve_app.text.detokenizer.TextStream, where the scheduler makes text
+    # Set by the scheduler when it takes the request: the token ids that end it, the
+    # output length at which it ends (max_tokens, or the model's context), and whether it
+    # reports only at its end (no stream, no stop strings).
+    stop_ids: frozenset[int] = frozenset()
+    max_output: int = 0
+    quiet: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[kv_allocated_len] int64: the KV slot of each position of the row. A running
+        request grows by a page every few steps and the row is read only when it ends:
+        the pieces are joined on reading, not copied at every growth."""
+        if len(self.slot_pieces) != 1:
+            self.slot_pieces = [torch.cat(self.slot_pieces) if self.slot_pieces
+                                else torch.zeros(0, dtype=torch.int64)]
+        return self.slot_pieces[0]
+
+    @slots.setter
+    def slots(self, value: torch.Tensor) -> None:
+        self.slot_pieces = [value]

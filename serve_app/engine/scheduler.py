@@ -1,0 +1,528 @@
+"""The scheduler: owns requests, their lengths and KV slots; turns them into step plans.
+
+One Scheduler drives one rank's worker. Each step is either an extend (chunked prefill of
+waiting requests, prefill first as SGLang does) or a decode of every running request
+(plain or speculative). `schedule()` builds a StepPlan, the worker executes it, and
+`process_output()` commits lengths and emits tokens. Nothing here touches a model.
+
+Ownership (contract C10): `kv_allocated_len` is written only by `_grow_kv` and
+`_release_kv`, `kv_committed_len` only by `process_output` and `_release_kv`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from actors.worker.kv_cache import RowAllocator, SlotAllocator
+from actors.protocol.step_plan import RowProcessing, StepOutput, StepPlan, coins_per_request
+from configs.schema import KestrelConfig
+from serve_app.engine.radix_cache import RadixCache
+from serve_app.engine.request import CoinStream, Request, RequestOutput
+
+log = logging.getLogger("kestrel.scheduler")
+
+
+def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
+    """ValueError if a prompt cannot run: empty, or no room left for one output token.
+    (The Serve engine's front end checks it too, before handing a request over.)"""
+    limit = max_model_len - 1
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) > limit:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model accepts "
+                         f"at most {limit} (model.max_model_len={max_model_len})")
+
+
+def row_processing(req: Request) -> RowProcessing:
+    """A request's logit processing and sampling, as its rank keeps them for the request's row."""
+    p = req.params
+    return RowProcessing(
+        p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens,
+        np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias)),
+        np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)),
+        np.asarray(sorted(req.stop_ids) if p.min_tokens else [], dtype=np.int64),
+        [list(w) for w in p.bad_words], p.temperature, p.top_p, p.top_k, p.min_p)
+
+
+class Scheduler:
+    def __init__(self, cfg: KestrelConfig, worker_info: dict, eos_token_ids: list[int],
+                 detokenizer_factory=None):
+        self.cfg = cfg
+        self.spec = cfg.draft.enabled
+        self.page = cfg.kv_cache.page_size
+        self.window = worker_info["window"]
+        self.max_context = worker_info["max_context"]
+        self.max_model_len = cfg.model.max_model_len
+        self.slots = SlotAllocator(worker_info["num_slots"], self.page)
+        self.rows = RowAllocator(worker_info["num_rows"])
+        self.cache = RadixCache(self.slots, self.page, enabled=cfg.kv_cache.prefix_caching)
+        self.eos = frozenset(eos_token_ids)
+        self.detokenizer_factory = detokenizer_factory  # req -> (detok, stopper) or None
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # admitted, prefill not finished
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_id = 0
+        self._held_steps = 0  # decode steps run while admissible requests waited
+        # step id -> its requests, in plan order, with the admission each was planned under
+        self._inflight: dict[int, list[tuple[Request, int]]] = {}
+        # req_to_token updates not yet sent: they ride on the next plan that is dispatched,
+        # whichever it is (an admission can happen in an extend plan that is then dropped).
+        self._kv_writes: list[tuple[int, int, torch.Tensor]] = []
+        self._count_resets: list[tuple[int, np.ndarray | None, np.ndarray]] = []  # the same way
+        self._grammar_resets: list[tuple[int, str | None, np.ndarray]] = []  # the same way
+        self._grammar_rows: set[int] = set()  # rows whose worker holds a grammar matcher
+        self._processing_resets: list[tuple[int, RowProcessing | None]] = []  # the same way
+        self._processing_rows: set[int] = set()  # rows whose worker holds a request's processing or sampling
+        # The grammar vocabulary (set_grammar_vocab): requests with a grammar need it first,
+        # and the first plan with one carries it to the worker unless the worker holds it.
+        self.grammar_ready = False
+        self._vocab_to_send: str | None = None
+        self.coins_per_request = coins_per_request(cfg)
+        self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
+        if self.slots.capacity < self.max_model_len + 2 * self.window + self.page:
+            raise ValueError(f"kv_cache.num_slots={worker_info['num_slots']} cannot hold one "
+                             f"request of model.max_model_len={self.max_model_len}")
+
+    # ---- requests in and out ------------------------------------------------------------
+    def set_grammar_vocab(self, vocab_json: str | None) -> None:
+        """The tokenizer as xgrammar knows it (serve_app/text/grammar.py): needed before any
+        request with a grammar; the next plan with a grammar carries it to the worker. None:
+        the worker holds it already (a served replica sends it to its ranks at start-up),
+        so no plan carries its 1.6 MB through this loop."""
+        if not self.grammar_ready:
+            self.grammar_ready, self._vocab_to_send = True, vocab_json
+
+    def add_request(self, req: Request) -> None:
+        check_prompt(req.prompt_ids, self.max_model_len)
+        p = req.params
+        if p.grammar is not None and not self.grammar_ready:
+            raise ValueError("a grammar needs the grammar vocabulary (set_grammar_vocab) first")
+        req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
+        req.max_output = min(p.max_tokens, self.max_model_len - len(req.prompt_ids))
+        if p.temperature > 0:
+            seed = p.seed if p.seed is not None else torch.seed()
+            req.coin_stream = CoinStream(seed, self.coins_per_request)
+        if self.detokenizer_factory is not None:
+            req.text_stream = self.detokenizer_factory(req)
+        req.quiet = req.on_output is None and (req.text_stream is None or not req.text_stream.has_stops)
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        """Cancel a request (client gone): its KV is freed at once."""
+        return self.finish(rid, "abort")
+
+    def finish(self, rid: str, reason: str) -> bool:
+        """End a request from outside the step loop, its KV freed at once: "abort" (the
+        client went away; its stream gets a last, empty output) or "stop" (whoever turns
+        its tokens into text saw a stop string)."""
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        self._finish(req, reason)
+        return True
+
+    def abort_all(self) -> None:
+        """Cancel every request (a deadline passed). The queue goes in one piece: aborting
+        queued requests one by one costs a scan of the queue each."""
+        waiting, self.waiting = self.waiting, deque()
+        for req in [*waiting, *self.prefilling, *self.running]:
+            self._finish(req, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    def load(self) -> tuple[int, int]:
+        """(requests held, KV slots in use): what a new request weighs ranks by under
+        dp_attention, the fewest requests first."""
+        return self.num_requests, self.slots.capacity - self.kv_free_slots()
+
+    def kv_free_slots(self) -> int:
+        """Free slots counting what the prefix cache could give back."""
+        return self.slots.free_slots + self.cache.evictable_slots
+
+    # ---- KV bookkeeping -------------------------------------------------------------------
+    def _take_pages(self, n: int) -> list[int] | None:
+        """Pages for `n` slots, evicting from the prefix cache what is missing."""
+        if n > self.slots.free_slots:
+            self.cache.evict(n - self.slots.free_slots)
+        return self.slots.take_pages(n)
+
+    def _kv_target(self, need: int) -> int:
+        """The allocated length that covers `need` slots: page-rounded, within the row."""
+        return min(self.slots.round_up(need), self.max_context)
+
+    def _grow_kv(self, req: Request, need: int, new: torch.Tensor | None = None) -> bool:
+        """Make sure the row holds `need` slots (page-rounded). Allocation is monotonic.
+        `new`: the slots to add, when the caller allocated them already (for a batch)."""
+        need = self._kv_target(need)
+        delta = need - req.kv_allocated_len
+        if delta <= 0:
+            return True
+        if new is None:
+            pages = self._take_pages(delta)
+            if pages is None:
+                return False
+            new = self.slots.slots_of([pages])[0]
+        self._kv_writes.append((req.row, req.kv_allocated_len, new))
+        req.slot_pieces.append(new)
+        req.kv_allocated_len = need
+        return True
+
+    def release_ranges(self, committed: int, allocated: int) -> tuple[range, range]:
+        """(committed part, over-allocated tail) of a row, in slot positions (C13): the
+        tail starts at the page boundary after the last committed token."""
+        end = min(self.slots.round_up(committed), allocated)
+        return range(0, end), range(end, allocated)
+
+    def _release_kv(self, req: Request) -> None:
+        """Give the KV back: the tail is freed; of the committed part the valid full pages
+        go to the prefix cache (which frees its duplicates) and the rest is freed."""
+        if req.row is None:
+            return
+        committed, tail = self.release_ranges(req.kv_committed_len, req.kv_allocated_len)
+        self.slots.free(req.slots[tail.start:tail.stop])
+        valid = min(req.kv_committed_len, len(req.all_ids))
+        kept = 0
+        if self.cache.enabled and valid > 0:
+            self.cache.insert(req.all_ids[:valid], req.slots[:valid])
+            kept = self.cache.aligned(valid)
+        self.slots.free(req.slots[kept:committed.stop])
+        self.cache.unlock(req.cache_node)
+        req.cache_node = None
+        self.rows.free(req.row)
+        req.row = None
+        req.slots = torch.zeros(0, dtype=torch.int64)
+        req.kv_allocated_len = 0
+        req.kv_committed_len = 0
+        req.prefilled = req.scheduled = 0
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def plans_ahead(self, in_flight: int, limit: int):
+        """The plans to launch now, one at a time (each is launched before the next is
+        planned), until `limit` steps are in flight or none is left to plan. A decode plan
+        that preempted every running request returns None with the requests back in the
+        queue: with nothing in flight, planning again prefills them (that plan alone)."""
+        while in_flight < limit:
+            plan = self.schedule()
+            if plan is None:
+                break
+            yield plan
+            in_flight += 1
+        if in_flight == 0 and self.has_work:
+            plan = self.schedule()
+            if plan is None:
+                raise RuntimeError("the scheduler has requests but could not plan a step")
+            yield plan
+
+    def schedule(self) -> StepPlan | None:
+        if not self.has_work:
+            return None
+        self.step_id += 1
+        plan = self._schedule_extend() or self._schedule_decode()
+        if plan is None and self.waiting:
+            plan = self._schedule_extend()  # decode preempted everyone: prefill them again
+        if plan is not None:
+            plan.kv_writes = [(row, start, slots.numpy()) for row, start, slots in self._kv_writes]
+            self._kv_writes = []
+            plan.count_resets, self._count_resets = self._count_resets, []
+            plan.grammar_resets, self._grammar_resets = self._grammar_resets, []
+            plan.processing_resets, self._processing_resets = self._processing_resets, []
+            if plan.grammar_resets and self._vocab_to_send is not None:
+                plan.grammar_vocab, self._vocab_to_send = self._vocab_to_send, None
+        return plan
+
+    def _admit(self, req: Request) -> bool:
+        row = self.rows.alloc()
+        if row is None:
+            return False
+        req.row = row
+        req.admissions += 1
+        req.fill_ids = req.all_ids
+        # Prompt logprobs come from running every prompt position: no cached prefix then.
+        m = self.cache.match_prefix([] if self._needs_prompt_logprobs(req) else req.fill_ids)
+        self.cache.lock(m.node)
+        req.cache_node = m.node
+        req.slots = m.slots.clone()
+        req.prefilled = req.scheduled = m.length
+        req.kv_allocated_len = m.length  # the matched pages are whole pages
+        req.kv_committed_len = m.length
+        req.cached_tokens += m.length
+        if req.num_preemptions == 0:  # readmitted, the match also holds its own outputs
+            req.prompt_cached = min(m.length, len(req.prompt_ids))
+        self.stats["prompt_tokens_cached"] += m.length
+        if m.length:
+            self._kv_writes.append((row, 0, m.slots))
+        p = req.params
+        if p.needs_counts:  # from its outputs so far: a preempted request brings them back
+            prompt = np.asarray(req.prompt_ids, dtype=np.int64) if p.repetition_penalty != 1.0 else None
+            self._count_resets.append((row, prompt, np.asarray(req.output_ids, dtype=np.int64)))
+        # The row's table entry: its processing and its sampling, which the sampled graphs
+        # read by row (a greedy row after a sampled request must be cleared, or it samples).
+        keeps = p.processes_logits or p.temperature > 0
+        if keeps or row in self._processing_rows:
+            self._processing_resets.append((row, row_processing(req) if keeps else None))
+            if keeps:
+                self._processing_rows.add(row)
+            else:
+                self._processing_rows.discard(row)
+        if p.grammar is not None or row in self._grammar_rows:
+            self._grammar_resets.append((row, p.grammar, np.asarray(req.output_ids, dtype=np.int64)))
+            if p.grammar is not None:
+                self._grammar_rows.add(row)
+            else:
+                self._grammar_rows.discard(row)
+        return True
+
+    @staticmethod
+    def _needs_prompt_logprobs(req: Request) -> bool:
+        return req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_ids) - 1
+
+    def _prefill_due(self) -> bool:
+        """Whether new requests should be admitted now (scheduler.prefill_min_batch): once
+        that many can be, or the delay has passed. Requests that arrive one by one while
+        others decode (a burst of clients over HTTP) are prefilled in a few steps, not one
+        each, every one of which pauses all decoding."""
+        sc = self.cfg.scheduler
+        if not self.waiting or not self.running or self.prefilling \
+                or self._held_steps >= sc.prefill_max_delay_steps:
+            return True  # (with nobody waiting, no delay accrues)
+        free = sc.max_running_requests - len(self.running)
+        return min(len(self.waiting), free) >= sc.prefill_min_batch
+
+    def _schedule_extend(self) -> StepPlan | None:
+        if not self._prefill_due():
+            self._held_steps += 1
+            return None
+        self._held_steps = 0
+        plan = StepPlan(self.step_id, "extend", [])
+        limit = self.cfg.scheduler.max_running_requests
+        while self.waiting and len(self.running) + len(self.prefilling) < limit:
+            if not self._admit(self.waiting[0]):
+                break
+            self.prefilling.append(self.waiting.popleft())
+        chosen = self._fill_chunks(plan)
+        in_flight = any(r.scheduled > r.prefilled for r in self.prefilling)
+        if not chosen and len(self.prefilling) > 1 and not self.running and not in_flight:
+            # Prefilling requests block each other's KV: keep the oldest, requeue the rest
+            # (their computed KV stays in the prefix cache), and try again.
+            for req in reversed(self.prefilling[1:]):
+                self._release_kv(req)
+                self.waiting.appendleft(req)
+            del self.prefilling[1:]
+            chosen = self._fill_chunks(plan)
+        if not chosen:
+            return None
+        # Only a chunk that ends its prompt samples: a request's coins do not depend on how
+        # its prompt was chunked (which depends on what else was prefilling), so a seed
+        # gives the same text under any load.
+        plan.coins = self._coins(chosen, plan.last_chunk)
+        self._inflight[plan.step_id] = [(r, r.admissions) for r in chosen]
+        return plan
+
+    def _fill_chunks(self, plan: StepPlan) -> list[Request]:
+        budget = self.cfg.scheduler.chunked_prefill_size
+        chosen: list[Request] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            start = req.scheduled  # a chunk may still be in flight (pipelined steps)
+            chunk = min(len(req.fill_ids) - start, budget)
+            if chunk == 0:
+                continue
+            if not self._grow_kv(req, start + chunk):
+                break  # out of KV: wait for running requests to finish (or be preempted)
+            chosen.append(req)
+            budget -= chunk
+            req.scheduled += chunk
+            last = start + chunk == len(req.fill_ids)
+            plan.rows.append(req.row)
+            plan.input_ids.extend(req.fill_ids[start:start + chunk])
+            plan.prefix_lens.append(start)
+            plan.extend_lens.append(chunk)
+            plan.last_chunk.append(last)
+            plan.next_ids.append(-1 if last else req.fill_ids[start + chunk])
+        self._add_sampling(chosen, plan)
+        if any(self._needs_prompt_logprobs(r) for r in chosen):
+            plan.prompt_logprobs = [r.params.prompt_logprobs if self._needs_prompt_logprobs(r) else -1
+                                    for r in chosen]
+        return chosen
+
+    def _schedule_decode(self) -> StepPlan | None:
+        self._grow_running(2 * self.window)
+        running = self.running
+        if not running:
+            return None
+        plan = StepPlan(self.step_id, "decode", [r.row for r in running], use_spec=self.spec)
+        self._add_sampling(running, plan)
+        plan.coins = self._coins(running)
+        self._inflight[plan.step_id] = [(r, r.admissions) for r in running]
+        return plan
+
+    def _grow_running(self, ahead: int) -> None:
+        """Reserve KV `ahead` of every running request's committed length. When the KV
+        runs out, the newest running request is preempted until the rest fit."""
+        running = self.running
+        grown: list[tuple[Request, int, list[int]]] = []  # (request, target length, new pages)
+        i = 0
+        while i < len(running):
+            req = running[i]
+            need = req.kv_committed_len + ahead
+            if need <= req.kv_allocated_len:  # most rows: a page lasts several steps
+                i += 1
+                continue
+            target = self._kv_target(need)
+            delta = target - req.kv_allocated_len
+            pages = self._take_pages(delta) if delta > 0 else []
+            if pages is not None:
+                if pages:
+                    grown.append((req, target, pages))
+                i += 1
+                continue
+            # Preempted requests come from the back: the rows grown so far stay.
+            victim = running[-1]
+            self._preempt(victim)
+            if victim is req:
+                continue
+        if grown:
+            new = self.slots.slots_of([pages for _, _, pages in grown])
+            for (req, target, _), slots in zip(grown, new):
+                self._grow_kv(req, target, slots)
+
+    def _preempt(self, req: Request) -> None:
+        """Out of KV: free this request's KV; it re-prefills its tokens later (lossless)."""
+        self.running.remove(req)
+        self._release_kv(req)
+        req.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(req)
+        log.info("preempted %s (%d tokens) for lack of KV", req.rid, len(req.all_ids))
+
+    def _add_sampling(self, reqs: list[Request], plan: StepPlan) -> None:
+        params = [r.params for r in reqs]
+        plan.temperature += [p.temperature for p in params]
+        plan.top_p += [p.top_p for p in params]
+        plan.top_k += [p.top_k for p in params]
+        plan.processing = any(p.processes_logits for p in params)
+        if any(p.min_p for p in params):
+            plan.min_p = np.asarray([p.min_p for p in params], dtype=np.float32)
+        if any(p.logprobs is not None for p in params):
+            plan.logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
+
+    def _coins(self, reqs: list[Request], draw: list[bool] | None = None) -> np.ndarray:
+        """Each sampled request's next coins (those `draw` marks, when given); zeros else."""
+        coins = np.zeros((len(reqs), self.coins_per_request), dtype=np.float32)  # [B, C]
+        for i, req in enumerate(reqs):
+            if req.coin_stream is not None and (draw is None or draw[i]):
+                coins[i] = req.coin_stream.next()
+        return coins
+
+    # ---- results ---------------------------------------------------------------------------
+    def process_output(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
+        reqs = self._inflight.pop(plan.step_id)
+        events: list[RequestOutput] = []
+        extend = plan.mode == "extend"
+        lps = out.logprobs
+        for i, ((req, admission), toks) in enumerate(zip(reqs, out.tokens)):
+            if req.finished or req.admissions != admission or req.row != plan.rows[i]:
+                continue  # aborted, preempted or requeued since the plan was made
+            if extend:
+                if out.prompt_logprobs is not None and out.prompt_logprobs[i] is not None:
+                    # Entry j is prompt token j + 1's; a chunk from position p predicts
+                    # tokens p + 1 on (a recomputed prefill rewrites what it covers).
+                    p = plan.prefix_lens[i]
+                    req.prompt_logprobs[p:] = out.prompt_logprobs[i][:max(0, len(req.prompt_ids) - 1 - p)]
+                req.prefilled += plan.extend_lens[i]
+                req.kv_committed_len = req.prefilled
+                computed = plan.extend_lens[i]
+                req.computed_prompt_tokens += computed
+                self.stats["prompt_tokens_computed"] += computed
+                if not plan.last_chunk[i]:
+                    continue
+                self.prefilling.remove(req)
+                self.running.append(req)
+                accepted = []
+            else:
+                req.kv_committed_len += len(toks)
+                accepted = [len(toks)] if self.spec else []
+                req.accept_lengths += accepted
+                # The common decode case, without building an output nobody gets: no
+                # stream, text deferred to the end (see _emit), and the request goes on.
+                if (req.quiet and req.first_token_time is not None and req.stop_ids.isdisjoint(toks)
+                        and len(req.output_ids) + len(toks) < req.max_output):
+                    req.output_ids += toks
+                    if lps is not None and lps[i] is not None:
+                        req.token_logprobs += lps[i]
+                    continue
+            ev = self._emit(req, toks, accepted, lps[i] if lps is not None else None)
+            if ev is not None:
+                events.append(ev)
+        return events
+
+    def _emit(self, req: Request, toks: list[int], accepted: list[int],
+              logprobs: list | None = None) -> RequestOutput | None:
+        if req.first_token_time is None and toks:
+            req.first_token_time = time.time()
+        new_ids: list[int] = []
+        reason = None
+        stop_token = False  # the last token ended the request and is not part of the text
+        for t in toks:
+            req.output_ids.append(t)
+            new_ids.append(t)
+            if t in req.stop_ids:
+                reason, stop_token = "stop", True
+            elif len(req.output_ids) >= req.max_output:  # max_tokens, or the model's context
+                reason = "length"
+            if reason:
+                break
+        text = ""
+        # Nobody reads the text before the end, and no stop string can cut it short:
+        # detokenize once when the request finishes instead of at every step.
+        # (The finishing output then carries the whole text.)
+        deferred = req.text_stream is not None and req.quiet
+        if req.text_stream is not None and (reason or not deferred):
+            ids = req.output_ids if deferred else new_ids
+            text, stopped = req.text_stream.feed(ids[:-1] if stop_token else ids, final=bool(reason))
+            if stopped:
+                reason = "stop"
+            req.text += text
+        if reason:
+            self._finish(req, reason)
+        if logprobs is not None:
+            logprobs = logprobs[:len(new_ids)]
+            req.token_logprobs += logprobs
+        if req.on_output is None and not reason:
+            return None
+        out = RequestOutput(req.rid, new_ids, text, reason is not None, reason,
+                            len(req.prompt_ids), len(req.output_ids), accepted, req.prompt_cached,
+                            logprobs)
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            out.prompt_logprobs = [None] + req.prompt_logprobs
+            req.prompt_logprobs_sent = True
+        if req.on_output is not None:
+            req.on_output(out)
+        return out
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finished = True
+        req.finish_reason = reason
+        for q in (self.running, self.prefilling):
+            if req in q:
+                q.remove(req)
+        if req.row is None and req in self.waiting:  # only rowless requests wait: skip the scan
+            self.waiting.remove(req)
+        self._release_kv(req)
+        self.requests.pop(req.rid, None)
+        if reason == "abort" and req.on_output is not None:
+            req.on_output(RequestOutput(req.rid, [], "", True, "abort", len(req.prompt_ids),
+                                        len(req.output_ids)))

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizer and chat template, incremental detokenizer, grammars."""
