@@ -101,10 +101,25 @@ class SchedulerConfig(_Strict):
         return self.max_running_requests + self.max_queued_requests
 
 
+def graph_sizes_up_to(max_bs: int) -> list[int]:
+    """Captured batch sizes covering every batch of 1..max_bs: 1, 2, 4, 8, then steps of 8
+    to 64, 16 to 128, 32 to 512 and 64 beyond (as vLLM and SGLang space theirs), ending at
+    max_bs. A batch pads to the next size: fewer than 8 padded rows up to 64, 16 up to 128,
+    32 up to 512, while the number of graphs (capture time, memory) grows slowly."""
+    sizes, b = [], 1
+    while b < max_bs:
+        sizes.append(b)
+        b = b * 2 if b < 8 else b + (8 if b < 64 else 16 if b < 128 else 32 if b < 512 else 64)
+    return sizes + [max_bs]
+
+
 class AttentionConfig(_Strict):
     backend: Literal["torch_native", "triton", "flashinfer"] = "torch_native"
     cuda_graphs: bool = False
-    cuda_graph_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    # Batch sizes captured as graphs. None: every batch the scheduler can form, padded up
+    # to the next of graph_sizes_up_to(scheduler.max_running_requests); a decode step with
+    # no graph of its size would run eagerly (counted: kestrel_engine_eager_steps_total).
+    cuda_graph_batch_sizes: list[int] | None = None
     plan_stream: bool = False
     # With cuda_graphs: a greedy speculative iteration replays as one graph, draft decode to
     # the future-map store (actors/spec/step_graph.py), where the backend plans on the
@@ -128,11 +143,13 @@ class AttentionConfig(_Strict):
 
     @model_validator(mode="after")
     def _sizes(self) -> "AttentionConfig":
-        if any(b < 1 for b in self.cuda_graph_batch_sizes):
-            raise ValueError("attention.cuda_graph_batch_sizes must be positive integers")
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is not None and (not sizes or any(b < 1 for b in sizes)):
+            raise ValueError("attention.cuda_graph_batch_sizes must be positive integers (or null)")
         if any(t < 1 for t in self.prefill_graph_tokens):
             raise ValueError("attention.prefill_graph_tokens must be positive integers")
-        self.__dict__["cuda_graph_batch_sizes"] = sorted(set(self.cuda_graph_batch_sizes))
+        if sizes is not None:
+            self.__dict__["cuda_graph_batch_sizes"] = sorted(set(sizes))
         self.__dict__["prefill_graph_tokens"] = sorted(set(self.prefill_graph_tokens))
         return self
 
@@ -233,6 +250,12 @@ class KestrelConfig(_Strict):
     processing: ProcessingConfig = Field(default_factory=ProcessingConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    def graph_batch_sizes(self) -> list[int]:
+        """The decode batch sizes to capture: attention.cuda_graph_batch_sizes, or by default
+        every batch up to scheduler.max_running_requests (graph_sizes_up_to)."""
+        sizes = self.attention.cuda_graph_batch_sizes
+        return sizes if sizes is not None else graph_sizes_up_to(self.scheduler.max_running_requests)
 
     def resolved_cpu_threads(self, device_type: str, cores: int) -> int:
         if self.cpu_threads is not None:

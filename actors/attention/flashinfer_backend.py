@@ -26,8 +26,7 @@ import torch
 
 from actors.attention.base import AttentionBackend
 from actors.attention.flashinfer_metadata import full_mask, page_table, set_block_bits
-from actors.worker.forward_batch import ForwardMode
-from actors.worker.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-k scratch, shared by all wrappers
 

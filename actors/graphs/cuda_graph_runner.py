@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from actors.worker.forward_batch import ForwardMode
-from actors.worker.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardBatch, ForwardMode
+from actors.graphs.capture_progress import PROGRESS
 from actors.graphs.plan_stream import PlanStream, VerifyInputs, prepare_verify_inputs
 
 __all__ = [
@@ -264,6 +264,7 @@ def capture_cuda_graph(forward: Callable[[Any], Any], view: Any, pool: Any,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = forward(view)
+    PROGRESS.tick()
     return _CudaGraph(graph, out)
 
 

@@ -33,8 +33,7 @@ import torch
 
 from actors.graphs.cuda_graph_runner import EagerGraph, capture_cuda_graph, padded_size
 from actors.dp.sync import draft_extend_ids
-from actors.worker.forward_batch import ForwardMode
-from actors.worker.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardBatch, ForwardMode
 from actors.worker.host_copy import to_device
 from actors.worker.launched_step import Emitted, one_token_each
 from actors.protocol.step_plan import StepPlan

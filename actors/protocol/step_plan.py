@@ -96,3 +96,5 @@ class StepOutput:
     # extend only: per request in plan order, None or one (logprob, top ids, top
     # logprobs, rank) per prompt token this chunk predicts (the next one's, from each position).
     prompt_logprobs: list | None = None
+    # Why the step left the captured graphs (actors/worker/eager_steps.py); "" = it did not.
+    eager: str = ""

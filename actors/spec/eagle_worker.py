@@ -31,8 +31,7 @@ import torch
 
 from actors.graphs.cuda_graph_runner import GraphBatch, VerifyPath
 from actors.dp.sync import draft_extend_ids
-from actors.worker.forward_batch import ForwardMode
-from actors.worker.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardBatch, ForwardMode
 from actors.worker.host_copy import to_device
 from actors.worker.launched_step import Emitted, accepted_tokens
 from actors.sampling.logprobs import MAX_TOP, asked_top, node_logprobs
@@ -187,21 +186,19 @@ class EagleWorker:
         g = self.step_graph
         variant = Variant(plan.processing, plan.logprobs is not None, *sampling_flags(plan))
         g_bs = w.graph_size(g, len(plan.rows))  # None: too large (or an eager dp_attention step)
-        if g_bs is not None and g.holds(g_bs, variant) \
-                and not (plan.processing and w.processing.has_extra(plan.rows)) \
-                and (plan.logprobs is None or asked_top(plan.logprobs) <= MAX_TOP):
+        leaves = self._leaves_step_graph(plan, g, g_bs, variant) if g_bs is not None else "batch_size"
+        if not leaves:
             if variant.sampled:
                 g.load_coins(plan.coins, len(plan.rows), g_bs)
-            if not w.grammars.any(plan.rows):
-                out, *lps = g.run(list(plan.rows), variant, g_bs)
-            elif g.holds_parts(g_bs, variant) and w.grammars.fits(g.masks.shape[-1]):
+            if w.grammars.any(plan.rows):
                 out, *lps = self._run_parts(g, plan, variant)
             else:
-                out = None
-            if out is not None:
-                clock.mark("step_graph")
-                self.last_timings = clock.times
-                return accepted_tokens(plan, out, tuple(lps) or None)  # the iteration's one copy to the host
+                out, *lps = g.run(list(plan.rows), variant, g_bs)
+            clock.mark("step_graph")
+            self.last_timings = clock.times
+            return accepted_tokens(plan, out, tuple(lps) or None)  # the iteration's one copy to the host
+        if g is not None and leaves != "batch_size":  # graph_size counted a batch too large
+            w.eager.note(leaves)
         rows = to_device(plan.rows, torch.int64, dev)  # [B] int64
         B = rows.numel()
         c = w.future.resolve(rows)
@@ -241,6 +238,21 @@ class EagleWorker:
         clock.mark("accept_and_draft_extend")
         self.last_timings = clock.times
         return accepted_tokens(plan, torch.cat([accept_length[:, None], predict], 1), lps)
+
+    def _leaves_step_graph(self, plan: StepPlan, g: StepGraph, g_bs: int, variant: Variant) -> str:
+        """Why this iteration cannot replay as the one step graph at size g_bs (an
+        eager_steps reason), or "" when it can."""
+        w = self.w
+        if not g.holds(g_bs, variant):
+            return "variant"
+        if plan.processing and w.processing.has_extra(plan.rows):
+            return "processing"
+        if plan.logprobs is not None and asked_top(plan.logprobs) > MAX_TOP:
+            return "logprobs"
+        if w.grammars.any(plan.rows) and not (g.holds_parts(g_bs, variant)
+                                              and w.grammars.fits(g.masks.shape[-1])):
+            return "grammar"
+        return ""
 
     def _run_parts(self, g: StepGraph, plan: StepPlan, variant) -> tuple[torch.Tensor, ...]:
         """An iteration with grammar rows as the step graph's three parts: the tree

@@ -59,6 +59,7 @@ class LaunchedStep:
     prompt_logprobs: list | None
     launch_s: float  # host seconds spent queueing it
     start: "torch.cuda.Event | None" = None  # recorded before its first device op
+    eager: str = ""  # why it left the captured graphs (actors/worker/eager_steps.py); "" = it did not
     _tokens: list[list[int]] | None = field(default=None, repr=False)
 
     def ready(self) -> bool:

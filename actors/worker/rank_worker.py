@@ -16,8 +16,9 @@ from typing import Callable
 import torch
 
 from actors.attention.torch_native import TorchNativeBackend
-from actors.worker.forward_batch import ForwardMode
-from actors.worker.forward_batch import ForwardBatch
+from actors.graphs.capture_progress import PROGRESS
+from actors.worker.eager_steps import EagerSteps
+from actors.worker.forward_batch import ForwardBatch, ForwardMode
 from actors.worker.future_map import FutureMap
 from actors.worker.gc_pauses import watch
 from actors.sampling.grammar_rows import GrammarRows
@@ -84,6 +85,7 @@ class RankWorker:
         self.compiles = CompileWatch()  # armed once start-up has compiled what serving needs
         CompileWatch.pause_all()
         self.gc = watch()  # the collector's passes, a step's `gc` phase
+        self.eager = EagerSteps(rank)  # steps that leave the captured graphs, and why
         self.device = torch.device(cfg.resolved_device())
         self.dtype = resolve_dtype(cfg.model.dtype, self.device.type)
         torch.set_num_threads(cfg.resolved_cpu_threads(self.device.type, os.cpu_count() or 1))
@@ -128,16 +130,10 @@ class RankWorker:
         # when it runs eagerly (set with the graphs, which it captures once the model is
         # sharded and the group formed: their forwards hold collectives; group_graphs.py).
         self.group_graph_size: Callable[[], int | None] | None = None
-        graphs = cfg.attention.cuda_graphs and not cfg.parallel.dp_attention
-        if graphs:
-            sizes = self.graph_batch_sizes()
-            self.capture_decode_graphs(sizes)
-            if self.eagle is not None:  # verify, draft decode and draft extend replay too
-                self.eagle.capture_graphs(sizes)
         self.prefill_graphs = None
-        if graphs and cfg.attention.prefill_graph_tokens:
-            self.capture_prefill_graphs(self.graph_batch_sizes(), cfg.attention.prefill_graph_tokens,
-                                        cfg.attention.prefill_graph_max_tokens)
+        self.graph_capture: dict = {}  # what start-up captured: graphs, sizes, seconds, GiB
+        if cfg.attention.cuda_graphs and not cfg.parallel.dp_attention:
+            self._capture_graphs()
         if self.device.type == "cuda":  # compile eager paths' kernels now, not at a first request
             from actors.graphs.warmup import warm_up_prefill, warm_up_processing, warm_up_sampled_decode
             warm_up_prefill(self)
@@ -145,13 +141,32 @@ class RankWorker:
             warm_up_processing(self)
             self.compiles.arm()
 
+    def _capture_graphs(self) -> None:
+        """Every graph serving replays, for every batch size the scheduler can form, with
+        their count, time and device memory logged (start-up's longest part)."""
+        sizes = self.graph_batch_sizes()
+        PROGRESS.reset()
+        free0 = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        log.info("rank %d: capturing graphs for %d batch sizes up to %d", self.rank, len(sizes), max(sizes))
+        self.capture_decode_graphs(sizes)
+        if self.eagle is not None:  # verify, draft decode and draft extend replay too
+            self.eagle.capture_graphs(sizes)
+        if self.cfg.attention.prefill_graph_tokens:
+            a = self.cfg.attention
+            self.capture_prefill_graphs(sizes, a.prefill_graph_tokens, a.prefill_graph_max_tokens)
+        used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**30 if free0 else 0.0
+        self.graph_capture = {"graphs": PROGRESS.graphs, "batch_sizes": sizes,
+                              "seconds": round(PROGRESS.seconds, 1), "gib": round(used, 2)}
+        log.info("rank %d: captured %d graphs for batch sizes %s in %.1fs, %.2f GiB of device memory",
+                 self.rank, PROGRESS.graphs, sizes, PROGRESS.seconds, used)
+
     def graph_batch_sizes(self) -> list[int]:
         if self.device.type != "cuda":
             raise ValueError("attention.cuda_graphs needs a CUDA device (set it false on CPU)")
         if self.cfg.attention.backend == "torch_native":
             raise ValueError("attention.cuda_graphs needs a capturable backend "
                              "(attention.backend=triton); torch_native plans on the host")
-        return [b for b in self.cfg.attention.cuda_graph_batch_sizes if b < self.num_rows]
+        return [b for b in self.cfg.graph_batch_sizes() if b < self.num_rows]
 
     @property
     def feature_graphs(self) -> bool:
@@ -236,8 +251,15 @@ class RankWorker:
         if runner is None:
             return None
         if self.group_graph_size is not None:
-            return self.group_graph_size()
-        return runner.pad_size(raw_bs)
+            bs = self.group_graph_size()
+            if bs is None:
+                self.eager.note("dp_attention", f"{raw_bs} requests on this rank")
+            return bs
+        bs = runner.pad_size(raw_bs)
+        if bs is None:
+            self.eager.note("batch_size", f"{raw_bs} requests, graphs up to {max(runner.sizes)}: "
+                                          "raise attention.cuda_graph_batch_sizes or leave it null")
+        return bs
 
     def capture_prefill_graphs(self, batch_sizes: list[int], token_sizes: list[int],
                                max_tokens: int, use_cuda_graph: bool | None = None) -> None:
@@ -272,7 +294,7 @@ class RankWorker:
         return {"num_slots": self.num_slots, "num_rows": self.num_rows,
                 "max_context": self.max_context, "window": self.window,
                 "vocab_size": self.arch.vocab_size, "eos_token_ids": list(self.arch.eos_token_ids),
-                "dtype": str(self.dtype), "device": str(self.device)}
+                "dtype": str(self.dtype), "device": str(self.device), "graph_capture": self.graph_capture}
 
     # ---- step execution -------------------------------------------------------------
     def on_steps_back(self, callback: Callable[[], None] | None) -> None:
@@ -313,7 +335,8 @@ class RankWorker:
             emitted = self.eagle.decode(plan)
         else:
             emitted = self._decode(plan)
-        step = LaunchedStep(plan, emitted, self.last_prompt_logprobs, time.perf_counter() - t0, start)
+        step = LaunchedStep(plan, emitted, self.last_prompt_logprobs, time.perf_counter() - t0, start,
+                            eager=self.eager.take())
         self.grammars.launched(step, plan.rows)
         return step
 
@@ -340,7 +363,7 @@ class RankWorker:
             timings["gc"] = self.gc.take_seconds()
         if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
             timings.update(self.eagle.last_timings)
-        return StepOutput(plan.step_id, tokens, timings, logprobs, step.prompt_logprobs)
+        return StepOutput(plan.step_id, tokens, timings, logprobs, step.prompt_logprobs, step.eager)
 
     def process(self, rows: torch.Tensor, logits: torch.Tensor, plan_rows: list[int] | None = None,
                 path_tokens: torch.Tensor | None = None, path_mask: torch.Tensor | None = None) -> torch.Tensor:

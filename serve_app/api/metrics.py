@@ -5,7 +5,8 @@ Two routes out, because a Serve app has many processes:
   requests by status, TTFT, inter-token and end-to-end latency, token counts,
   speculative accept lengths (as this replica saw them), the engine gauges (labelled by
   replica), and the engine's step counters: steps by mode and seconds per step phase,
-  read at scrape time (benchmarks/http_bench.py turns them into a per-step breakdown).
+  read at scrape time (benchmarks/http_bench.py turns them into a per-step breakdown),
+  and the steps that ran eagerly while graphs are on, by reason.
 - `EngineGauges` (ray.serve.metrics, tagged with deployment and replica by Serve) is set
   by each Engine replica and exported through Ray's own metrics endpoint on every node:
   the cluster-wide view when there are many replicas.
@@ -129,8 +130,15 @@ class _StepCollector:
                                    labels=["model", "replica", "phase"])
         for phase, v in (stats.get("step_seconds") or {}).items():
             secs.add_metric([self.m.model, rep, phase], v)
+        eager = CounterMetricFamily("kestrel_engine_eager_steps", "Steps that left the captured "
+                                    "graphs while graphs are on, by reason "
+                                    "(actors/worker/eager_steps.py REASONS)",
+                                    labels=["model", "replica", "reason"])
+        for reason, n in (stats.get("eager_steps") or {}).items():
+            eager.add_metric([self.m.model, rep, reason], n)
         yield steps
         yield secs
+        yield eager
 
 
 class RequestTracker:

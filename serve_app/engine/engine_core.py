@@ -35,7 +35,7 @@ import logging
 import secrets
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import ray
@@ -90,6 +90,7 @@ class EngineCore:
         # (rank, mode) and (rank, mode, size bucket) -> a step's moving mean, s (_note_slow)
         self._usual_step: dict[tuple, float] = {}
         self.step_counts = [{"extend": 0, "decode": 0, "pipelined": 0} for _ in infos]
+        self.eager_steps = [Counter() for _ in infos]  # per rank: reason -> steps (eager_steps.py)
         self.failed: str | None = None
         if cfg.parallel.dp_attention:
             self._wake = [asyncio.Event()] * len(infos)  # one loop: any rank's request wakes it
@@ -178,7 +179,8 @@ class EngineCore:
     def rank_stats(self) -> list[dict[str, Any]]:
         """Per DP rank: requests held now, the scheduler's counters, step phase seconds."""
         return [{"rank": r, "requests": s.num_requests, **s.stats,
-                 "step_seconds": dict(self.step_seconds[r]), "steps": dict(self.step_counts[r])}
+                 "step_seconds": dict(self.step_seconds[r]), "steps": dict(self.step_counts[r]),
+                 "eager_steps": dict(self.eager_steps[r])}
                 for r, s in enumerate(self.schedulers)]
 
     def stats(self) -> dict[str, Any]:
@@ -189,6 +191,7 @@ class EngineCore:
                 "prompt_tokens_cached": sum(s.stats["prompt_tokens_cached"] for s in scheds),
                 "prompt_tokens_computed": sum(s.stats["prompt_tokens_computed"] for s in scheds),
                 "step_seconds": {p: sum(s[p] for s in self.step_seconds) for p in STEP_PHASES},
+                "eager_steps": dict(sum(self.eager_steps, Counter())),
                 "steps": {k: sum(c[k] for c in self.step_counts)
                           for k in ("extend", "decode", "pipelined")}}
 
@@ -241,6 +244,8 @@ class EngineCore:
         # when both run in one, the rank's timings took them already).
         seconds["gc"] += timings.get("gc", 0.0) + self.gc.take_seconds()
         counts[plan.mode] += 1
+        if out.eager:
+            self.eager_steps[rank][out.eager] += 1
         if pipelined:
             seconds["wait"] += timings.get("wait", 0.0)
             seconds["gpu_idle"] += timings.get("gpu_idle", 0.0)

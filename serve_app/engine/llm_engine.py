@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 
 from actors.worker.rank_worker import RankWorker
 from configs.schema import KestrelConfig
@@ -55,6 +55,7 @@ class LLMEngine:
         # (model and sampling), committing outputs; and steps per mode. For progress lines.
         self.seconds = {"schedule": 0.0, "execute": 0.0, "process": 0.0}
         self.mode_steps = {"extend": 0, "decode": 0}
+        self.eager_steps: Counter = Counter()  # reason -> steps that left the graphs (eager_steps.py)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
@@ -113,6 +114,8 @@ class LLMEngine:
             self.seconds["execute"] += t2 - t1 + launch_s
             self.seconds["process"] += time.perf_counter() - t2
             self.mode_steps[plan.mode] = self.mode_steps.get(plan.mode, 0) + 1
+            if out.eager:
+                self.eager_steps[out.eager] += 1
         self.steps += 1
         return events
 

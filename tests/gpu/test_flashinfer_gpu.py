@@ -25,8 +25,7 @@ from test_triton_backend import CONFIGS, MAX_CTX, TOL, Case
 
 from actors.attention.flashinfer_metadata import full_mask, set_block_bits
 from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner
-from actors.worker.forward_batch import ForwardMode
-from actors.worker.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardBatch, ForwardMode
 
 flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
 DEV = "cuda"

@@ -15,8 +15,7 @@ import torch
 from kestrel_testing import random_draft_mask, random_tree_mask
 
 from actors.attention.torch_native import TorchNativeBackend
-from actors.worker.forward_batch import ForwardMode
-from actors.worker.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardBatch, ForwardMode
 from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool
 
 DEV = "cuda"

@@ -23,8 +23,7 @@ import triton_interpreter  # before actors/kernels import triton: picks its inte
 from kestrel_testing import random_draft_mask, random_tree_mask
 
 from actors.attention.torch_native import TorchNativeBackend
-from actors.worker.forward_batch import ForwardMode
-from actors.worker.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardBatch, ForwardMode
 from actors.worker.kv_cache import ReqToTokenPool, SlotAllocator, TokenToKVPool
 from kestrel_kernels import triton_attention as ta
 

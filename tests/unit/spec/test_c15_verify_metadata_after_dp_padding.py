@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from actors.graphs.cuda_graph_runner import GraphBatch, GraphKind, GraphRunner, VerifyPath
-from actors.worker.forward_batch import ForwardMode
-from actors.worker.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardBatch, ForwardMode
 from actors.graphs.plan_stream import PlanStream, VerifyInputs
 from graph_fakes import FakeEvent, FakeStream, without_event_names
 
