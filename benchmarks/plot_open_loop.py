@@ -25,7 +25,8 @@ def series(run: dict) -> dict[str, list]:
     inf_x = 2 * max(finite) if finite else 1.0
     rates = sorted(rates, key=lambda lv: inf_x if lv["request_rate"] == "inf" else lv["request_rate"])
     return {"x": [inf_x if lv["request_rate"] == "inf" else lv["request_rate"] for lv in rates],
-            "labels": [str(lv["request_rate"]) for lv in rates],
+            "labels": [lv["request_rate"] if lv["request_rate"] == "inf" else format(lv["request_rate"], "g")
+                       for lv in rates],
             "goodput": [lv["goodput_req_s"] for lv in rates],
             "ttft_p99": [lv["ttft_p99_ms"] for lv in rates],
             "tpot_p99": [lv["tpot_p99_ms"] for lv in rates]}
@@ -67,6 +68,7 @@ def main(argv=None) -> None:
             ax.axhline(bound, ls=":", color="grey", label="SLO")
             ax.set_yscale("log")
             ax.legend(fontsize=8)
+    good.set_ylim(bottom=0)
     good.legend(fontsize=8)
     fig.suptitle(args.title or f"open loop, SLO TTFT <= {slo[0]:g} ms, TPOT <= {slo[1]:g} ms", fontsize=10)
     fig.tight_layout()

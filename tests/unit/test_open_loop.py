@@ -127,5 +127,5 @@ def test_request_bodies_route_chats_and_prompts():
 
 def test_the_plot_puts_rate_inf_past_the_highest_rate():
     lv = {"goodput_req_s": 1.0, "ttft_p99_ms": 5.0, "tpot_p99_ms": 1.0}
-    s = series({"rates": [{**lv, "request_rate": "inf"}, {**lv, "request_rate": 8}, {**lv, "request_rate": 2}]})
-    assert s["x"] == [2, 8, 16] and s["labels"] == ["2", "8", "inf"]
+    s = series({"rates": [{**lv, "request_rate": "inf"}, {**lv, "request_rate": 8.0}, {**lv, "request_rate": 2.5}]})
+    assert s["x"] == [2.5, 8, 16] and s["labels"] == ["2.5", "8", "inf"]
