@@ -18,10 +18,15 @@
 # nearly any text and never ends (so ignore_eos keeps every token masked, and vLLM does not fail
 # the request on a token after the grammar's end); names end in -none and -grammar; HTTP only.
 #   bash benchmarks/h200_http.sh kestrel-plain OUT grammar
+# `openloop` runs the part's server through an open-loop rate sweep instead of the levels
+# (Poisson arrivals, the MT-bench mix with answers of 64..512 tokens, goodput at TTFT <= 500 ms
+# and TPOT <= 50 ms; RATES, NUM_REQUESTS, CLIENTS and OPEN_ARGS adjust it); one call a server:
+#   for p in kestrel-tree kestrel-plain vllm-plain vllm-eagle; do bash benchmarks/h200_http.sh $p OUT openloop; done
+#   python -m benchmarks.plot_open_loop OUT/open_loop.png OUT/http_open_loop_*.json
 # Needs Kestrel's bundle unstaged (../shared/device/stage.sh full, benchmarks/pack_for_device.sh;
 # source .stage/tools/unstage.sh)
 # and, for the vllm parts, vLLM's (../shared/peers/stage_vllm.sh). Every run writes
-# OUT/http_bench_<name>.json and prints its table.
+# OUT/http_bench_<name>.json (open loop: OUT/http_open_loop_<name>.json) and prints its table.
 set -uo pipefail
 part=$1
 out=${2:-${OUT:-.}}
@@ -35,6 +40,15 @@ vllm_extra=()
 # SET="key=value ..." TAG=-x: config overrides for the kestrel parts, and a name suffix for them
 sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 tag=${TAG:-}
+load=(--concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats")
+vllm_limit=270
+if [ "${3:-}" = openloop ]; then
+  # 500 requests a rate: about 2 minutes of arrivals over the default rates; p99 is the 5th slowest.
+  # Four client processes keep the send lag small at the H200's tens of thousands of chunks a second.
+  load=(--request-rate ${RATES:-8 16 32 64 128 inf} --num-requests "${NUM_REQUESTS:-500}"
+        --client-processes "${CLIENTS:-4}" ${OPEN_ARGS:-})
+  vllm_limit=420  # its start-up and the sweep
+fi
 if [ "${3:-}" = grammar ]; then
   sampling=(--no-in-process --variant 'none={}' --variant 'grammar={"structured_outputs": {"regex": "[^\\x01]*\\x01"}}')
   vllm_extra=(--structured-outputs-config '{"backend": "xgrammar"}')  # the engine Kestrel uses
@@ -42,8 +56,7 @@ fi
 bench() {  # limit, args...; the part's --name gets the suffix
   local args=("${@:2}")
   for i in "${!args[@]}"; do [ "${args[$i]}" = --name ] && args[$((i + 1))]+=$suffix; done
-  timeout "$1" python3 -m benchmarks.http_bench --concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats" \
-    --out "$out" "${sampling[@]}" "${args[@]}"
+  timeout "$1" python3 -m benchmarks.http_bench "${load[@]}" --out "$out" "${sampling[@]}" "${args[@]}"
 }
 
 vllm_serve() {  # name, extra args: start vllm serve in its own environment, bench it, stop it
@@ -57,7 +70,7 @@ vllm_serve() {  # name, extra args: start vllm serve in its own environment, ben
     --model /tmp/vwork/model --served-model-name SmolLM2-135M-Instruct --port 8011 \
     --gpu-memory-utilization 0.5 --max-model-len 4096 "${vllm_extra[@]}" "$@") > "$out/$name.log" 2>&1 &
   local pid=$!
-  bench 270 --url http://127.0.0.1:8011 --name "$name"
+  bench "$vllm_limit" --url http://127.0.0.1:8011 --name "$name"
   kill "$pid"; wait "$pid" 2>/dev/null
 }
 

@@ -5,6 +5,9 @@
         [--sampling '{"temperature": 0.7, "top_p": 0.9}'] [--variant NAME=JSON ...]
     python -m benchmarks.http_bench --url http://127.0.0.1:8011 --name vllm   # any server
     python -m benchmarks.http_bench --tiny-model --concurrency 1 4 16 64 256  # CPU, control plane
+    python -m benchmarks.http_bench --request-rate 4 8 16 inf [--num-requests 200] [--seed 0]
+        [--burstiness 1] [--burst 1] [--mix mt-bench | --mix FILE.jsonl] [--answer-tokens 64 512]
+        [--slo-ttft-ms 500] [--slo-tpot-ms 50] [--client-processes 1]   # open loop, any server
 
 Starts `kestrel serve` with the config on a free port (unless --url names a running
 OpenAI-compatible server) and sends MT-bench first turns as streamed chat completions
@@ -20,6 +23,21 @@ Then, with the server stopped, the same prompts at batch = concurrency through t
 in-process LLMEngine with the same settings, and the ratio HTTP / in-process. With
 --repeats each level runs that many times on both sides and the median run is reported
 (the in-process figure alone moved by up to 20% between runs on the H200).
+
+Open loop (--request-rate): per rate, --num-requests requests arrive on a seeded schedule
+(benchmarks/arrivals.py: Poisson by default; --burstiness B draws gamma gaps of shape B, as
+vLLM's benchmark_serving does, B < 1 burstier, `inf` evenly spaced; --burst N sends groups of
+N together, the groups' mean gap N / rate; rate `inf` sends all at once) whether or not the
+earlier ones have been answered. The requests come from a mix (benchmarks/length_mix.py: by
+default the MT-bench first turns, answer lengths uniform in --answer-tokens, seeded; or a
+JSONL file of {"messages" | "prompt", "max_tokens"}), ignore_eos, so prompt and answer
+lengths vary and every answer runs to its max_tokens. Per rate (benchmarks/open_loop.py):
+requests/s, output tokens/s, TTFT, ITL, TPOT and end-to-end latency at p50 and p99, and
+goodput: requests per second that met the SLO (TTFT <= --slo-ttft-ms and TPOT <=
+--slo-tpot-ms), with the share that met it. One seed gives every rate and every server the
+same requests in the same order. No in-process run; JSON under --out as
+http_open_loop_<name>.json, a markdown table last; benchmarks/plot_open_loop.py draws
+several servers' sweeps on one figure.
 
 --tiny-model serves a random 1-layer model with SmolLM2's tokenizer on the CPU: the
 engine's own work is then small, and what is left is the control plane's cost.
@@ -41,7 +59,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import open_loop
+from benchmarks.arrivals import arrival_offsets
 from benchmarks.http_client import median_run, pct, run_level
+from benchmarks.length_mix import requests_for, resolve_mix
 from benchmarks.offline import DATA, load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,6 +211,30 @@ def table(name: str, levels: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _open_sweep(args, url: str, name: str, sampling: dict | None, out: Path) -> list[dict]:
+    """The open-loop runs, one per --request-rate, the JSON rewritten after each."""
+    answer_tokens = tuple(args.answer_tokens)
+    requests = requests_for(resolve_mix(args.mix, args.seed, answer_tokens), args.num_requests, args.seed)
+    meta = {"name": name, "mode": "open-loop", "config": args.config, "overrides": args.set, "url": args.url,
+            "cpus": os.cpu_count(), "sampling": sampling, "mix": args.mix,
+            "answer_tokens": answer_tokens if args.mix == "mt-bench" else None,
+            "num_requests": args.num_requests, "seed": args.seed, "burstiness": open_loop.rate_label(args.burstiness),
+            "burst": args.burst, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+            "client_processes": args.client_processes}
+    rates: list[dict] = []
+    for rate in args.request_rate:
+        offsets = arrival_offsets(len(requests), rate, args.burstiness, args.burst, args.seed)
+        lv = {"request_rate": open_loop.rate_label(rate), **asyncio.run(open_loop.run_rate(
+            url, args.model, requests, offsets, args.client_processes, sampling,
+            args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000))}
+        rates.append(lv)
+        print(f"{name} rate {lv['request_rate']}: {lv['req_s']:.2f} req/s, {lv['tok_s']:.0f} tok/s, goodput "
+              f"{lv['goodput_req_s']:.2f} req/s ({lv['slo_met_share']:.0%}), {lv['failed']} failed "
+              f"{lv['errors'][:1]}", file=sys.stderr, flush=True)
+        (out / f"http_open_loop_{name}.json").write_text(json.dumps({**meta, "rates": rates}, indent=1))
+    return rates
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -198,7 +243,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="preset for the server and the in-process engine")
     ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed levels (default 1 8 32 64)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--c1-prompts", type=int, default=10, help="prompts run one by one at concurrency 1")
     ap.add_argument("--url", default=None, help="a running OpenAI-compatible server (no in-process run)")
@@ -219,7 +264,30 @@ def main(argv=None) -> None:
                          "several interleave run by run, so they share the machine's state; "
                          "`none={}` runs --sampling alone. Named <name>-<NAME> in the table and the JSON")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    op = ap.add_argument_group("open loop")
+    op.add_argument("--request-rate", type=float, nargs="+", default=None, metavar="R",
+                    help="requests per second, one run per rate (inf: all at once); open loop instead of levels")
+    op.add_argument("--num-requests", type=int, default=200, help="requests per rate")
+    op.add_argument("--seed", type=int, default=0, help="arrivals, the requests' order, the named mix's lengths")
+    op.add_argument("--burstiness", type=float, default=1.0,
+                    help="gamma shape of the gaps between arrivals: 1 Poisson, < 1 burstier, inf even")
+    op.add_argument("--burst", type=int, default=1, metavar="N", help="requests that arrive together")
+    op.add_argument("--mix", default="mt-bench", help="mt-bench, or a JSONL file of requests")
+    op.add_argument("--answer-tokens", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"),
+                    help="the mt-bench mix's max_tokens, uniform in [MIN, MAX]")
+    op.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    op.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    op.add_argument("--client-processes", type=int, default=1,
+                    help="client processes the requests are dealt over (see send lag)")
     args = ap.parse_args(argv)
+    if args.request_rate is not None:
+        for flag, given in (("--concurrency", args.concurrency), ("--variant", args.variant),
+                            ("--repeats", args.repeats != 1)):
+            if given:
+                ap.error(f"{flag} is for the closed levels, not with --request-rate")
+        if min(args.request_rate) <= 0 or args.burstiness <= 0 or args.burst < 1 or args.num_requests < 1:
+            ap.error("want rates > 0, --burstiness > 0, --burst >= 1, --num-requests >= 1")
+    args.concurrency = args.concurrency or [1, 8, 32, 64]
     sampling = json.loads(args.sampling) if args.sampling else None
     variants = [("", sampling)]
     if args.variant:
@@ -254,7 +322,9 @@ def main(argv=None) -> None:
         print(f"kestrel serve on {url} (log: {log}) ...", file=sys.stderr, flush=True)
     try:
         asyncio.run(wait_ready(url, proc))
-        for c in args.concurrency:
+        if args.request_rate is not None:
+            open_rates = _open_sweep(args, url, name, sampling, out)
+        for c in ([] if args.request_rate is not None else args.concurrency):
             runs: dict[str, list[dict]] = {suffix: [] for suffix, _ in variants}
             for _ in range(args.repeats):
                 for suffix, samp in variants:
@@ -275,6 +345,12 @@ def main(argv=None) -> None:
         if proc is not None:
             stop_server(proc)
             shutil.copy(log, out / f"server_{name}.log")  # compile warnings, step errors
+    if args.request_rate is not None:
+        print(f"\n{name}: open loop, {args.num_requests} requests a rate, mix {args.mix}, "
+              f"burstiness {args.burstiness}, burst {args.burst}, seed {args.seed}, SLO TTFT <= "
+              f"{args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms, {sampling or 'greedy'}\n")
+        print(open_loop.table(name, open_rates))
+        return
     if args.url is None and not args.no_in_process:
         ips = in_process(args.config, overrides, questions, args.concurrency, args.max_tokens,
                          args.c1_prompts, args.repeats, [samp for _, samp in variants])

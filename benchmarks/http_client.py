@@ -1,13 +1,16 @@
-"""The load client of the HTTP benchmarks: streamed chat completions, timed per chunk.
+"""The load client of the HTTP benchmarks: streamed chat (or text) completions, timed per chunk.
 
-One level = `concurrency` streams started together (or, at concurrency 1, prompts one
-after another). One asyncio process parses every SSE line of every stream, and at tens
-of thousands of chunks per second that process becomes what is measured (on the H200 host
-it ran at 80% of a core at 64 streams): above `streams_per_client` streams the level is
-split over several client processes, started at one wall-clock instant, each warming its
-own connections first. The same client drives Kestrel and any other OpenAI-compatible
-server. Only aiohttp and the standard library are imported here, so a client process
-starts in a fraction of a second.
+`one_request` sends one request and times its chunks; the closed levels here and the
+open-loop runs (benchmarks/open_loop.py) both send through it. One level = `concurrency`
+streams started together (or, at concurrency 1, prompts one after another). One asyncio
+process parses every SSE line of every stream, and at tens of thousands of chunks per
+second that process becomes what is measured (on the H200 host it ran at 80% of a core at
+64 streams): above `streams_per_client` streams the level is split over several client
+processes, started at one wall-clock instant, each warming its own connections first; each
+process sends its share of jobs (offset from that instant, request, max_tokens), all at
+offset 0 for a closed level. The same client drives Kestrel and any other
+OpenAI-compatible server. Only aiohttp and the standard library are imported here, so a
+client process starts in a fraction of a second.
 """
 from __future__ import annotations
 
@@ -31,17 +34,27 @@ async def sse_chunks(response):
         yield json.loads(data)
 
 
-async def one_request(session, url: str, model: str, question: str, max_tokens: int,
+def request_body(model: str, item: str | dict, max_tokens: int, extra: dict | None) -> tuple[str, dict]:
+    """(route, body) for a question (a chat's user turn) or a mix row ({"messages": [...]} for
+    chat, {"prompt": "..."} for text completions); `extra` fields (sampling settings, a
+    response_format) go into the body over the greedy defaults."""
+    if isinstance(item, str):
+        item = {"messages": [{"role": "user", "content": item}]}
+    route = "/v1/chat/completions" if "messages" in item else "/v1/completions"
+    text = {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
+    return route, {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                   "ignore_eos": True, **text, "stream_options": {"include_usage": True}, **(extra or {})}
+
+
+async def one_request(session, url: str, model: str, item: str | dict, max_tokens: int,
                       extra: dict | None = None) -> dict:
-    """One streamed chat; `extra` fields (sampling settings, a response_format) go into
-    the body over the greedy defaults."""
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "messages": [{"role": "user", "content": question}],
-            "stream_options": {"include_usage": True}, **(extra or {})}
+    """One streamed request (see `request_body`), timed: TTFT, end to end, the gaps between
+    chunks with text, and TPOT over the tokens after the first (usage's count)."""
+    route, body = request_body(model, item, max_tokens, extra)
     t0 = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
-    async with session.post(url + "/v1/chat/completions", json=body) as r:
+    async with session.post(url + route, json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
         async for chunk in sse_chunks(r):
@@ -50,13 +63,41 @@ async def one_request(session, url: str, model: str, question: str, max_tokens: 
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             choices = chunk.get("choices")
-            if choices and (choices[0].get("delta") or {}).get("content"):
+            if choices and ((choices[0].get("delta") or {}).get("content") or choices[0].get("text")):
                 arrivals.append(time.perf_counter())
     end = time.perf_counter()
     return {"ttft": (arrivals[0] if arrivals else end) - t0, "e2e": end - t0, "tokens": tokens,
             "chunks": len(arrivals),
             "tpot": (arrivals[-1] - arrivals[0]) / max(1, tokens - 1) if arrivals else 0.0,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+
+
+async def _sent(session, url: str, model: str, item: str | dict, max_tokens: int, extra: dict | None,
+                due: float, keep_errors: bool) -> dict:
+    """one_request, with how late it left (`lag`, s after `due`) and its wall-clock end; with
+    keep_errors a failure is a row with its `error` instead of an exception."""
+    sent = time.time()
+    try:
+        row = await one_request(session, url, model, item, max_tokens, extra)
+    except Exception as e:  # noqa: BLE001 - an open-loop run counts the failures
+        if not keep_errors:
+            raise
+        row = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return {**row, "lag": sent - due, "end": time.time()}
+
+
+async def run_jobs(session, url: str, model: str, jobs: list[tuple[float, str | dict, int]],
+                   extra: dict | None, start_at: float, keep_errors: bool = False) -> list[dict]:
+    """Each job (offset s, request, max_tokens) sent at wall-clock start_at + offset whether or
+    not the earlier ones have finished; the rows in the jobs' order."""
+    tasks = []
+    for offset, item, max_tokens in jobs:
+        delay = start_at + offset - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(_sent(session, url, model, item, max_tokens, extra,
+                                               start_at + offset, keep_errors)))
+    return await asyncio.gather(*tasks)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -131,24 +172,22 @@ def server_side(before: dict[str, float], after: dict[str, float], seconds: floa
 
 
 # ---- one level ----------------------------------------------------------------------------
-def _session(streams: int):
+def client_session(streams: int):
     import aiohttp
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=streams + 8),
                                  timeout=aiohttp.ClientTimeout(total=1800))
 
 
-def _client_process(conn, url: str, model: str, questions: list[str], max_tokens: int,
-                    extra: dict | None) -> None:
-    """A child: warm its connections at its share of the batch, say ready, start its
-    streams at the wall-clock time the parent sends, and send back (rows, end time)."""
+def _client_process(conn, url: str, model: str, jobs: list[tuple[float, str | dict, int]], warm: int,
+                    extra: dict | None, keep_errors: bool) -> None:
+    """A child: warm its connections with its first `warm` requests, say ready, send its
+    jobs from the wall-clock time the parent sends, and send back (rows, end time)."""
     async def run() -> None:
-        async with _session(len(questions)) as session:
-            await asyncio.gather(*(one_request(session, url, model, q, 4, extra) for q in questions))
+        async with client_session(len(jobs)) as session:
+            await asyncio.gather(*(one_request(session, url, model, item, 4, extra) for _, item, _ in jobs[:warm]))
             conn.send("ready")
             start_at = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-            await asyncio.sleep(max(0.0, start_at - time.time()))
-            rows = await asyncio.gather(*(one_request(session, url, model, q, max_tokens, extra)
-                                          for q in questions))
+            rows = await run_jobs(session, url, model, jobs, extra, start_at, keep_errors)
             conn.send((rows, time.time()))
     try:
         asyncio.run(run())
@@ -156,15 +195,18 @@ def _client_process(conn, url: str, model: str, questions: list[str], max_tokens
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-async def _run_split(url: str, model: str, questions: list[str], max_tokens: int,
-                     procs: int, session, extra: dict | None) -> tuple[list[dict], float, dict, dict]:
+async def run_in_processes(url: str, model: str, shares: list[list[tuple[float, str | dict, int]]],
+                           session, extra: dict | None, warm: int | None = None,
+                           keep_errors: bool = False) -> tuple[list[dict], float, dict, dict]:
+    """One client process per share of jobs, all started at one wall-clock instant, each
+    warmed with its first `warm` requests (None: all of them) -> (rows, seconds from the
+    start to the last end, /metrics before, /metrics after)."""
     ctx = mp.get_context("spawn")
-    per = math.ceil(len(questions) / procs)
-    shares = [questions[i:i + per] for i in range(0, len(questions), per)]
     pipes, children = [], []
     for share in shares:
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_client_process, args=(child, url, model, share, max_tokens, extra), daemon=True)
+        p = ctx.Process(target=_client_process, daemon=True,
+                        args=(child, url, model, share, len(share) if warm is None else warm, extra, keep_errors))
         p.start()
         pipes.append(parent)
         children.append(p)
@@ -197,10 +239,12 @@ async def run_level(url: str, model: str, questions: list[str], concurrency: int
                     max_tokens: int, c1_prompts: int, streams_per_client: int = 16,
                     extra: dict | None = None) -> dict:
     procs = max(1, math.ceil(concurrency / streams_per_client)) if concurrency > 1 else 1
-    async with _session(concurrency) as session:
+    async with client_session(concurrency) as session:
         if procs > 1:
-            rows, seconds, before, after = await _run_split(url, model, questions[:concurrency],
-                                                            max_tokens, procs, session, extra)
+            jobs = [(0.0, q, max_tokens) for q in questions[:concurrency]]
+            per = math.ceil(len(jobs) / procs)
+            shares = [jobs[i:i + per] for i in range(0, len(jobs), per)]
+            rows, seconds, before, after = await run_in_processes(url, model, shares, session, extra)
         else:
             # Warm-up at the level's batch, as the in-process run does (kernels compiled
             # for these shapes, connections open).
