@@ -4,7 +4,7 @@ The target is frozen and runs inside every training step (bf16 on GPU, fp32 on C
 yields the head's input features and its own next-token distribution, which the head
 learns to match (soft cross-entropy; the data tokens are the target's outputs anyway).
 
-Pairing, as the engine drafts (DESIGN.md section 3, actors/spec/eagle_worker.py): draft
+Pairing, as the engine drafts (docs/design.md, "One speculative iteration"; actors/spec/eagle_worker.py): draft
 position p reads token t[p+1] with the target feature f[p] (EAGLE-1: final normed hidden;
 EAGLE-3: the residual streams entering aux_layers, concatenated); its output hidden h0[p]
 predicts t[p+2], i.e. should match the target's distribution at position p+1.

@@ -1,4 +1,4 @@
-"""The attention-backend interface every backend implements (DESIGN.md section 5)."""
+"""The attention-backend interface every backend implements (docs/design.md, "Attention backends")."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

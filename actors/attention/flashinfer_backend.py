@@ -1,4 +1,4 @@
-"""FlashInfer attention backend: paged wrappers with host-side plan() (DESIGN.md 5).
+"""FlashInfer attention backend: paged wrappers with host-side plan() (docs/design.md, "Attention backends").
 
 One layout for every mode (actors/worker/forward_batch.py): request b attends to its prefix in
 full and to its new keys causally or through custom_mask. Decode (one query, the new key

@@ -1,4 +1,4 @@
-"""Triton attention backend: one plan-free paged kernel for every forward mode (DESIGN.md 5).
+"""Triton attention backend: one plan-free paged kernel for every forward mode (docs/design.md, "Attention backends").
 
 init_forward_metadata turns the ForwardBatch into a few small device tensors with torch
 ops only. Host values come from shapes and fb.extend_lens (a host list), never from device

@@ -7,7 +7,7 @@ available (``backend="auto"``).
 
 The step sync is :meth:`DPGroup.all_gather_int64`; dp_attention's tensor-parallel layers
 use :meth:`all_gather_rows`, :meth:`reduce_scatter_rows` and :meth:`all_to_all_rows`.
-An integer tensor enters none of them unless it is int64 (DESIGN 7, contract C02): a
+An integer tensor enters none of them unless it is int64 (docs/design.md, "Data parallelism and dp_attention"; contract C02): a
 rank that contributes an int32 tensor while another contributes int64 makes NCCL read the
 wrong number of bytes and hang or corrupt memory, so a wrong dtype is a ``TypeError``
 raised locally, before any communication. ``timeout_s`` bounds every collective: a rank

@@ -104,7 +104,7 @@ class GroupGraphs:
 
     def replay_idle(self, graph: GraphStep) -> None:
         """A rank with no work in a graph step replays the step's graphs at its size, every
-        lane padding (row 0, slot 0, FILL lengths: DESIGN.md 6)."""
+        lane padding (row 0, slot 0, FILL lengths: docs/design.md, "CUDA graphs")."""
         w = self.w
         if graph.mode == ForwardMode.DECODE:
             w.decode_graphs.replay_all_padded(graph.bs)

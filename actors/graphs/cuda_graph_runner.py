@@ -1,4 +1,4 @@
-"""CUDA-graph runners: pad a raw batch to a captured size, replay, slice back (DESIGN.md 6).
+"""CUDA-graph runners: pad a raw batch to a captured size, replay, slice back (docs/design.md, "CUDA graphs").
 
 One :class:`GraphRunner` serves one forward kind (:class:`GraphKind`): target decode (1
 token per request), target verify (N), draft decode (K lanes, carried top-k + hidden) or
@@ -73,7 +73,7 @@ class GraphKind(enum.Enum):
 class GraphBatch:
     """What a graph runner reads from one raw batch (B requests, W tokens each).
 
-    This is the per-forward object of DESIGN.md 3: the runner may point its fields at
+    This is the per-forward object of docs/design.md, "Where state lives": the runner may point its fields at
     padded static buffers while a replay runs and puts the caller's objects back after.
     """
 
@@ -269,7 +269,7 @@ def capture_cuda_graph(forward: Callable[[Any], Any], view: Any, pool: Any,
 
 
 class GraphRunner:
-    """Captured graphs of one forward kind, with the padding rules of DESIGN.md 6."""
+    """Captured graphs of one forward kind, with the padding rules of docs/design.md, "CUDA graphs"."""
 
     def __init__(self, kind: GraphKind, batch_sizes: Iterable[int], backend: GraphBackend, *,
                  width: int = 1, slots_per_req: int | None = None, topk: int = 0,

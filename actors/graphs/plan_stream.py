@@ -1,4 +1,4 @@
-"""The plan stream: attention-metadata preparation beside the compute stream (DESIGN.md 6).
+"""The plan stream: attention-metadata preparation beside the compute stream (docs/design.md, "The plan stream").
 
 With the plan stream on, one preparation is ordered as (C17)
 

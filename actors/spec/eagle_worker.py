@@ -1,4 +1,4 @@
-"""One EAGLE speculative iteration (spec v2), DESIGN.md section 3.
+"""One EAGLE speculative iteration (spec v2), docs/design.md, "One speculative iteration".
 
 Per request, with seq_len tokens in KV and the bonus token b (no KV yet):
   draft decode  S-1 draft forwards grow a tree from the carried top-k; step i runs the

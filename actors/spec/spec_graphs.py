@@ -1,4 +1,4 @@
-"""The speculative path's CUDA graphs: target verify, draft decode, draft extend (DESIGN.md 6).
+"""The speculative path's CUDA graphs: target verify, draft decode, draft extend (docs/design.md, "CUDA graphs").
 
 One :class:`GraphRunner` per kind, captured at start-up over the same batch sizes as plain
 decode. Each runner records the EAGLE worker's own forward body for that kind, so a

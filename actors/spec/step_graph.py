@@ -1,4 +1,4 @@
-"""A whole greedy speculative iteration as one CUDA graph per batch size (DESIGN.md 6).
+"""A whole greedy speculative iteration as one CUDA graph per batch size (docs/design.md, "CUDA graphs").
 
 The per-phase runners (spec_graphs.py) replay draft decode, verify and draft extend, but
 the small ops between them (tree build, accept, KV move, draft-extend inputs, the

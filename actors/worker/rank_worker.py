@@ -175,7 +175,7 @@ class RankWorker:
         return self.cfg.attention.feature_graphs and not self.cfg.parallel.dp_attention
 
     def capture_decode_graphs(self, sizes: list[int], use_cuda_graph: bool | None = None) -> None:
-        """Plain target decode as graphs, one per captured batch size (DESIGN.md 6); on CPU
+        """Plain target decode as graphs, one per captured batch size (docs/design.md, "CUDA graphs"); on CPU
         (use_cuda_graph None) the eager stand-in.
 
         With `feature_graphs` and no speculation (under it every decode step is a

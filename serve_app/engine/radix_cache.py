@@ -1,7 +1,7 @@
 """Prefix cache: a radix tree over token ids whose edges carry KV slot ids.
 
 The scheduler (CPU) uses it to share the KV of common prompt prefixes between requests
-(DESIGN.md section 4). Everything works at *page* granularity: every edge of the tree
+(docs/design.md, "KV cache and prefix cache"). Everything works at *page* granularity: every edge of the tree
 holds a whole number of pages (``page_size`` tokens and their ``page_size`` slots), keys are
 truncated down to a multiple of ``page_size``, and matches/splits happen only at page
 boundaries. A node's children are keyed by the first page of their edge, so siblings never

@@ -7,7 +7,7 @@
   graph per forward and with the whole greedy iteration as one graph (the step graph).
 - A short race hunt (benchmarks/race_hunt.py): random arrivals, batch sizes joining and
   leaving, same tokens as the eager run.
-fp32 keeps greedy near-ties out of the comparison (DESIGN.md 10). Skipped without CUDA.
+fp32 keeps greedy near-ties out of the comparison (docs/design.md, "Numerics and tests"). Skipped without CUDA.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ SERVER_OVERRIDES = [
     # the niceness test must see the setting take effect.
     "serve.ray_worker_niceness=10",
     "draft.enabled=false",  # plain: the served default (speculation on) has its own test
-    "model.dtype=float32",  # token-for-token comparisons need fp32 (DESIGN.md section 10)
+    "model.dtype=float32",  # token-for-token comparisons need fp32 (docs/design.md, "Numerics and tests")
     "kv_cache.num_slots=4096",
     "scheduler.max_running_requests=16",
     # Small, so a burst of a few dozen requests overflows the queue (test_backpressure).
