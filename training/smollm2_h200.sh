@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M-Instruct head, as trained on two H200s in session 6 (training/README.md):
+# The SmolLM2-135M-Instruct head, as trained on two H200s on 2026-11-30 (training/README.md):
 # data generated with the engine on every GPU at once (one seed each), then two EAGLE-1
 # heads on the joined data, unrolled 3 steps: the shipped recipe (token loss weight 0.5,
 # the trainer's default) in OUT/eagle1, and the EAGLE paper's weight 0.1 in
 # OUT/eagle1-tw01 for comparison. With two GPUs each head has one; with one GPU they share
 # it. Each is measured with the engine on the held-out split and on the MT-bench first
-# turns. EAGLE-3 lost to EAGLE-1 in sessions 3 and 4 (docs/benchmarks.md);
+# turns. EAGLE-3 lost to EAGLE-1 in the 2026-11-30 runs (docs/benchmarks.md);
 # `--arch eagle3 --draft-vocab 4096` in place of the comparison's flags repeats that.
 #   usage: bash training/smollm2_h200.sh [OUT=runs/smollm2] [GEN_S=300] [TRAIN_S=960] [--set K=V ...]
 set -euo pipefail

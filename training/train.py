@@ -20,7 +20,7 @@ the accepted path, positions included. Step k's loss has weight step_decay**k.
 
 EAGLE-1/2 adds feature regression: smooth-L1 of h_k[p] against the target's feature at
 p+1+k, plus the token loss weighted 0.5. The EAGLE paper's 0.1 measured lower acceptance
-on SmolLM2-135M (MT-bench tree accept 2.95 against 3.13, docs/benchmarks.md, session 6).
+on SmolLM2-135M (MT-bench tree accept 2.95 against 3.13, docs/benchmarks.md, 2026-11-30).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """RoPE frequencies with linear / llama3 / llama.cpp-factor scaling; the rotation itself is
-kernels/layer_ops.rope (HF rotate_half layout)."""
+kestrel_kernels/layer_ops.rope (HF rotate_half layout)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds inv_freq [head_dim/2] fp32 on the model's device; kernels/layer_ops.rope turns
+    """Holds inv_freq [head_dim/2] fp32 on the model's device; kestrel_kernels/layer_ops.rope turns
     positions into angles on each call (graph-friendly: no cos/sin tables)."""
 
     def __init__(self, head_dim: int, theta: float, rope_scaling: dict | None = None):
