@@ -63,7 +63,9 @@ def grow_draft(B: int, K: int, S: int, V: int, gen: torch.Generator):
 
 def random_tree(B: int, N: int, V: int, gen: torch.Generator) -> spec_tree.TreeInfo:
     """Reference layout of random trees (node i's parent uniform in [0, i), tokens < V)."""
-    parent = torch.stack([torch.randint(0, i + 1, (B,), generator=gen) for i in range(N - 1)], 1)
+    parent = torch.zeros(B, N - 1, dtype=torch.int64)  # [B, N-1] int64
+    for i in range(N - 1):
+        parent[:, i] = torch.randint(0, i + 1, (B,), generator=gen)
     return spec_tree.build_tree(torch.randint(0, V, (B,), generator=gen),
                                 torch.randint(0, V, (B, N - 1), generator=gen), parent,
                                 torch.randint(0, 100, (B,), generator=gen))
@@ -115,7 +117,9 @@ def assert_same(got, want):
 
 
 # ---------------------------------------------------------------------------- tree building
-GRID = [(B, K, S, N) for B in (1, 3, 8) for K in (1, 4) for S in (1, 3, 5) for N in (4, 8)
+# N = 1 and 2: the smallest draft shapes the adaptive choice switches to (a root only:
+# a plain step that keeps the draft's state).
+GRID = [(B, K, S, N) for B in (1, 3, 8) for K in (1, 4) for S in (1, 3, 5) for N in (1, 2, 4, 8)
         if N - 1 <= K + (S - 1) * K * K]
 
 
@@ -171,7 +175,7 @@ def test_build_tree_shapes(shape):
 
 
 # ---------------------------------------------------------------------------- verify
-VERIFY_GRID = [(B, N, S) for B in (1, 3, 8) for N in (4, 8) for S in (1, 3, 5)]
+VERIFY_GRID = [(B, N, S) for B in (1, 3, 8) for N in (1, 2, 4, 8) for S in (1, 3, 5)]
 
 
 @needs_triton
