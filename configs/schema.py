@@ -40,17 +40,38 @@ class DraftConfig(_Strict):
     # the LM head instead of all. Lossless at any value (the target verifies); None: all.
     # EAGLE-3 heads carry their own draft vocabulary and ignore it.
     max_token_id: int | None = Field(None, ge=2)
+    # Smaller draft shapes, [num_steps, num_draft_tokens] each with the same topk, that a
+    # decode step may take instead of the configured one: per step, the shape with the most
+    # tokens per second at that batch size, from each shape's replay cost measured at
+    # start-up and its accept length measured while serving ([1, 1]: the root only, a plain
+    # decode step that keeps the draft's state). Needs the step graphs (a GPU with
+    # attention.cuda_graphs); [] always runs the configured shape. Greedy output is the
+    # same under any shape; seeded sampling then depends on the shapes its steps took.
+    adaptive_shapes: list[tuple[int, int]] = Field(default_factory=lambda: [(1, 1)])
 
     @model_validator(mode="after")
     def _tree_fits(self) -> "DraftConfig":
-        most = 1 + self.topk + (self.num_steps - 1) * self.topk * self.topk
-        if self.topk == 1:
-            most = self.num_steps + 1
-        if self.num_draft_tokens > most:
-            raise ValueError(
-                f"draft.num_draft_tokens={self.num_draft_tokens} exceeds the {most} nodes a tree "
-                f"of topk={self.topk}, num_steps={self.num_steps} can hold")
+        for steps, nodes in [(self.num_steps, self.num_draft_tokens)] + list(self.adaptive_shapes):
+            most = 1 + self.topk + (steps - 1) * self.topk * self.topk
+            if self.topk == 1:
+                most = steps + 1
+            if nodes > most:
+                raise ValueError(
+                    f"draft.num_draft_tokens={nodes} exceeds the {most} nodes a tree "
+                    f"of topk={self.topk}, num_steps={steps} can hold")
+        for steps, nodes in self.adaptive_shapes:
+            if not (1 <= steps <= self.num_steps and 1 <= nodes <= self.num_draft_tokens) \
+                    or (steps, nodes) == (self.num_steps, self.num_draft_tokens):
+                raise ValueError(f"draft.adaptive_shapes entry [{steps}, {nodes}] must be smaller "
+                                 f"than the configured [num_steps={self.num_steps}, "
+                                 f"num_draft_tokens={self.num_draft_tokens}] and at least [1, 1]")
         return self
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """(topk, num_steps, num_draft_tokens) of every shape a step may take: the
+        configured one first (index 0, StepPlan.draft_shape), then adaptive_shapes."""
+        return [(self.topk, self.num_steps, self.num_draft_tokens)] + [
+            (self.topk, s, n) for s, n in self.adaptive_shapes]
 
     @property
     def window(self) -> int:

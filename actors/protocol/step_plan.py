@@ -57,6 +57,9 @@ class StepPlan:
     next_ids: list[int] = field(default_factory=list)  # prompt token after the chunk (-1 on the last)
     # decode only: requests whose future values were just created (sanity checking)
     use_spec: bool = False
+    # decode with use_spec: which of DraftConfig.shapes() the iteration drafts with (0: the
+    # configured one; serve_app/engine/draft_policy.py chooses).
+    draft_shape: int = 0
     # Some request's logits are processed (penalties, bias, min_tokens, bad words): the rank
     # applies its processing table's rows of the plan.
     processing: bool = False
@@ -98,3 +101,6 @@ class StepOutput:
     prompt_logprobs: list | None = None
     # Why the step left the captured graphs (actors/worker/eager_steps.py); "" = it did not.
     eager: str = ""
+    # The draft shape a speculative iteration ran at: the plan's, or 0 where that shape's
+    # step graph could not hold the step.
+    draft_shape: int = 0

@@ -41,6 +41,7 @@ from actors.models.eagle import load_eagle_head, resolve_draft_path
 from actors.graphs.plan_stream import PlanStream, VerifyInputs, prepare_draft_extend_inputs
 from actors.sampling.sampler import sampling_flags, truncates
 from actors.spec.spec_graphs import SpecGraphs, capture_spec_graphs
+from actors.spec.draft_shapes import shape_view, step_costs
 from actors.spec.step_graph import StepGraph, Variant
 from actors.protocol.step_plan import StepPlan
 from configs.schema import KestrelConfig
@@ -111,6 +112,12 @@ class EagleWorker:
         self.verify_path = VerifyPath(worker.target.backend, self._verify_forward, plan=self.plan)
         self.graphs: SpecGraphs | None = None  # capture_graphs() sets them
         self.step_graph: StepGraph | None = None  # and this one, where it can run
+        # The shapes a plan may ask for (StepPlan.draft_shape): this worker, then views of it
+        # at draft.adaptive_shapes once their step graphs are captured (draft_shapes.py),
+        # and each one's measured step cost per captured size (None: not measured).
+        self.shapes = [self]
+        self.shape_costs: list[list[float]] | None = None
+        self.last_shape = 0  # the shape the last launched iteration ran at
         self.last_timings: dict[str, float] = {}  # per-phase seconds of the last iteration
 
     def _features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -175,28 +182,76 @@ class EagleWorker:
         log.info("rank %d: captured speculative step graphs for batch sizes %s, %d variants "
                  "in %.1fs%s", self.w.rank, self.step_graph.sizes, len(variants),
                  time.time() - t0, "" if real else " (eager stand-in)")
+        if not self.cfg.parallel.dp_attention:  # a group steps one shape: the policy is per rank
+            self._capture_shapes(sizes, real, variants, words)
+
+    def _capture_shapes(self, sizes: list[int], real: bool, variants: tuple, words: int) -> None:
+        """Step graphs for draft.adaptive_shapes, in the configured shape's memory pool, and
+        (on a GPU) every shape's step cost per size, for the scheduler's DraftPolicy."""
+        t0 = time.time()
+        self.shapes = [self]
+        for steps, nodes in self.cfg.draft.adaptive_shapes:
+            view = shape_view(self, steps, nodes)
+            view.step_graph = StepGraph(view, sizes, self.w.device, real, variants, words)
+            with torch.inference_mode():
+                view.step_graph.capture(pool=self.step_graph.pool)
+            self.shapes.append(view)
+        if len(self.shapes) == 1:
+            return
+        self.shape_costs = None
+        if real:
+            with torch.inference_mode():
+                self.shape_costs = [step_costs(shape.step_graph) for shape in self.shapes]
+        log.info("rank %d: adaptive draft shapes %s (topk, steps, nodes) captured in %.1fs; "
+                 "step ms at sizes %s: %s", self.w.rank,
+                 [(s.K, s.S, s.N) for s in self.shapes], time.time() - t0, sizes,
+                 None if self.shape_costs is None else
+                 [[round(1000 * c, 2) for c in costs] for costs in self.shape_costs])
 
     # ---- one speculative decode iteration ---------------------------------------------------
     def decode(self, plan: StepPlan) -> Emitted:
         """One iteration for the plan's rows, queued on the device -> the accepted tokens
-        of each request, on their way to the host."""
+        of each request, on their way to the host. At the plan's draft shape when that
+        shape's step graph holds the step; else at the configured shape, which has every
+        path (per-phase graphs, eager)."""
+        clock = PhaseClock(self.cfg.profile_steps, self.w.device)
+        self.last_shape = plan.draft_shape
+        if plan.draft_shape:
+            view = self.shapes[plan.draft_shape]
+            g = view.step_graph
+            g_bs = g.pad_size(len(plan.rows))
+            variant = Variant(plan.processing, plan.logprobs is not None, *sampling_flags(plan))
+            if g_bs is not None and not self.w.grammars.any(plan.rows) \
+                    and self.w.group_graph_size is None \
+                    and not view._leaves_step_graph(plan, g, g_bs, variant):
+                return view._replay_step(plan, g, g_bs, variant, clock)
+        self.last_shape = 0
+        return self._decode(plan, clock)
+
+    def _replay_step(self, plan: StepPlan, g: StepGraph, g_bs: int, variant: Variant,
+                     clock: PhaseClock) -> Emitted:
+        """The iteration as this shape's step graph (parts when grammar rows need masks)."""
+        if variant.sampled:  # the first N+1 of the plan's coins: N node coins, then the final one
+            g.load_coins(plan.coins[:, :self.N + 1], len(plan.rows), g_bs)
+        if self.w.grammars.any(plan.rows):
+            out, *lps = self._run_parts(g, plan, variant)
+        else:
+            out, *lps = g.run(list(plan.rows), variant, g_bs)
+        clock.mark("step_graph")
+        self.last_timings = clock.times
+        return accepted_tokens(plan, out, tuple(lps) or None)  # the iteration's one copy to the host
+
+    def _decode(self, plan: StepPlan, clock: PhaseClock) -> Emitted:
+        """The configured shape's iteration: its step graph where it holds the step, else
+        per phase (graphs per forward where captured)."""
         w, K, S, N = self.w, self.K, self.S, self.N
         dev = w.device
-        clock = PhaseClock(self.cfg.profile_steps, w.device)
         g = self.step_graph
         variant = Variant(plan.processing, plan.logprobs is not None, *sampling_flags(plan))
         g_bs = w.graph_size(g, len(plan.rows))  # None: too large (or an eager dp_attention step)
         leaves = self._leaves_step_graph(plan, g, g_bs, variant) if g_bs is not None else "batch_size"
         if not leaves:
-            if variant.sampled:
-                g.load_coins(plan.coins, len(plan.rows), g_bs)
-            if w.grammars.any(plan.rows):
-                out, *lps = self._run_parts(g, plan, variant)
-            else:
-                out, *lps = g.run(list(plan.rows), variant, g_bs)
-            clock.mark("step_graph")
-            self.last_timings = clock.times
-            return accepted_tokens(plan, out, tuple(lps) or None)  # the iteration's one copy to the host
+            return self._replay_step(plan, g, g_bs, variant, clock)
         if g is not None and leaves != "batch_size":  # graph_size counted a batch too large
             w.eager.note(leaves)
         rows = to_device(plan.rows, torch.int64, dev)  # [B] int64

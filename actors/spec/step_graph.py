@@ -71,6 +71,7 @@ class StepGraph:
         self.masks = None  # [M, N, W] int32, each node's grammar mask (all ones: none)
         if mask_words:
             self.masks = torch.full((M, eagle.N, mask_words), -1, dtype=torch.int32, device=device)
+        self.pool = None  # the CUDA graph memory pool, once captured
         self._graphs: dict = {}  # ("whole", variant, bs) / ("draft", bs) / ("verify", bs) / ("accept", variant, bs)
 
     def pad_size(self, raw_bs: int) -> int | None:
@@ -98,11 +99,14 @@ class StepGraph:
             (("accept", v, bs), lambda _, v=v: e.step_accept(out("draft", bs), *out("verify", bs), masks, v, coins), None)
             for v in self.variants]
 
-    def capture(self) -> None:
+    def capture(self, pool: Any = None) -> None:
+        """Record every graph; in `pool` when given (another step graph's, whose replays
+        never overlap these: one rank runs one step at a time)."""
         if not self.use_cuda_graph:
             self._graphs = {key: EagerGraph(f, view) for bs in self.sizes for key, f, view in self._forwards(bs)}
             return
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        self.pool = pool
         stream = torch.cuda.Stream(self.device)
         self.rows.fill_(-1)  # capture with every lane padded: it writes only row 0 and slot 0
         self.coins.buffer.zero_()

@@ -60,6 +60,7 @@ class LaunchedStep:
     launch_s: float  # host seconds spent queueing it
     start: "torch.cuda.Event | None" = None  # recorded before its first device op
     eager: str = ""  # why it left the captured graphs (actors/worker/eager_steps.py); "" = it did not
+    draft_shape: int = 0  # the draft shape a speculative iteration ran at (StepPlan.draft_shape)
     _tokens: list[list[int]] | None = field(default=None, repr=False)
 
     def ready(self) -> bool:

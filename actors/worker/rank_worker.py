@@ -294,7 +294,11 @@ class RankWorker:
         return {"num_slots": self.num_slots, "num_rows": self.num_rows,
                 "max_context": self.max_context, "window": self.window,
                 "vocab_size": self.arch.vocab_size, "eos_token_ids": list(self.arch.eos_token_ids),
-                "dtype": str(self.dtype), "device": str(self.device), "graph_capture": self.graph_capture}
+                "dtype": str(self.dtype), "device": str(self.device), "graph_capture": self.graph_capture,
+                # Per draft shape (DraftConfig.shapes(), those captured), its step's seconds
+                # at each graph batch size: the scheduler's DraftPolicy reads them.
+                "draft_step_costs": self.eagle.shape_costs if self.eagle is not None else None,
+                "graph_batch_sizes": self.graph_capture.get("batch_sizes")}
 
     # ---- step execution -------------------------------------------------------------
     def on_steps_back(self, callback: Callable[[], None] | None) -> None:
@@ -335,8 +339,9 @@ class RankWorker:
             emitted = self.eagle.decode(plan)
         else:
             emitted = self._decode(plan)
+        shape = self.eagle.last_shape if plan.mode == "decode" and self.eagle is not None else 0
         step = LaunchedStep(plan, emitted, self.last_prompt_logprobs, time.perf_counter() - t0, start,
-                            eager=self.eager.take())
+                            eager=self.eager.take(), draft_shape=shape)
         self.grammars.launched(step, plan.rows)
         return step
 
@@ -363,7 +368,8 @@ class RankWorker:
             timings["gc"] = self.gc.take_seconds()
         if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
             timings.update(self.eagle.last_timings)
-        return StepOutput(plan.step_id, tokens, timings, logprobs, step.prompt_logprobs, step.eager)
+        return StepOutput(plan.step_id, tokens, timings, logprobs, step.prompt_logprobs, step.eager,
+                          step.draft_shape)
 
     def process(self, rows: torch.Tensor, logits: torch.Tensor, plan_rows: list[int] | None = None,
                 path_tokens: torch.Tensor | None = None, path_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -136,9 +136,15 @@ class _StepCollector:
                                     labels=["model", "replica", "reason"])
         for reason, n in (stats.get("eager_steps") or {}).items():
             eager.add_metric([self.m.model, rep, reason], n)
+        shapes = CounterMetricFamily("kestrel_engine_draft_shape_steps", "Speculative decode steps "
+                                     "by the draft shape they ran at (topk, steps, nodes; "
+                                     "draft.adaptive_shapes)", labels=["model", "replica", "shape"])
+        for shape, n in (stats.get("draft_shape_steps") or {}).items():
+            shapes.add_metric([self.m.model, rep, shape], n)
         yield steps
         yield secs
         yield eager
+        yield shapes
 
 
 class RequestTracker:

@@ -44,6 +44,7 @@ from actors.worker import gc_pauses
 from actors.worker.step_channel import HEADER, HELLO, OK, decode, encode
 from actors.protocol.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
+from serve_app.engine.draft_policy import shape_name
 from serve_app.engine.rank_channel import RankChannel
 from serve_app.engine.request import Request, RequestOutput, SamplingParams
 from serve_app.engine.scheduler import Scheduler
@@ -91,6 +92,8 @@ class EngineCore:
         self._usual_step: dict[tuple, float] = {}
         self.step_counts = [{"extend": 0, "decode": 0, "pipelined": 0} for _ in infos]
         self.eager_steps = [Counter() for _ in infos]  # per rank: reason -> steps (eager_steps.py)
+        self.shape_steps = [Counter() for _ in infos]  # per rank: draft shape label -> speculative steps
+        self.shape_names = [shape_name(s) for s in cfg.draft.shapes()]
         self.failed: str | None = None
         if cfg.parallel.dp_attention:
             self._wake = [asyncio.Event()] * len(infos)  # one loop: any rank's request wakes it
@@ -180,7 +183,7 @@ class EngineCore:
         """Per DP rank: requests held now, the scheduler's counters, step phase seconds."""
         return [{"rank": r, "requests": s.num_requests, **s.stats,
                  "step_seconds": dict(self.step_seconds[r]), "steps": dict(self.step_counts[r]),
-                 "eager_steps": dict(self.eager_steps[r])}
+                 "eager_steps": dict(self.eager_steps[r]), "draft_shape_steps": dict(self.shape_steps[r])}
                 for r, s in enumerate(self.schedulers)]
 
     def stats(self) -> dict[str, Any]:
@@ -192,6 +195,7 @@ class EngineCore:
                 "prompt_tokens_computed": sum(s.stats["prompt_tokens_computed"] for s in scheds),
                 "step_seconds": {p: sum(s[p] for s in self.step_seconds) for p in STEP_PHASES},
                 "eager_steps": dict(sum(self.eager_steps, Counter())),
+                "draft_shape_steps": dict(sum(self.shape_steps, Counter())),
                 "steps": {k: sum(c[k] for c in self.step_counts)
                           for k in ("extend", "decode", "pipelined")}}
 
@@ -246,6 +250,8 @@ class EngineCore:
         counts[plan.mode] += 1
         if out.eager:
             self.eager_steps[rank][out.eager] += 1
+        if plan.use_spec and plan.mode == "decode":
+            self.shape_steps[rank][self.shape_names[out.draft_shape]] += 1
         if pipelined:
             seconds["wait"] += timings.get("wait", 0.0)
             seconds["gpu_idle"] += timings.get("gpu_idle", 0.0)

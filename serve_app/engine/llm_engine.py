@@ -56,6 +56,7 @@ class LLMEngine:
         self.seconds = {"schedule": 0.0, "execute": 0.0, "process": 0.0}
         self.mode_steps = {"extend": 0, "decode": 0}
         self.eager_steps: Counter = Counter()  # reason -> steps that left the graphs (eager_steps.py)
+        self.shape_steps: Counter = Counter()  # draft shape index -> speculative steps at it
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
@@ -116,6 +117,8 @@ class LLMEngine:
             self.mode_steps[plan.mode] = self.mode_steps.get(plan.mode, 0) + 1
             if out.eager:
                 self.eager_steps[out.eager] += 1
+            if plan.mode == "decode" and plan.use_spec:
+                self.shape_steps[out.draft_shape] += 1
         self.steps += 1
         return events
 

@@ -20,6 +20,7 @@ import torch
 from actors.worker.kv_cache import RowAllocator, SlotAllocator
 from actors.protocol.step_plan import RowProcessing, StepOutput, StepPlan, coins_per_request
 from configs.schema import KestrelConfig
+from serve_app.engine.draft_policy import DraftPolicy
 from serve_app.engine.radix_cache import RadixCache
 from serve_app.engine.request import CoinStream, Request, RequestOutput
 
@@ -83,6 +84,8 @@ class Scheduler:
         self.grammar_ready = False
         self._vocab_to_send: str | None = None
         self.coins_per_request = coins_per_request(cfg)
+        # The draft shape per decode step, where the rank measured its shapes' costs.
+        self.draft_policy = DraftPolicy.from_worker(cfg.draft.shapes(), worker_info) if self.spec else None
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
         if self.slots.capacity < self.max_model_len + 2 * self.window + self.page:
             raise ValueError(f"kv_cache.num_slots={worker_info['num_slots']} cannot hold one "
@@ -364,6 +367,8 @@ class Scheduler:
         if not running:
             return None
         plan = StepPlan(self.step_id, "decode", [r.row for r in running], use_spec=self.spec)
+        if self.draft_policy is not None:
+            plan.draft_shape = self.draft_policy.choose(len(running))
         self._add_sampling(running, plan)
         plan.coins = self._coins(running)
         self._inflight[plan.step_id] = [(r, r.admissions) for r in running]
@@ -432,6 +437,8 @@ class Scheduler:
         reqs = self._inflight.pop(plan.step_id)
         events: list[RequestOutput] = []
         extend = plan.mode == "extend"
+        if not extend and self.draft_policy is not None:
+            self.draft_policy.observe(out.draft_shape, [len(t) for t in out.tokens])
         lps = out.logprobs
         for i, ((req, admission), toks) in enumerate(zip(reqs, out.tokens)):
             if req.finished or req.admissions != admission or req.row != plan.rows[i]:

@@ -1,0 +1,72 @@
+"""Which draft shape a speculative decode step takes: the one with the most tokens per second.
+
+A step of shape s at batch size b emits about accept(s) tokens per request and costs
+cost(s, b) seconds, so it runs at accept(s) / cost(s, b) tokens per request-second. The
+rank measured cost(s, b) for every shape and captured size at start-up (the shapes' step
+graphs replayed, actors/spec/draft_shapes.py); accept(s) is what this scheduler sees:
+a moving average of the accept lengths of the steps that ran at s, starting from the most
+the shape can accept (so a shape is tried before it is judged), the root-only shape's
+exactly 1. A shape not chosen for EXPLORE_EVERY steps is run once, so its estimate
+follows the traffic (the prompts, not the batch size, decide how much drafts are
+accepted). Greedy output is the same at every shape (each one verifies its drafts against
+the target), so the choice changes speed only.
+"""
+from __future__ import annotations
+
+import bisect
+
+EXPLORE_EVERY = 64  # steps a learnable shape may go unchosen before it runs once
+EMA = 0.1  # weight of one step's mean accept length in a shape's estimate
+
+
+def shape_name(shape: tuple[int, int, int]) -> str:
+    """A shape's label in /metrics: topk, steps, nodes."""
+    k, s, n = shape
+    return f"k{k}s{s}n{n}"
+
+
+class DraftPolicy:
+    def __init__(self, shapes: list[tuple[int, int, int]], costs: list[list[float]], sizes: list[int]):
+        if len(costs) != len(shapes) or any(len(c) != len(sizes) for c in costs):
+            raise ValueError(f"step costs {[len(c) for c in costs]} do not match {len(shapes)} "
+                             f"shapes at {len(sizes)} batch sizes")
+        self.shapes, self.costs, self.sizes = shapes, costs, sizes
+        # The deepest path a tree of s steps and n nodes can accept, plus the bonus token.
+        self.accept = [float(min(s, n - 1) + 1) for _, s, n in shapes]
+        self.learns = [n > 1 for _, _, n in shapes]  # the root alone always emits one token
+        self.unchosen = [0] * len(shapes)  # steps since each shape last ran
+
+    @classmethod
+    def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict) -> "DraftPolicy | None":
+        """The policy for a rank whose info() measured its shapes' costs, else None (one
+        shape, no graphs, or dp_attention: every step takes the configured shape)."""
+        costs = info.get("draft_step_costs")
+        if not costs or len(costs) < 2:
+            return None
+        return cls(shapes[:len(costs)], costs, info["graph_batch_sizes"])
+
+    def rates(self, batch: int) -> list[float] | None:
+        """Expected tokens per request-second of each shape at `batch`, None past the graphs."""
+        i = bisect.bisect_left(self.sizes, batch)
+        if i == len(self.sizes):
+            return None
+        return [a / c[i] for a, c in zip(self.accept, self.costs)]
+
+    def choose(self, batch: int) -> int:
+        rates = self.rates(batch)
+        if rates is None:
+            return 0
+        best = max(range(len(rates)), key=rates.__getitem__)
+        stale = [i for i in range(len(rates)) if self.learns[i] and i != best
+                 and self.unchosen[i] >= EXPLORE_EVERY]
+        pick = max(stale, key=self.unchosen.__getitem__) if stale else best
+        for i in range(len(self.unchosen)):
+            self.unchosen[i] = 0 if i == pick else self.unchosen[i] + 1
+        return pick
+
+    def observe(self, shape: int, accept_lengths: list[int]) -> None:
+        """A step that ran at `shape` emitted these accept lengths (one per request)."""
+        if accept_lengths and self.learns[shape]:
+            mean = sum(accept_lengths) / len(accept_lengths)
+            self.accept[shape] += EMA * (mean - self.accept[shape])
+

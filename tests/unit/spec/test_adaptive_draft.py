@@ -1,0 +1,141 @@
+"""Adaptive draft shapes: a decode step may draft with a smaller shape than the configured
+one (draft.adaptive_shapes), chosen per step by DraftPolicy from measured step costs and
+accept lengths. Greedy output stays the plain output token for token under any sequence
+of shapes; what cannot run at a smaller shape runs at the configured one, and says so."""
+from __future__ import annotations
+
+import pytest
+from spec_helpers import TREE, outputs, random_prompts, tiny_config, tiny_engine
+
+from configs.schema import ConfigError, load_config
+from serve_app.api.metrics import ServerMetrics
+from serve_app.engine.draft_policy import EXPLORE_EVERY, DraftPolicy, shape_name
+
+SIZES = [1, 2, 4, 8]
+MAX_TOKENS = 16
+SHAPES3 = "draft.adaptive_shapes=[[2,3],[1,1]]"
+
+
+class Cycle(DraftPolicy):
+    """Every shape in turn, whatever the costs: the worst case for state carried between
+    steps of different shapes."""
+
+    def __init__(self, n: int):
+        self.n, self.i, self.seen = n, 0, []
+
+    def choose(self, batch: int) -> int:
+        self.i += 1
+        return self.i % self.n
+
+    def observe(self, shape: int, accept_lengths: list[int]) -> None:
+        self.seen.append((shape, max(accept_lengths)))
+
+
+def adaptive_engine(model_dir, *overrides):
+    eng = tiny_engine(model_dir, *TREE, *overrides)
+    eng.workers[0].eagle.capture_graphs(SIZES)  # CPU: the step graphs' eager stand-ins
+    return eng
+
+
+@pytest.mark.parametrize("overrides", [(), (SHAPES3,)], ids=["root_only", "three_shapes"])
+def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, overrides):
+    prompts = random_prompts(5, seed=21)
+    want = outputs(tiny_engine(tiny_llama_dir, spec=False), prompts, MAX_TOKENS)
+    eng = adaptive_engine(tiny_llama_dir, *overrides)
+    shapes = eng.workers[0].eagle.shapes
+    assert [(s.S, s.N) for s in shapes[1:]] == ([(2, 3), (1, 1)] if overrides else [(1, 1)])
+    policy = eng.schedulers[0].draft_policy = Cycle(len(shapes))
+    assert outputs(eng, prompts, MAX_TOKENS) == want
+    assert set(eng.shape_steps) == set(range(len(shapes)))  # every shape ran
+    for shape, longest in policy.seen:  # a shape never emits more than its tree can accept
+        assert longest <= min(shapes[shape].S, shapes[shape].N - 1) + 1
+
+
+def test_sampled_steps_run_at_every_shape(tiny_llama_dir):
+    """Sampled rows replay each shape's sampled step graph with the first N+1 of their coins."""
+    from serve_app.engine.request import SamplingParams
+    eng = adaptive_engine(tiny_llama_dir)
+    eng.schedulers[0].draft_policy = Cycle(2)
+    reqs = eng.generate(random_prompts(3, seed=4),
+                        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=3))
+    assert all(len(r.output_ids) == MAX_TOKENS for r in reqs)
+    assert eng.shape_steps[0] and eng.shape_steps[1] and not eng.eager_steps
+
+
+def test_a_step_a_smaller_shape_cannot_hold_runs_at_the_configured_one(tiny_llama_dir):
+    """Past the smaller shape's graphs the step runs at shape 0 and reports shape 0."""
+    prompts = random_prompts(5, seed=8)
+    plain = tiny_engine(tiny_llama_dir, spec=False)
+    want = outputs(plain, prompts, MAX_TOKENS), outputs(plain, prompts[:2], MAX_TOKENS)
+    eng = tiny_engine(tiny_llama_dir, *TREE)
+    eagle = eng.workers[0].eagle
+    eagle.capture_graphs([1, 2])  # 5 requests: no step graph holds them
+    eng.schedulers[0].draft_policy = Cycle(2)
+    w, seen = eng.workers[0], []
+    launch = w.launch
+
+    def spy(plan):
+        step = launch(plan)
+        if plan.mode == "decode":
+            seen.append((len(plan.rows), plan.draft_shape, step.draft_shape))
+        return step
+
+    w.launch = spy
+    assert (outputs(eng, prompts, MAX_TOKENS), outputs(eng, prompts[:2], MAX_TOKENS)) == want
+    asked_big = [ran for n, asked, ran in seen if asked == 1 and n > 2]
+    asked_small = [ran for n, asked, ran in seen if asked == 1 and n <= 2]
+    assert asked_big and set(asked_big) == {0}  # too big for the smaller shape's graphs
+    assert asked_small and set(asked_small) == {1}
+
+
+def test_policy_picks_the_most_tokens_per_second_and_explores():
+    shapes = [(4, 5, 8), (4, 1, 1)]
+    # The tree costs 1.5 plain steps at batch 1 and 4 at batch 64.
+    policy = DraftPolicy(shapes, [[1.5, 4.0], [1.0, 1.0]], [1, 64])
+    assert policy.accept == [6.0, 1.0]  # optimistic: every draft accepted; the root exactly 1
+    assert policy.choose(1) == 0 and policy.choose(64) == 0  # 6/4 > 1/1
+    for _ in range(60):
+        policy.observe(0, [3, 2, 3, 2])  # accepts 2.5 on average
+    assert abs(policy.accept[0] - 2.5) < 0.01
+    assert policy.choose(1) == 0  # 2.5 / 1.5 > 1
+    picks = [policy.choose(64) for _ in range(3 * EXPLORE_EVERY)]  # 2.5 / 4 < 1: the root
+    assert picks.count(1) > 2 * EXPLORE_EVERY and picks.count(0) == 2  # the tree, now and then
+    assert picks[EXPLORE_EVERY] == 0  # after EXPLORE_EVERY steps unchosen
+    policy.observe(1, [5])  # the root alone accepts nothing to learn from
+    assert policy.accept[1] == 1.0
+    assert policy.choose(65) == 0  # past the graphs: the configured shape
+    with pytest.raises(ValueError, match="do not match"):
+        DraftPolicy(shapes, [[1.0]], [1, 64])
+
+
+def test_policy_needs_measured_costs(tiny_llama_dir):
+    shapes = tiny_config(tiny_llama_dir, *TREE).draft.shapes()
+    assert DraftPolicy.from_worker(shapes, {"draft_step_costs": None}) is None
+    assert DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0]]}) is None  # one shape
+    p = DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0], [0.5]], "graph_batch_sizes": [8]})
+    assert p.shapes == shapes[:2]
+    # The CPU engine has no costs (no graphs): every step takes the configured shape.
+    eng = tiny_engine(tiny_llama_dir, *TREE)
+    assert eng.schedulers[0].draft_policy is None
+
+
+@pytest.mark.parametrize("value,fits", [("[[1,1]]", True), ("[[2,3],[1,1]]", True), ("[]", True),
+                                        ("[[9,3]]", False), ("[[3,4]]", False), ("[[1,9]]", False),
+                                        ("[[0,1]]", False)])
+def test_adaptive_shapes_must_be_smaller_trees(value, fits):
+    base = ["draft.enabled=true", "draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"]
+    if fits:
+        assert len(load_config(overrides=base + [f"draft.adaptive_shapes={value}"]).draft.shapes()) \
+            == 1 + value.count("[[") + value.count("],[")
+    else:
+        with pytest.raises(ConfigError, match="adaptive_shapes|exceeds"):
+            load_config(overrides=base + [f"draft.adaptive_shapes={value}"])
+
+
+def test_metrics_export_steps_per_shape():
+    m = ServerMetrics("m")
+    m.update_engine({"replica": "r", "running": 0, "waiting": 0, "kv": [],
+                     "draft_shape_steps": {shape_name((4, 5, 8)): 7, shape_name((4, 1, 1)): 2}})
+    text = m.render()[0].decode()
+    assert 'kestrel_engine_draft_shape_steps_total{model="m",replica="r",shape="k4s5n8"} 7.0' in text
+    assert 'shape="k4s1n1"} 2.0' in text
