@@ -23,6 +23,7 @@
 # and TPOT <= 50 ms; RATES, NUM_REQUESTS, CLIENTS and OPEN_ARGS adjust it); one call a server:
 #   for p in kestrel-tree kestrel-plain vllm-plain vllm-eagle; do bash benchmarks/h200_http.sh $p OUT openloop; done
 #   python -m benchmarks.plot_open_loop OUT/open_loop.png OUT/http_open_loop_*.json
+# `both` runs the levels (HTTP only) and then the sweep against one server start.
 # Needs Kestrel's bundle unstaged (../shared/device/stage.sh full, benchmarks/pack_for_device.sh;
 # source .stage/tools/unstage.sh)
 # and, for the vllm parts, vLLM's (../shared/peers/stage_vllm.sh). Every run writes
@@ -42,12 +43,17 @@ sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 tag=${TAG:-}
 load=(--concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats")
 vllm_limit=270
-if [ "${3:-}" = openloop ]; then
+if [ "${3:-}" = openloop ] || [ "${3:-}" = both ]; then
   # 500 requests a rate: about 2 minutes of arrivals over the default rates; p99 is the 5th slowest.
   # Four client processes keep the send lag small at the H200's tens of thousands of chunks a second.
-  load=(--request-rate ${RATES:-8 16 32 64 128 inf} --num-requests "${NUM_REQUESTS:-500}"
+  open=(--request-rate ${RATES:-8 16 32 64 128 inf} --num-requests "${NUM_REQUESTS:-500}"
         --client-processes "${CLIENTS:-4}" ${OPEN_ARGS:-})
+  load=("${open[@]}")
   vllm_limit=420  # its start-up and the sweep
+  if [ "${3:-}" = both ]; then  # the closed levels, then the sweep, against one server start
+    load=(--concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats" --no-in-process "${open[@]}")
+    vllm_limit=560
+  fi
 fi
 if [ "${3:-}" = grammar ]; then
   sampling=(--no-in-process --variant 'none={}' --variant 'grammar={"structured_outputs": {"regex": "[^\\x01]*\\x01"}}')

@@ -37,7 +37,8 @@ goodput: requests per second that met the SLO (TTFT <= --slo-ttft-ms and TPOT <=
 --slo-tpot-ms), with the share that met it. One seed gives every rate and every server the
 same requests in the same order. No in-process run; JSON under --out as
 http_open_loop_<name>.json, a markdown table last; benchmarks/plot_open_loop.py draws
-several servers' sweeps on one figure.
+several servers' sweeps on one figure. With --concurrency too, the closed levels run first
+against the same server (one start-up for both).
 
 --tiny-model serves a random 1-layer model with SmolLM2's tokenizer on the CPU: the
 engine's own work is then small, and what is left is the control plane's cost.
@@ -281,13 +282,13 @@ def main(argv=None) -> None:
                     help="client processes the requests are dealt over (see send lag)")
     args = ap.parse_args(argv)
     if args.request_rate is not None:
-        for flag, given in (("--concurrency", args.concurrency), ("--variant", args.variant),
-                            ("--repeats", args.repeats != 1)):
+        for flag, given in (("--variant", args.variant),):
             if given:
                 ap.error(f"{flag} is for the closed levels, not with --request-rate")
         if min(args.request_rate) <= 0 or args.burstiness <= 0 or args.burst < 1 or args.num_requests < 1:
             ap.error("want rates > 0, --burstiness > 0, --burst >= 1, --num-requests >= 1")
-    args.concurrency = args.concurrency or [1, 8, 32, 64]
+    # With --request-rate, levels run only when asked for (first, against the same server).
+    args.concurrency = args.concurrency or ([] if args.request_rate is not None else [1, 8, 32, 64])
     sampling = json.loads(args.sampling) if args.sampling else None
     variants = [("", sampling)]
     if args.variant:
@@ -299,7 +300,7 @@ def main(argv=None) -> None:
     name = args.name or ("kestrel-tiny" if args.tiny_model else "kestrel")
     qs = load_questions(Path(DATA), 80)
     # More streams than MT-bench has questions go round it again.
-    questions = [qs[i % len(qs)] for i in range(max(max(args.concurrency), args.c1_prompts))]
+    questions = [qs[i % len(qs)] for i in range(max(max(args.concurrency, default=1), args.c1_prompts))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"config": args.config, "overrides": args.set, "url": args.url,
@@ -322,9 +323,7 @@ def main(argv=None) -> None:
         print(f"kestrel serve on {url} (log: {log}) ...", file=sys.stderr, flush=True)
     try:
         asyncio.run(wait_ready(url, proc))
-        if args.request_rate is not None:
-            open_rates = _open_sweep(args, url, name, sampling, out)
-        for c in ([] if args.request_rate is not None else args.concurrency):
+        for c in args.concurrency:
             runs: dict[str, list[dict]] = {suffix: [] for suffix, _ in variants}
             for _ in range(args.repeats):
                 for suffix, samp in variants:
@@ -337,6 +336,8 @@ def main(argv=None) -> None:
                 print(f"{name}{suffix} c={c}: {lv['tok_s']:.1f} tok/s, TTFT p50 {lv['ttft_p50_ms']:.1f} ms, "
                       f"server {lv['server']}", file=sys.stderr, flush=True)
             save()
+        if args.request_rate is not None:
+            open_rates = _open_sweep(args, url, name, sampling, out)
     except BaseException:
         if log is not None:  # what the server said, for the failure's cause
             print("".join(log.read_text(errors="replace").splitlines(True)[-60:]), file=sys.stderr)
@@ -346,6 +347,9 @@ def main(argv=None) -> None:
             stop_server(proc)
             shutil.copy(log, out / f"server_{name}.log")  # compile warnings, step errors
     if args.request_rate is not None:
+        if args.concurrency:
+            print(f"\n{name}: {args.max_tokens} new tokens, {sampling or 'greedy'}, streamed chat\n")
+            print(table(name, levels[""]))
         print(f"\n{name}: open loop, {args.num_requests} requests a rate, mix {args.mix}, "
               f"burstiness {args.burstiness}, burst {args.burst}, seed {args.seed}, SLO TTFT <= "
               f"{args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms, {sampling or 'greedy'}\n")

@@ -127,7 +127,7 @@ _SAMPLE = re.compile(r'^(kestrel_[a-z_]+)(?:\{([^}]*)\})? ([0-9.eE+-]+)$')
 
 
 async def scrape(session, url: str) -> dict[str, float]:
-    """Summed over labels but the one that matters: 'name' or 'name:mode/phase'."""
+    """Summed over labels but the one that matters: 'name' or 'name:mode/phase/reason/shape'."""
     try:
         async with session.get(url + "/metrics") as r:
             if r.status != 200:
@@ -141,7 +141,7 @@ async def scrape(session, url: str) -> dict[str, float]:
         if not m:
             continue
         name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        sub = re.search(r'(?:mode|phase)="([a-z_]+)"', labels)
+        sub = re.search(r'(?:mode|phase|reason|shape)="([a-z0-9_]+)"', labels)
         key = f"{name}:{sub.group(1)}" if sub else name
         out[key] = out.get(key, 0.0) + value
     return out
@@ -157,7 +157,12 @@ def server_side(before: dict[str, float], after: dict[str, float], seconds: floa
     pipelined = d.get("kestrel_engine_steps_total:pipelined", 0)
     ttft_n = d.get("kestrel_time_to_first_token_seconds_count", 0)
     accepts = d.get("kestrel_spec_accept_length_count", 0)
+    by = lambda metric: {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith(metric + ":") and v}
     return {"steps_s": steps / seconds, "step_ms": per_step,
+            # steps that left the captured graphs, by reason (should be none), and the
+            # speculative steps per draft shape (draft.adaptive_shapes)
+            "eager_steps": by("kestrel_engine_eager_steps_total"),
+            "draft_shapes": by("kestrel_engine_draft_shape_steps_total"),
             # the collector's full passes stop a step loop: their seconds in all
             "gc_s": d.get("kestrel_engine_step_seconds_total:gc", 0.0),
             "extend_steps": d.get("kestrel_engine_steps_total:extend", 0),
