@@ -1,0 +1,77 @@
+"""Adaptive draft shapes on real CUDA graphs (SmolLM2, fp32, triton): each shape's step
+graphs captured in one pool, its step cost measured per batch size, and greedy output
+equal to plain decoding whatever shape each step takes; graphs for every batch up to the
+running limit, so no step runs eagerly. Skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve_app.engine.draft_policy import DraftPolicy
+
+BASE = ["device=cuda", "model.dtype=float32", "attention.backend=triton", "kv_cache.num_slots=65536",
+        "scheduler.max_running_requests=12", "draft.path=random", "attention.cuda_graphs=true",
+        "attention.plan_stream=true"]
+TREE = ["draft.enabled=true", "draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8",
+        "draft.adaptive_shapes=[[2,3],[1,1]]"]
+MAX = 40
+
+
+class Cycle(DraftPolicy):
+    def __init__(self, n: int):
+        self.n, self.i = n, 0
+
+    def choose(self, batch: int) -> int:
+        self.i += 1
+        return self.i % self.n
+
+    def observe(self, shape: int, accept_lengths: list[int]) -> None:
+        pass
+
+
+def engine(tokenizer, *overrides):
+    from configs.schema import load_config
+    from serve_app.engine.llm_engine import LLMEngine
+    return LLMEngine(load_config(overrides=BASE + list(overrides)), tokenizer=tokenizer)
+
+
+def generate(eng, prompts, **sampling):
+    from serve_app.engine.request import SamplingParams
+    return [r.output_ids for r in eng.generate(prompts, SamplingParams(max_tokens=MAX, ignore_eos=True, **sampling))]
+
+
+@pytest.fixture(scope="module")
+def adaptive(tokenizer):
+    return engine(tokenizer, *TREE)
+
+
+def test_costs_measured_for_every_shape_and_size(adaptive):
+    w = adaptive.workers[0]
+    info = w.info()
+    sizes = info["graph_batch_sizes"]
+    assert sizes == [1, 2, 4, 8, 12]  # graph_sizes_up_to(12): every batch the scheduler forms
+    costs = info["draft_step_costs"]
+    assert len(costs) == 3 and all(len(c) == len(sizes) for c in costs)
+    assert all(c > 0 for shape in costs for c in shape)
+    assert all(costs[2][i] < costs[0][i] for i in range(len(sizes)))  # the root alone is cheaper
+    assert isinstance(adaptive.schedulers[0].draft_policy, DraftPolicy)
+
+
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_greedy_output_is_plain_under_cycled_shapes(tokenizer, chat_prompts, adaptive, n):
+    want = generate(engine(tokenizer, "draft.enabled=false"), chat_prompts[:n])
+    adaptive.schedulers[0].draft_policy = Cycle(3)
+    adaptive.shape_steps.clear()
+    adaptive.eager_steps.clear()
+    got = generate(adaptive, chat_prompts[:n])
+    # fp32: only a draft near-tie could flip a token, and it cannot change the target's choice
+    assert got == want
+    assert set(adaptive.shape_steps) == {0, 1, 2} and not adaptive.eager_steps
+
+
+def test_sampled_and_logprobs_steps_replay_at_smaller_shapes(chat_prompts, adaptive):
+    adaptive.schedulers[0].draft_policy = Cycle(3)
+    adaptive.eager_steps.clear()
+    outs = generate(adaptive, chat_prompts[:6], temperature=0.8, top_p=0.9, seed=1, logprobs=2)
+    assert all(len(o) == MAX for o in outs) and not adaptive.eager_steps
+    torch.cuda.synchronize()
