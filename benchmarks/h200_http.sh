@@ -24,6 +24,7 @@
 #   for p in kestrel-tree kestrel-plain vllm-plain vllm-eagle; do bash benchmarks/h200_http.sh $p OUT openloop; done
 #   python -m benchmarks.plot_open_loop OUT/open_loop.png OUT/http_open_loop_*.json
 # `both` runs the levels (HTTP only) and then the sweep against one server start.
+# HTTP_ONLY=1 leaves out the in-process runs after the levels.
 # Needs Kestrel's bundle unstaged (../shared/device/stage.sh full, benchmarks/pack_for_device.sh;
 # source .stage/tools/unstage.sh)
 # and, for the vllm parts, vLLM's (../shared/peers/stage_vllm.sh). Every run writes
@@ -41,7 +42,7 @@ vllm_extra=()
 # SET="key=value ..." TAG=-x: config overrides for the kestrel parts, and a name suffix for them
 sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 tag=${TAG:-}
-load=(--concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats")
+load=(--concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats" ${HTTP_ONLY:+--no-in-process})
 vllm_limit=270
 if [ "${3:-}" = openloop ] || [ "${3:-}" = both ]; then
   # 500 requests a rate: about 2 minutes of arrivals over the default rates; p99 is the 5th slowest.

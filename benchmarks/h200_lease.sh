@@ -11,6 +11,9 @@
 #   plain      the same without speculation                                                  ~110
 #   vllm       vLLM 0.24 EAGLE (our head), the same client and grammar                      ~250
 #   profile    py-spy on the served plain and tree ranks under the grammar (profile_http.sh) ~300
+#   gputests   the adaptive draft shapes' and speculative graphs' GPU tests                ~150
+#   load-tree, load-plain, load-vllm-plain, load-vllm-eagle
+#              closed bursts at 1..512 streams, then (not plain) the open-loop sweep       ~300 each
 # LEVELS, REPEATS and MAX_TOKENS pass through to h200_http.sh for tree, plain and vllm.
 set -uo pipefail
 out=$1; shift
@@ -53,6 +56,24 @@ for stage in "$@"; do
         bash benchmarks/profile_http.sh /tmp/pyspy/bin/py-spy "$work/profile_$engine" 64 "${set_[@]}" \
           --variant "grammar=$regex" 2>&1 | tail -3
       done ;;
+    gputests)
+      timeout 420 python3 -m pytest -q tests/gpu/test_adaptive_draft_gpu.py tests/gpu/test_spec_graphs.py \
+        > "$work/gputests.txt" 2>&1
+      tail -5 "$work/gputests.txt" ;;
+    load-tree|load-plain|load-vllm-plain|load-vllm-eagle)
+      # Hundreds of streams: closed levels up to 512, then the open-loop sweep (one start).
+      part=${stage#load-}; [ "${part#vllm}" = "$part" ] && part=kestrel-$part
+      mode=both; [ "$part" = kestrel-plain ] && mode=closed
+      if [ "${part#vllm}" != "$part" ]; then mkdir -p .peer && rm -rf .peer/tools && cp -r .xfer/tools/peer .peer/tools; fi
+      if [ $mode = both ]; then
+        LEVELS=${LEVELS:-1 8 32 64 128 256 512} REPEATS=${REPEATS:-1} RATES=${RATES:-16 48 96 inf} \
+          NUM_REQUESTS=${NUM_REQUESTS:-300} timeout 580 bash benchmarks/h200_http.sh "$part" "$work/load" both \
+          > "$work/load_$part.txt" 2>&1
+      else
+        HTTP_ONLY=1 LEVELS=${LEVELS:-1 8 32 64 128 256 512} REPEATS=${REPEATS:-1} timeout 580 \
+          bash benchmarks/h200_http.sh "$part" "$work/load" > "$work/load_$part.txt" 2>&1
+      fi
+      grep -E "c=|rate " "$work/load_$part.txt" | cut -c1-140 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   pack
