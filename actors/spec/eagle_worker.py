@@ -192,7 +192,8 @@ class EagleWorker:
         self.shapes = [self]
         for steps, nodes in self.cfg.draft.adaptive_shapes:
             view = shape_view(self, steps, nodes)
-            view.step_graph = StepGraph(view, sizes, self.w.device, real, variants, words)
+            # No grammar parts: a step with grammar rows runs at the configured shape.
+            view.step_graph = StepGraph(view, sizes, self.w.device, real, variants)
             with torch.inference_mode():
                 view.step_graph.capture(pool=self.step_graph.pool)
             self.shapes.append(view)
