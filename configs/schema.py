@@ -60,7 +60,7 @@ class DraftConfig(_Strict):
 
 class KVCacheConfig(_Strict):
     page_size: int = Field(1, ge=1, le=256)
-    # Total KV slots per rank; None = from memory_fraction on GPU, 32768 on CPU.
+    # Total KV slots per rank; None = from memory_fraction on GPU, 16384 on CPU.
     num_slots: int | None = Field(None, ge=64)
     memory_fraction: float = Field(0.6, gt=0.0, le=0.95)
     prefix_caching: bool = True
@@ -173,8 +173,9 @@ class ProcessingConfig(_Strict):
 class ParallelConfig(_Strict):
     dp_size: int = Field(1, ge=1, le=64)
     # The replica's ranks step in lockstep as one engine: attention and the KV cache per
-    # rank, the MLP, embedding and LM head split across the ranks (docs/serve.md); a
-    # model whose weights do not fit one device runs as one replica. Off: the ranks are
+    # rank, the MLP, embedding and LM head split across the ranks (docs/serve.md). Each
+    # rank loads the whole model before keeping its slices, so the model must still fit
+    # one device; the split frees memory for the KV cache. Off: the ranks are
     # independent engines behind one replica.
     dp_attention: bool = False
     # dp_attention: the longest any collective waits for the other ranks. A rank that

@@ -55,8 +55,7 @@ class StepPlan:
     extend_lens: list[int] = field(default_factory=list)
     last_chunk: list[bool] = field(default_factory=list)  # sample the first output token
     next_ids: list[int] = field(default_factory=list)  # prompt token after the chunk (-1 on the last)
-    # decode only: requests whose future values were just created (sanity checking)
-    use_spec: bool = False
+    use_spec: bool = False  # decode only: draft and verify (EAGLE) rather than plain decode
     # Some request's logits are processed (penalties, bias, min_tokens, bad words): the rank
     # applies its processing table's rows of the plan.
     processing: bool = False

@@ -89,10 +89,6 @@ class RowAllocator:
         self.num_rows = num_rows
         self._free = list(range(num_rows - 1, 0, -1))
 
-    @property
-    def free_rows(self) -> int:
-        return len(self._free)
-
     def alloc(self) -> int | None:
         return self._free.pop() if self._free else None
 

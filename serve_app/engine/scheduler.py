@@ -61,7 +61,7 @@ class Scheduler:
         self.rows = RowAllocator(worker_info["num_rows"])
         self.cache = RadixCache(self.slots, self.page, enabled=cfg.kv_cache.prefix_caching)
         self.eos = frozenset(eos_token_ids)
-        self.detokenizer_factory = detokenizer_factory  # req -> (detok, stopper) or None
+        self.detokenizer_factory = detokenizer_factory  # req -> its TextStream; None: no text
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prefill not finished
         self.running: list[Request] = []
