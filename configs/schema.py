@@ -66,6 +66,12 @@ class KVCacheConfig(_Strict):
     prefix_caching: bool = True
 
 
+# Steps launched and not finished per rank at most: the running one and the next, queued
+# behind it on the device; a third would only add latency. The step channel queues this
+# many, and the scheduler reserves KV this many windows ahead (actors/worker/kv_cache.py).
+MAX_STEPS_IN_FLIGHT = 2
+
+
 class SchedulerConfig(_Strict):
     max_running_requests: int = Field(64, ge=1)
     chunked_prefill_size: int = Field(512, ge=16)  # prompt tokens per prefill step
@@ -86,14 +92,13 @@ class SchedulerConfig(_Strict):
     launch_ahead: bool | None = None
 
     def steps_in_flight(self, in_process_device: str | None = None) -> int:
-        """Plans launched and not finished per rank: the running one and the next. The
-        scheduler plans KV two windows ahead for exactly this; a third would only add latency.
-        `in_process_device`: the device the in-process engine's steps run on (None: the
-        served engine)."""
+        """Plans launched and not finished per rank: MAX_STEPS_IN_FLIGHT, or 1 without
+        launch-ahead. `in_process_device`: the device the in-process engine's steps run on
+        (None: the served engine)."""
         ahead = self.launch_ahead
         if ahead is None:
             ahead = in_process_device != "cpu"
-        return 2 if ahead else 1
+        return MAX_STEPS_IN_FLIGHT if ahead else 1
 
     @property
     def held_per_rank(self) -> int:

@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from actors.worker.kv_cache import RowAllocator, SlotAllocator
+from actors.worker.kv_cache import RowAllocator, SlotAllocator, kv_ahead, max_request_slots
 from actors.protocol.step_plan import RowProcessing, StepOutput, StepPlan, coins_per_request
 from configs.schema import KestrelConfig
 from serve_app.engine.radix_cache import RadixCache
@@ -84,7 +84,7 @@ class Scheduler:
         self._vocab_to_send: str | None = None
         self.coins_per_request = coins_per_request(cfg)
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
-        if self.slots.capacity < self.max_model_len + 2 * self.window + self.page:
+        if self.slots.capacity < max_request_slots(self.max_model_len, self.window, self.page):
             raise ValueError(f"kv_cache.num_slots={worker_info['num_slots']} cannot hold one "
                              f"request of model.max_model_len={self.max_model_len}")
 
@@ -359,7 +359,7 @@ class Scheduler:
         return chosen
 
     def _schedule_decode(self) -> StepPlan | None:
-        self._grow_running(2 * self.window)
+        self._grow_running(kv_ahead(self.window))
         running = self.running
         if not running:
             return None
