@@ -82,11 +82,12 @@ def _client_main(conn, url: str, streams: list[int], max_tokens: int) -> None:
 
 def engine_info(cfg) -> dict:
     """What a RankWorker's info() would say for this configuration."""
+    from actors.worker.kv_cache import max_request_slots
     spec = cfg.draft.enabled
     page = cfg.kv_cache.page_size
     window = cfg.draft.window if spec else 1
     return {"num_slots": cfg.kv_cache.num_slots, "num_rows": cfg.scheduler.max_running_requests + 2,
-            "max_context": cfg.model.max_model_len + 2 * window + 2 * page, "window": window,
+            "max_context": max_request_slots(cfg.model.max_model_len, window, page), "window": window,
             "eos_token_ids": [2]}
 
 

@@ -27,6 +27,7 @@ import time
 from types import SimpleNamespace
 
 from actors.protocol.step_plan import StepOutput, StepPlan
+from actors.worker.kv_cache import max_request_slots
 from configs.schema import load_config
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.request import SamplingParams
@@ -91,7 +92,7 @@ def build_engine(args, tokenizer) -> tuple[LLMEngine, SyntheticWorker]:
         f"scheduler.launch_ahead={str(args.launch_ahead).lower()}"])
     window = cfg.draft.window if spec else 1
     page = cfg.kv_cache.page_size
-    per_request = args.max_model_len + 2 * window + 2 * page
+    per_request = max_request_slots(args.max_model_len, window, page)
     info = {"num_slots": args.kv_slots, "num_rows": args.running + 2,
             "max_context": per_request, "window": window}
     worker = SyntheticWorker(info, args.seed, 3 if spec else 1, args.eos_rate)

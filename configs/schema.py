@@ -81,10 +81,16 @@ class DraftConfig(_Strict):
 
 class KVCacheConfig(_Strict):
     page_size: int = Field(1, ge=1, le=256)
-    # Total KV slots per rank; None = from memory_fraction on GPU, 32768 on CPU.
+    # Total KV slots per rank; None = from memory_fraction on GPU, 16384 on CPU.
     num_slots: int | None = Field(None, ge=64)
     memory_fraction: float = Field(0.6, gt=0.0, le=0.95)
     prefix_caching: bool = True
+
+
+# Steps launched and not finished per rank at most: the running one and the next, queued
+# behind it on the device; a third would only add latency. The step channel queues this
+# many, and the scheduler reserves KV this many windows ahead (actors/worker/kv_cache.py).
+MAX_STEPS_IN_FLIGHT = 2
 
 
 class SchedulerConfig(_Strict):
@@ -107,14 +113,13 @@ class SchedulerConfig(_Strict):
     launch_ahead: bool | None = None
 
     def steps_in_flight(self, in_process_device: str | None = None) -> int:
-        """Plans launched and not finished per rank: the running one and the next. The
-        scheduler plans KV two windows ahead for exactly this; a third would only add latency.
-        `in_process_device`: the device the in-process engine's steps run on (None: the
-        served engine)."""
+        """Plans launched and not finished per rank: MAX_STEPS_IN_FLIGHT, or 1 without
+        launch-ahead. `in_process_device`: the device the in-process engine's steps run on
+        (None: the served engine)."""
         ahead = self.launch_ahead
         if ahead is None:
             ahead = in_process_device != "cpu"
-        return 2 if ahead else 1
+        return MAX_STEPS_IN_FLIGHT if ahead else 1
 
     @property
     def held_per_rank(self) -> int:
@@ -194,8 +199,9 @@ class ProcessingConfig(_Strict):
 class ParallelConfig(_Strict):
     dp_size: int = Field(1, ge=1, le=64)
     # The replica's ranks step in lockstep as one engine: attention and the KV cache per
-    # rank, the MLP, embedding and LM head split across the ranks (docs/serve.md); a
-    # model whose weights do not fit one device runs as one replica. Off: the ranks are
+    # rank, the MLP, embedding and LM head split across the ranks (docs/serve.md). Each
+    # rank loads the whole model before keeping its slices, so the model must still fit
+    # one device; the split frees memory for the KV cache. Off: the ranks are
     # independent engines behind one replica.
     dp_attention: bool = False
     # dp_attention: the longest any collective waits for the other ranks. A rank that

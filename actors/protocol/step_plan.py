@@ -31,7 +31,7 @@ class RowProcessing:
     bias_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [M] int64
     bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # [M] float32
     stop_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S] int64, under min_tokens
-    bad_words: list[list[int]] = field(default_factory=list)  # token sequences, each at most TAIL + 1 long
+    bad_words: list[list[int]] = field(default_factory=list)  # token sequences, each at most MAX_BAD_WORD_TOKENS long
     temperature: float = 0.0  # <= 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # <= 0: no limit
@@ -55,8 +55,7 @@ class StepPlan:
     extend_lens: list[int] = field(default_factory=list)
     last_chunk: list[bool] = field(default_factory=list)  # sample the first output token
     next_ids: list[int] = field(default_factory=list)  # prompt token after the chunk (-1 on the last)
-    # decode only: requests whose future values were just created (sanity checking)
-    use_spec: bool = False
+    use_spec: bool = False  # decode only: draft and verify (EAGLE) rather than plain decode
     # decode with use_spec: which of DraftConfig.shapes() the iteration drafts with (0: the
     # configured one; serve_app/engine/draft_policy.py chooses).
     draft_shape: int = 0

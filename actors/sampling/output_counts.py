@@ -16,8 +16,9 @@ import torch
 
 from actors.worker.host_copy import to_device
 
-# Emitted ids kept per row for bad words: a bad word has at most TAIL + 1 tokens.
-TAIL = 15
+# Longest bad word, in tokens; matching one needs the TAIL ids emitted before its last.
+MAX_BAD_WORD_TOKENS = 16
+TAIL = MAX_BAD_WORD_TOKENS - 1  # emitted ids kept per row
 
 
 class OutputCounts:

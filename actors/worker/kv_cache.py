@@ -13,6 +13,19 @@ import numpy as np
 import torch
 
 from actors.worker.host_copy import to_device
+from configs.schema import MAX_STEPS_IN_FLIGHT
+
+
+def kv_ahead(window: int) -> int:
+    """KV slots the scheduler reserves beyond a request's committed length: a window (the
+    most one step writes) for each step in flight, since it learns lengths a step late."""
+    return MAX_STEPS_IN_FLIGHT * window
+
+
+def max_request_slots(max_model_len: int, window: int, page_size: int) -> int:
+    """The most KV one request can hold, its req_to_token row's length: fewer than
+    max_model_len committed tokens, `kv_ahead` more, rounded up to a page."""
+    return max_model_len + kv_ahead(window) + page_size
 
 
 class SlotAllocator:
@@ -88,10 +101,6 @@ class RowAllocator:
     def __init__(self, num_rows: int):
         self.num_rows = num_rows
         self._free = list(range(num_rows - 1, 0, -1))
-
-    @property
-    def free_rows(self) -> int:
-        return len(self._free)
 
     def alloc(self) -> int | None:
         return self._free.pop() if self._free else None

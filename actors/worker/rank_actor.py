@@ -46,9 +46,6 @@ class RankActor:
         return {**self.worker.info(), "channel": {"host": host, "port": port,
                                                   "token": self.channel.token}}
 
-    def eos_token_ids(self) -> list[int]:
-        return list(self.worker.arch.eos_token_ids)
-
     def ping(self) -> int:
         return self.worker.rank
 

@@ -24,7 +24,7 @@ from actors.worker.gc_pauses import watch
 from actors.sampling.grammar_rows import GrammarRows
 from actors.worker.host_copy import to_device
 from actors.worker.launched_step import Emitted, LaunchedStep, one_token_each, timing_event
-from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool
+from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool, max_request_slots
 from actors.sampling.logprobs import asked_top, prompt_logprobs, top_logprobs
 from actors.worker.model_runner import ModelRunner
 from actors.sampling.output_counts import OutputCounts
@@ -99,9 +99,8 @@ class RankWorker:
         a = self.arch
         spec = cfg.draft.enabled
         self.window = cfg.draft.window if spec else 1
-        # Two windows ahead plus a page of slack: lengths are committed one step late.
-        page = cfg.kv_cache.page_size
-        self.max_context = cfg.model.max_model_len + 2 * self.window + 2 * page
+        self.max_context = max_request_slots(cfg.model.max_model_len, self.window,
+                                             cfg.kv_cache.page_size)
         self.num_rows = cfg.scheduler.max_running_requests + 2
         self.num_slots = self._num_slots()
         self.req_to_token = ReqToTokenPool(self.num_rows, self.max_context, self.device)

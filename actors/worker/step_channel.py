@@ -35,15 +35,15 @@ from collections import deque
 from typing import Any, Callable, Protocol
 
 from actors.protocol.step_plan import StepOutput, StepPlan
+from configs.schema import MAX_STEPS_IN_FLIGHT
 
 log = logging.getLogger("kestrel.step_channel")
 
 HEADER = struct.Struct("<Q")
 MAX_FRAME = 1 << 30  # a 4096-token prefill plan is tens of KB; anything near this is garbage
 OK, ERROR, HELLO = "ok", "error", "hello"
-# Steps launched and not yet answered: the running one and the next, queued behind it on
-# the device (the engine keeps no more than two in flight either).
-MAX_LAUNCHED = 2
+# Steps launched and not yet answered: as many as the engine keeps in flight.
+MAX_LAUNCHED = MAX_STEPS_IN_FLIGHT
 POLL_S = 0.0001  # while one step runs and no plan is there, how often to look at both
 
 

@@ -34,7 +34,8 @@ from serve_app.api.openai_protocol import (SSE_DONE, ChatCompletionChoice, ChatC
                                        ModelCard, ModelList, StreamChunks, UsageInfo, make_id,
                                        sse_event)
 from serve_app.api.openapi_document import install_openapi, responses
-from serve_app.engine.request import MAX_BAD_WORD_TOKENS, RequestOutput
+from actors.sampling.output_counts import MAX_BAD_WORD_TOKENS
+from serve_app.engine.request import RequestOutput
 from serve_app.api.request_body import read_json_object
 from serve_app.engine.request_stream import StreamFailed
 from serve_app.api.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,

@@ -132,15 +132,3 @@ class LLMEngine:
                 if ev.finished and progress is not None:
                     progress.update(1)
         return reqs
-
-    def kv_free_slots(self) -> list[int]:
-        return [s.kv_free_slots() for s in self.schedulers]
-
-    def kv_capacity(self) -> list[int]:
-        return [s.slots.capacity for s in self.schedulers]
-
-
-def timed_generate(engine: LLMEngine, prompts, params, progress=None) -> tuple[list[Request], float]:
-    t0 = time.perf_counter()
-    reqs = engine.generate(prompts, params, progress)
-    return reqs, time.perf_counter() - t0

@@ -8,6 +8,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from actors.sampling.output_counts import MAX_BAD_WORD_TOKENS
+
 COIN_BLOCK = 32  # steps of coins drawn per generator call
 
 
@@ -30,8 +32,6 @@ class CoinStream:
         return self.block[self.pos - 1]
 
 
-MAX_BAD_WORD_TOKENS = 16  # = actors.sampling.output_counts.TAIL + 1
-
 @dataclass
 class SamplingParams:
     max_tokens: int = 128
@@ -50,8 +50,8 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     # vLLM's bad_words, tokenized: a sequence's last id is never emitted right after the
-    # ids before it (a one-id sequence never at all). At most 16 ids each (the worker
-    # keeps the last 15 emitted: actors/sampling/output_counts.py).
+    # ids before it (a one-id sequence never at all). At most MAX_BAD_WORD_TOKENS ids each
+    # (actors/sampling/output_counts.py).
     bad_words: list[list[int]] = field(default_factory=list)
     logprobs: int | None = None  # alternatives listed with each token's logprob; None = none
     # The prompt's own tokens' logprobs (vLLM's prompt_logprobs), with this many

@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from actors.worker.kv_cache import RowAllocator, SlotAllocator
+from actors.worker.kv_cache import RowAllocator, SlotAllocator, kv_ahead, max_request_slots
 from actors.protocol.step_plan import RowProcessing, StepOutput, StepPlan, coins_per_request
 from configs.schema import KestrelConfig
 from serve_app.engine.draft_policy import DraftPolicy
@@ -62,7 +62,7 @@ class Scheduler:
         self.rows = RowAllocator(worker_info["num_rows"])
         self.cache = RadixCache(self.slots, self.page, enabled=cfg.kv_cache.prefix_caching)
         self.eos = frozenset(eos_token_ids)
-        self.detokenizer_factory = detokenizer_factory  # req -> (detok, stopper) or None
+        self.detokenizer_factory = detokenizer_factory  # req -> its TextStream; None: no text
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prefill not finished
         self.running: list[Request] = []
@@ -87,7 +87,7 @@ class Scheduler:
         # The draft shape per decode step, where the rank measured its shapes' costs.
         self.draft_policy = DraftPolicy.from_worker(cfg.draft.shapes(), worker_info) if self.spec else None
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
-        if self.slots.capacity < self.max_model_len + 2 * self.window + self.page:
+        if self.slots.capacity < max_request_slots(self.max_model_len, self.window, self.page):
             raise ValueError(f"kv_cache.num_slots={worker_info['num_slots']} cannot hold one "
                              f"request of model.max_model_len={self.max_model_len}")
 
@@ -362,7 +362,7 @@ class Scheduler:
         return chosen
 
     def _schedule_decode(self) -> StepPlan | None:
-        self._grow_running(2 * self.window)
+        self._grow_running(kv_ahead(self.window))
         running = self.running
         if not running:
             return None
