@@ -26,6 +26,11 @@ JSON_KINDS = ("json_schema", "json_object")
 JSON_WHITESPACE = ("compact", "any")
 COMPACT_SEPARATORS = (",", ":")
 _CACHED_GRAMMARS = 256
+# xgrammar (0.2.9) writes the characters of a string with minLength or maxLength as
+# _BOUNDED_STRING_CHAR, which lets a raw tab or other control character through: JSON
+# forbids them in a string, so such an output did not parse. _JSON_STRING_CHAR is JSON's.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 # xgrammar's errors start "[hh:mm:ss] /path/file.cc:123: "; the rest is for the client.
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 
@@ -155,7 +160,11 @@ def _grammar(spec: GrammarSpec, whitespace: str = "compact"):
     layout = ({"any_whitespace": False, "separators": COMPACT_SEPARATORS} if whitespace == "compact"
               else {"any_whitespace": True})
     if kind == "json_schema":
-        return xgr.Grammar.from_json_schema(text, strict_mode=True, **layout)
+        grammar = xgr.Grammar.from_json_schema(text, strict_mode=True, **layout)
+        ebnf = str(grammar)
+        if _BOUNDED_STRING_CHAR not in ebnf:
+            return grammar
+        return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
     if kind == "json_object":  # an object, as OpenAI's json_object (xgrammar's builtin JSON allows arrays)
         return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **layout)
     if kind == "regex":

@@ -98,6 +98,15 @@ def test_formats_hold_the_output(compiler, fmt, meets):
     assert accepts(compiler, spec, meets) and not accepts(compiler, spec, '"not it"')
 
 
+@pytest.mark.parametrize("whitespace", ["compact", "any"])
+def test_a_bounded_string_holds_no_raw_control_character(compiler, whitespace):
+    # xgrammar's own rule for a length-bounded string let a raw tab through: invalid JSON.
+    spec = schema_spec({"type": "object", "properties": {"s": {"type": "string", "maxLength": 6}}})
+    assert accepts(compiler, spec, '{"s":"a b"}', whitespace)
+    for raw in ("\t", "\x01", "\n"):
+        assert not accepts(compiler, spec, '{"s":"a' + raw + 'b"}', whitespace), repr(raw)
+
+
 def test_annotations_are_accepted(compiler):
     schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "T",
               "type": "object", "properties": {"a": {"type": "integer", "description": "d",
