@@ -151,8 +151,7 @@ class ProcessingConfig(_Strict):
     # the speculative trees' masks (rows split over them); 1: the rank's own thread, which
     # pays off for cheap grammars and a busy host.
     grammar_threads: int = Field(1, ge=1, le=64)
-    # JSON outputs: compact (no whitespace between tokens) keeps a sampled small model from
-    # padding its answer until max_tokens cuts it; any: every run of whitespace allowed.
+    # JSON outputs' whitespace: compact stops a sampled model padding JSON until max_tokens cuts it.
     json_whitespace: Literal["compact", "any"] = "compact"
 
 

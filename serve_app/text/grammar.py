@@ -20,11 +20,13 @@ from typing import Any
 GrammarSpec = tuple[str, str]
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 JSON_KINDS = ("json_schema", "json_object")
-# "compact": no whitespace between JSON tokens (separators "," and ":"), as OpenAI's
-# structured outputs; "any": any run of it, which a small sampled model fills until
-# max_tokens cuts the document (issue 35). Strings keep their own spaces either way.
+# "compact": one line, no whitespace but one space after each "," and ":" (Python's
+# json.dumps; SmolLM2 writes `": "` rather than `":"`, and sampled at temperature 1 without
+# the space it filled json_object's keys with prose more often, in 10 requests);
+# "any": any run of whitespace, which a small sampled model fills until max_tokens cuts
+# the document. Strings keep their own spaces either way.
 JSON_WHITESPACE = ("compact", "any")
-COMPACT_SEPARATORS = (",", ":")
+COMPACT_SEPARATORS = (", ", ": ")
 _CACHED_GRAMMARS = 256
 # xgrammar (0.2.9) writes the characters of a string with minLength or maxLength as
 # _BOUNDED_STRING_CHAR, which lets a raw tab or other control character through: JSON

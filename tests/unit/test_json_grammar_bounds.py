@@ -10,8 +10,8 @@ import json
 import pytest
 import xgrammar
 
-from serve_app.text.grammar import (ANNOTATION_KEYWORDS, ENFORCED_KEYWORDS, FORMATS, REFUSED_KEYWORDS,
-                                    GrammarCompiler, check_spec)
+from serve_app.text.grammar import (ANNOTATION_KEYWORDS, COMPACT_SEPARATORS, ENFORCED_KEYWORDS, FORMATS,
+                                    REFUSED_KEYWORDS, GrammarCompiler, check_spec)
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,11 @@ def accepts(compiler: GrammarCompiler, spec, text: str, whitespace: str = "compa
                                                          compiler.info)
     matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
     return matcher.accept_string(text) and matcher.is_terminated()
+
+
+def compact(text: str) -> str:
+    """`text` (JSON) laid out as the compact grammar lays it out."""
+    return json.dumps(json.loads(text), separators=COMPACT_SEPARATORS, ensure_ascii=False)
 
 
 def schema_spec(schema) -> tuple[str, str]:
@@ -81,8 +86,8 @@ BOUNDS = [
 @pytest.mark.parametrize("keyword,schema,meets,breaks", BOUNDS, ids=[b[0] for b in BOUNDS])
 def test_each_supported_bound_holds_the_output(compiler, keyword, schema, meets, breaks):
     check_spec(schema_spec(schema))  # accepted, not refused
-    assert accepts(compiler, schema_spec(schema), meets)
-    assert not accepts(compiler, schema_spec(schema), breaks)
+    assert accepts(compiler, schema_spec(schema), compact(meets))
+    assert not accepts(compiler, schema_spec(schema), compact(breaks))
 
 
 def test_every_enforced_keyword_has_its_test():
@@ -102,9 +107,9 @@ def test_formats_hold_the_output(compiler, fmt, meets):
 def test_a_bounded_string_holds_no_raw_control_character(compiler, whitespace):
     # xgrammar's own rule for a length-bounded string let a raw tab through: invalid JSON.
     spec = schema_spec({"type": "object", "properties": {"s": {"type": "string", "maxLength": 6}}})
-    assert accepts(compiler, spec, '{"s":"a b"}', whitespace)
+    assert accepts(compiler, spec, '{"s": "a b"}', whitespace)
     for raw in ("\t", "\x01", "\n"):
-        assert not accepts(compiler, spec, '{"s":"a' + raw + 'b"}', whitespace), repr(raw)
+        assert not accepts(compiler, spec, '{"s": "a' + raw + 'b"}', whitespace), repr(raw)
 
 
 def test_annotations_are_accepted(compiler):
@@ -113,7 +118,7 @@ def test_annotations_are_accepted(compiler):
                                                      "default": 1, "examples": [1]}}}
     assert set(ANNOTATION_KEYWORDS) >= {"$schema", "title", "description", "default", "examples"}
     check_spec(schema_spec(schema))
-    assert accepts(compiler, schema_spec(schema), '{"a":1}')
+    assert accepts(compiler, schema_spec(schema), '{"a": 1}')
 
 
 # (keyword named in the error, schema, a string that breaks the schema yet the engine takes)
@@ -143,7 +148,7 @@ def test_a_keyword_the_engine_drops_is_refused_by_name(compiler, keyword, schema
     with pytest.raises(ValueError, match=f'"{keyword}"'):
         check_spec(schema_spec(schema))
     # Why: compiled anyway, the grammar lets through an output the schema forbids.
-    assert accepts(compiler, schema_spec(schema), breaks)
+    assert accepts(compiler, schema_spec(schema), compact(breaks))
 
 
 def test_refusals_name_the_place_and_unknown_keywords_too():
@@ -161,9 +166,11 @@ PERSON = {"type": "object", "properties": {"a": {"type": "integer"},
 
 
 @pytest.mark.parametrize("spec", [schema_spec(PERSON), ("json_object", "")], ids=["json_schema", "json_object"])
-def test_compact_whitespace_is_json_with_nothing_between_tokens(compiler, spec):
-    assert accepts(compiler, spec, '{"a":1,"b":["x y"]}')  # a string keeps its spaces
-    for spaced in ['{ "a" : 1,"b":[]}', '{"a": 1, "b": []}', '{"a":1,"b":[] }', '{\n"a":1,"b":[]}']:
+def test_compact_whitespace_is_one_line_with_one_space_after_separators(compiler, spec):
+    assert COMPACT_SEPARATORS == (", ", ": ")
+    assert accepts(compiler, spec, '{"a": 1, "b": ["x  y", "z"]}')  # a string keeps its spaces
+    for spaced in ['{ "a" : 1, "b": []}', '{"a":1,"b":[]}', '{"a": 1,  "b": []}', '{"a": 1, "b": [] }',
+                   '{\n"a": 1, "b": []}', '{"a":  1, "b": []}']:
         assert not accepts(compiler, spec, spaced), spaced
         assert accepts(compiler, spec, spaced, "any"), spaced
 
