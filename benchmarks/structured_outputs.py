@@ -7,6 +7,18 @@ validated against its schema; and the cost, tokens/s with and without the constr
         [--kinds json_object json_schema] [--out DIR]
 
 Exit status 1 if any finished output is invalid. Prints progress per batch.
+
+With --http, what a client gets: `kestrel serve` started with the config, and the official
+`openai` client sending --requests chat requests per kind (json_schema: a person with
+name, age and tags; json_object) at temperature 1 (seed i for request i), --concurrency at
+once, first with any whitespace between JSON tokens and then compact (the per-request
+structured_outputs.disable_any_whitespace, false then true: the two grammars of
+processing.json_whitespace). Per kind and whitespace: the share that stop by themselves
+(finish_reason "stop") and parse (and validate, for json_schema), and the mean answer
+length in tokens (usage.completion_tokens).
+
+    python -m benchmarks.structured_outputs --http [--requests 100] [--max-tokens 300]
+        [--concurrency 16] [--config ...] [--set K=V ...] [--out DIR]
 """
 from __future__ import annotations
 
@@ -101,6 +113,74 @@ def run(engine, reqs, batch: int, max_tokens: int, constrained: bool, seed: int)
             "truncated": truncated, "invalid_examples": invalid[:5]}
 
 
+# The person of issue 35, as a new user writes it: no bounds but the types.
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"type": "string"}}}}
+HTTP_KINDS = {  # kind: (user message, chat keyword arguments)
+    "json_schema": ("Invent a person. Reply with JSON: their name, age and tags.",
+                    {"response_format": {"type": "json_schema", "json_schema": {
+                        "name": "person", "schema": PERSON, "strict": True}}}),
+    "json_object": ("Describe a person as a JSON object.", {"response_format": {"type": "json_object"}}),
+}
+
+
+def http_answer(client, model: str, kind: str, whitespace: str, seed: int, max_tokens: int) -> dict:
+    """One chat request: whether it stopped by itself, whether its answer is what was
+    asked for (parses; validates for json_schema), and its length in tokens."""
+    text, kw = HTTP_KINDS[kind]
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
+        temperature=1.0, seed=seed, **kw,
+        extra_body={"structured_outputs": {"disable_any_whitespace": whitespace == "compact"}})
+    c = r.choices[0]
+    try:
+        value = json.loads(c.message.content)
+        if kind == "json_schema":
+            jsonschema.validate(value, PERSON)
+        valid = isinstance(value, dict)
+    except (ValueError, jsonschema.ValidationError):
+        valid = False
+    return {"stop": c.finish_reason == "stop", "valid": valid, "tokens": r.usage.completion_tokens,
+            "text": c.message.content}
+
+
+def over_http(args) -> dict:
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from benchmarks.http_bench import start_server, stop_server, wait_ready
+    proc, url, log = start_server(args.config, args.set)
+    print(f"kestrel serve on {url} (log: {log}) ...", flush=True)
+    report = {"config": args.config, "overrides": args.set, "requests": args.requests,
+              "max_tokens": args.max_tokens, "concurrency": args.concurrency}
+    try:
+        asyncio.run(wait_ready(url, proc))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
+        model = client.models.list().data[0].id
+        for kind in HTTP_KINDS:
+            for whitespace in ("any", "compact"):
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(args.concurrency) as pool:
+                    answers = list(pool.map(lambda i: http_answer(
+                        client, model, kind, whitespace, i, args.max_tokens), range(args.requests)))
+                n = len(answers)
+                ok = sum(a["stop"] and a["valid"] for a in answers)
+                r = report[f"{kind}/{whitespace}"] = {
+                    "stopped_and_valid": ok, "share": round(ok / n, 3),
+                    "stopped": sum(a["stop"] for a in answers),
+                    "mean_tokens": round(sum(a["tokens"] for a in answers) / n, 1),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                    "examples": [a["text"][:200] for a in answers[:3]]}
+                print(f"{kind}, {whitespace} whitespace: {ok}/{n} stop and are valid, "
+                      f"{r['stopped']} stop, mean {r['mean_tokens']} tokens ({r['seconds']} s)", flush=True)
+    finally:
+        stop_server(proc)
+    return report
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config")
@@ -112,7 +192,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", nargs="+", default=["json_object", "json_schema"],
                     choices=["json_object", "json_schema"])
     ap.add_argument("--out")
+    ap.add_argument("--http", action="store_true", help="the official client against kestrel serve")
+    ap.add_argument("--concurrency", type=int, default=16, help="--http: requests at once")
     args = ap.parse_args(argv)
+    if args.http:
+        report = over_http(args)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "structured_outputs_http.json").write_text(json.dumps(report, indent=1))
+        return 0
     cfg = load_config(args.config, overrides=args.set)
     engine = LLMEngine(cfg)
     tok = engine.tokenizer

@@ -194,6 +194,8 @@ class ProcessingConfig(_Strict):
     # the speculative trees' masks (rows split over them); 1: the rank's own thread, which
     # pays off for cheap grammars and a busy host.
     grammar_threads: int = Field(1, ge=1, le=64)
+    # JSON outputs' whitespace: compact stops a sampled model padding JSON until max_tokens cuts it.
+    json_whitespace: Literal["compact", "any"] = "compact"
 
 
 class ParallelConfig(_Strict):

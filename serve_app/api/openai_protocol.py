@@ -6,10 +6,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (BaseModel, Field, TypeAdapter, ValidationInfo, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (BaseModel, Field, StrictBool, TypeAdapter, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
 
-from serve_app.text.grammar import GrammarSpec, check_spec
+from serve_app.text.grammar import GrammarSpec, check_parses, check_spec, refuse_unenforced
 from serve_app.api.tools import constraint as tool_constraint
 from serve_app.api.request_field_policy import (NoEffectChatFields, NoEffectFields,
                                             RejectedChatFields, RejectedCompletionFields,
@@ -82,13 +82,16 @@ class ResponseFormat(RequestModel):
 
 
 class StructuredOutputs(RequestModel):
-    """vLLM's structured_outputs: exactly one constraint."""
+    """vLLM's structured_outputs: at most one constraint, and how JSON constraints (this
+    one's or response_format's, as vLLM) lay out whitespace."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None
     json_object: bool | None = None
+    # true: compact JSON, false: any whitespace; null: the server's processing.json_whitespace.
+    disable_any_whitespace: StrictBool | None = None
 
     def spec(self) -> GrammarSpec | None:
         set_ = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -165,6 +168,14 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
         """The request's output constraint, or None."""
         found = self._constraints()
         return found[0][1] if found else None
+
+    def json_whitespace(self, default: str) -> str:
+        """How a JSON constraint lays out whitespace: structured_outputs'
+        disable_any_whitespace if set, else `default` (the server's setting)."""
+        so = self.structured_outputs
+        if so is None or so.disable_any_whitespace is None:
+            return default
+        return "compact" if so.disable_any_whitespace else "any"
 
     model: str | None = None  # None = the served model
     max_tokens: int | None = Field(None, ge=1)
@@ -374,8 +385,10 @@ class FunctionDef(RequestModel):
     @field_validator("parameters")
     @classmethod
     def _parameters_compile(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Keywords the grammar engine ignores matter only where the arguments are
+        # constrained (tool_choice required or named: ChatCompletionRequest).
         if v is not None:
-            check_spec(("json_schema", json.dumps(v)))
+            check_parses(("json_schema", json.dumps(v)))
         return v
 
 
@@ -426,6 +439,25 @@ class ChatCompletionRequest(SamplingFields, NoEffectChatFields, RejectedChatFiel
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call (required, named)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name of max_tokens
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _constrained_arguments_enforced(cls, v: Any, info: ValidationInfo) -> Any:
+        # tools is declared first (ChatTemplateFields), so it is already in info.data. A
+        # required or named choice constrains the arguments to the parameters schema, so
+        # a keyword the grammar engine would drop there is refused (with auto or none the
+        # schema only goes into the prompt).
+        if v != "required" and not isinstance(v, NamedToolChoice):
+            return v
+        for tool in info.data.get("tools") or []:
+            fn = tool.function
+            if fn.parameters is None or (isinstance(v, NamedToolChoice) and v.function.name != fn.name):
+                continue
+            try:
+                refuse_unenforced(fn.parameters)
+            except ValueError as e:
+                raise ValueError(f"tool {fn.name!r}'s parameters: {e}") from None
+        return v
 
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

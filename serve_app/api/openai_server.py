@@ -210,7 +210,8 @@ class OpenAIServer:
         if spec is None:
             return None
         try:
-            return await asyncio.to_thread(compiler_for(self.tokenizer).compile, spec)
+            return await asyncio.to_thread(compiler_for(self.tokenizer).compile, spec,
+                                           body.json_whitespace(self.cfg.processing.json_whitespace))
         except RuntimeError as e:  # parsed, yet the compiler refused it
             raise KestrelAPIError.bad_request(f"The output constraint does not compile: {e}") from None
 

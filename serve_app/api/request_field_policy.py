@@ -117,8 +117,9 @@ class RejectedSamplingFields(RequestModel):
                                    "omit it")
     _guided_backend = unsupported("guided_decoding_backend", "Kestrel's grammar engine is "
                                   "xgrammar; omit it or send \"xgrammar\"", "xgrammar")
-    _guided_whitespace = unsupported("guided_whitespace_pattern", "JSON outputs allow any "
-                                     "whitespace; omit it")
+    _guided_whitespace = unsupported("guided_whitespace_pattern", "JSON outputs are compact "
+                                     "or allow any whitespace; omit it and send "
+                                     "structured_outputs.disable_any_whitespace")
     _structural_tag = unsupported("structural_tag", "omit it; use response_format or "
                                   "structured_outputs")
     _tokens_as_ids = unsupported("return_tokens_as_token_ids", "logprobs show tokens as text; "

@@ -4,11 +4,14 @@ field Kestrel does not act on is a 400 naming it and reaches no engine; a field 
 or honours shows in what the engine is asked to do."""
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from fake_engine import BosTokenizer, FakeEngine, Recorder, call, serve_recorded
 
 from configs.schema import load_config
+from serve_app.text.grammar import compiler_for
 from serve_app.text.tokenizer import apply_chat_template
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -167,6 +170,39 @@ def test_output_constraints_reach_the_engine_compiled(client, engine_asked, kwar
     complete(client, extra_body=kwargs.get("extra_body", kwargs))  # the client's completions lack response_format
     assert all(isinstance(p["grammar"], str) and p["grammar"] for _, p in engine_asked)
     assert len(engine_asked) == 2
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name"],
+          "properties": {"name": {"type": "string", "maxLength": 20}}}
+
+
+def test_json_is_compact_unless_the_request_asks_for_any_whitespace(client, engine_asked, tokenizer):
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+    chat(client, response_format=fmt)
+    chat(client, response_format=fmt, extra_body={"structured_outputs": {"disable_any_whitespace": False}})
+    chat(client, response_format=fmt, extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    complete(client, extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": False}})
+    spec = ("json_schema", json.dumps(SCHEMA))
+    compact, spaced = (compiler_for(tokenizer).compile(spec, w) for w in ("compact", "any"))
+    assert compact != spaced
+    assert [p["grammar"] for _, p in engine_asked] == [compact, spaced, compact, spaced]
+
+
+@pytest.mark.parametrize("endpoint,extra", [
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}),
+    ("completions", {"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}),
+    ("chat", {"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}}),
+], ids=["response_format", "structured_outputs", "disable_any_whitespace"])
+def test_what_the_grammar_engine_cannot_do_is_400(client, engine_asked, endpoint, extra):
+    with pytest.raises(openai.BadRequestError) as ei:
+        (chat if endpoint == "chat" else complete)(client, extra_body=extra)
+    err = ei.value
+    named = "disable_any_whitespace" if "disable_any_whitespace" in str(extra) else '"uniqueItems"'
+    assert err.status_code == 400 and named in err.message, err.message
+    assert err.param == ("structured_outputs.disable_any_whitespace" if named == "disable_any_whitespace"
+                         else next(iter(extra)))
+    assert engine_asked == []
 
 
 def test_logit_processing_reaches_the_engine(client, engine_asked):

@@ -180,6 +180,52 @@ def test_message_echoes_small_inputs_only():
     assert "x" * 100 not in err["message"]
 
 
+# ----------------------------------------------------------------- structured outputs
+
+UNIQUE_TAGS = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+TOOL = {"type": "function", "function": {"name": "tag", "parameters": UNIQUE_TAGS}}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": UNIQUE_TAGS}}},
+     "response_format"),
+    ({"structured_outputs": {"json": UNIQUE_TAGS}}, "structured_outputs"),
+    ({"guided_json": UNIQUE_TAGS}, "guided_json"),
+    ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "tag"}}}, "tool_choice"),
+])
+def test_a_schema_keyword_the_engine_drops_is_400_naming_it(body, param):
+    status, err = bad(ChatCompletionRequest, {"messages": MSGS, **body})
+    assert status == 400 and err["param"] == param
+    assert '"uniqueItems" (at /properties/tags)' in err["message"] and "remove it" in err["message"]
+
+
+def test_tools_not_constrained_keep_any_schema():
+    # With tool_choice auto or none the parameters only go into the prompt.
+    for choice in ("auto", "none", None):
+        assert chat(tools=[TOOL], tool_choice=choice).grammar_spec() is None
+
+
+@pytest.mark.parametrize("so,default,expected", [
+    (None, "compact", "compact"), (None, "any", "any"),
+    ({"disable_any_whitespace": True}, "any", "compact"),
+    ({"disable_any_whitespace": False}, "compact", "any"),
+    ({"json": {"type": "object"}, "disable_any_whitespace": None}, "any", "any"),
+])
+def test_json_whitespace_per_request_over_the_server_default(so, default, expected):
+    req = chat(structured_outputs=so, response_format={"type": "json_object"} if so is None or
+               "json" not in so else None)
+    assert req.json_whitespace(default) == expected
+    assert req.grammar_spec()[0] in ("json_object", "json_schema")
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "compact"])
+def test_disable_any_whitespace_is_a_boolean(value):
+    status, err = bad(ChatCompletionRequest, {"messages": MSGS, "response_format": {"type": "json_object"},
+                                              "structured_outputs": {"disable_any_whitespace": value}})
+    assert status == 400 and err["param"] == "structured_outputs.disable_any_whitespace"
+
+
 # ----------------------------------------------------------------- errors module
 
 
