@@ -1,8 +1,10 @@
-"""GGUF file -> (LlamaArch, HF-named float32 state dict): dequantize, rename, undo Q/K permutation."""
+"""GGUF file -> (LlamaArch, HF-named float32 state dict): dequantize, rename, undo Q/K
+permutation, one tensor at a time as the state dict is read."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -87,8 +89,32 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(arr)  # float32
 
 
-def read_gguf(path: str) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
-    """Dequantize every tensor to float32 and build the LlamaArch from the GGUF metadata."""
+class GGUFCheckpoint(Mapping[str, torch.Tensor]):
+    """HF name -> float32 tensor, dequantized (and Q/K unpermuted) at each lookup, so a load
+    holds one dequantized tensor at a time rather than the whole model in float32."""
+
+    def __init__(self, tensors: dict[str, Any], arch: LlamaArch, permuted: bool):
+        self._tensors = {hf_name(name): t for name, t in tensors.items()}  # HF name -> GGUF tensor
+        self._arch = arch
+        self._permuted = permuted
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = _dequantize(self._tensors[name])
+        if self._permuted and ".q_proj." in name:
+            w = unpermute_rows(w, self._arch.num_heads)
+        elif self._permuted and ".k_proj." in name:
+            w = unpermute_rows(w, self._arch.num_kv_heads)
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)  # the file's order
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def read_gguf(path: str) -> tuple[LlamaArch, GGUFCheckpoint]:
+    """The LlamaArch from the GGUF metadata, and the tensors (read on demand)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path, "r")
@@ -155,14 +181,4 @@ def read_gguf(path: str) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
     )
 
     # Only llama-arch conversions permute Q/K (qwen2 is converted with NEOX-style RoPE, unpermuted).
-    permuted = g_arch == "llama"
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        key = hf_name(name)
-        w = _dequantize(tensor)
-        if permuted and ".q_proj." in key:
-            w = unpermute_rows(w, arch.num_heads)
-        elif permuted and ".k_proj." in key:
-            w = unpermute_rows(w, arch.num_kv_heads)
-        state[key] = w
-    return arch, state
+    return arch, GGUFCheckpoint(tensors, arch, permuted=g_arch == "llama")
