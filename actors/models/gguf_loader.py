@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
+from actors.models.file_range import read_range
 from actors.models.model_config import LlamaArch
 
 # llama.cpp architecture -> HF model_type. Mistral GGUFs are written as "llama".
@@ -74,17 +75,24 @@ def _f32_decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _dequantize(tensor: Any) -> torch.Tensor:
+def _dequantize(tensor: Any, f: BinaryIO | None = None) -> torch.Tensor:
+    """One GGUF tensor as float32 [out, in] (torch order). With ``f`` (the open file), its
+    bytes are read into fresh memory rather than through the reader's memory map
+    (file_range.py says why)."""
     from gguf.quants import dequantize
 
-    # np.asarray drops the np.memmap subclass, whose per-slice bookkeeping makes row-wise
-    # dequantization several times slower.
-    arr = dequantize(np.asarray(tensor.data), tensor.tensor_type)  # numpy, torch order [out, in]
+    if f is None:
+        # np.asarray drops the np.memmap subclass, whose per-slice bookkeeping makes row-wise
+        # dequantization several times slower.
+        raw = np.asarray(tensor.data)
+    else:
+        raw = read_range(f, int(tensor.data_offset), np.empty(tensor.data.shape, tensor.data.dtype))
+    arr = dequantize(raw, tensor.tensor_type)  # numpy, torch order [out, in]
     want = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims fastest-first
     if arr.shape != want:
         arr = arr.reshape(want)
     if arr.dtype != np.float32 or not arr.flags.writeable:
-        # F32 tensors come back as read-only views of the memory map; own the memory.
+        # F32 tensors come back as read-only views of their input; own the memory.
         arr = np.array(arr, dtype=np.float32, copy=True)
     return torch.from_numpy(arr)  # float32
 
@@ -93,13 +101,14 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
     """HF name -> float32 tensor, dequantized (and Q/K unpermuted) at each lookup, so a load
     holds one dequantized tensor at a time rather than the whole model in float32."""
 
-    def __init__(self, tensors: dict[str, Any], arch: LlamaArch, permuted: bool):
+    def __init__(self, path: str, tensors: dict[str, Any], arch: LlamaArch, permuted: bool):
+        self._file = open(path, "rb")
         self._tensors = {hf_name(name): t for name, t in tensors.items()}  # HF name -> GGUF tensor
         self._arch = arch
         self._permuted = permuted
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        w = _dequantize(self._tensors[name])
+        w = _dequantize(self._tensors[name], self._file)
         if self._permuted and ".q_proj." in name:
             w = unpermute_rows(w, self._arch.num_heads)
         elif self._permuted and ".k_proj." in name:
@@ -181,4 +190,4 @@ def read_gguf(path: str) -> tuple[LlamaArch, GGUFCheckpoint]:
     )
 
     # Only llama-arch conversions permute Q/K (qwen2 is converted with NEOX-style RoPE, unpermuted).
-    return arch, GGUFCheckpoint(tensors, arch, permuted=g_arch == "llama")
+    return arch, GGUFCheckpoint(path, tensors, arch, permuted=g_arch == "llama")

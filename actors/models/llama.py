@@ -266,3 +266,4 @@ class LlamaForCausalLM(nn.Module):
             if tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
             copy(dst, src)
+            del src  # before the next one is read: one tensor on the host at a time

@@ -79,7 +79,7 @@ def build_model(
     if load_format == "dummy":
         arch, state = read_arch(path), None
     elif load_format == "auto":
-        arch, state = load_model_weights(path)
+        arch, state = load_model_weights(path)  # headers only: tensors are read as copied
     else:
         raise ValueError(f"model.load_format={load_format!r} is not supported (auto, dummy)")
     # Build on the meta device and allocate uninitialised storage straight on the target
@@ -98,12 +98,14 @@ def build_model(
     else:
         from actors.models.pinned_staging import PinnedStaging
 
-        staging = PinnedStaging(device)
+        # The baseline: the empty model allocated (on the CPU, not yet touched), nothing of
+        # the checkpoint read.
         meter = LoadMeter(path, len(state))
+        staging = PinnedStaging(device)
 
         def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-            meter.tick(src)  # while src is held: the host's peak
             staging.copy(dst, src)
+            meter.tick(src)  # src still held, dst written: the host's peak
 
         model.load_weights(state, copy)
         staging.finish()
