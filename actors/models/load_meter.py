@@ -8,7 +8,6 @@ import os
 import time
 
 import torch
-from tqdm import tqdm
 
 log = logging.getLogger("kestrel.loader")
 
@@ -30,17 +29,28 @@ class LoadMeter:
         self.t0 = time.perf_counter()
         # The peak is sampled at each tensor, while it is held on the host: that is when
         # the load holds the most.
-        self.bar = tqdm(total=tensors, desc=f"loading {os.path.basename(what)}", unit="tensor",
-                        mininterval=2.0, leave=False)
+        self.tensors, self.done = tensors, 0
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=tensors, desc=f"loading {os.path.basename(what)}", unit="tensor",
+                            mininterval=2.0, leave=False)
+        except ImportError:  # a line per tenth instead
+            self.bar = None
 
     def tick(self, src: torch.Tensor) -> None:
         self.bytes += src.numel() * src.element_size()
         self.peak = max(self.peak, host_rss())
-        self.bar.update(1)
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.done * 10 // self.tensors != (self.done - 1) * 10 // self.tensors:
+            log.info("loading %s: %d/%d tensors, %.2f GB, %.0f s", self.what, self.done,
+                     self.tensors, self.bytes / 1e9, time.perf_counter() - self.t0)
 
     def close(self) -> dict[str, float]:
         """Totals, also logged: seconds, GB read, GB/s, peak host GB above the baseline."""
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
         secs = time.perf_counter() - self.t0
         out = {"seconds": secs, "gb": self.bytes / 1e9, "gb_per_s": self.bytes / 1e9 / max(secs, 1e-9),
                "peak_host_gb_above_baseline": (self.peak - self.baseline) / 1e9}
