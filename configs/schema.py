@@ -21,6 +21,11 @@ class ModelConfig(_Strict):
     path: str | None = None
     name: str = "SmolLM2-135M-Instruct"  # the id served on /v1/models
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # auto: weights from path's checkpoint. dummy: random weights (seed: the top-level seed)
+    # built on the device from path's config.json (or GGUF header), no checkpoint read:
+    # real shapes and tokenizer for speed measurements (models/qwen2.5-7b etc.); a draft
+    # without draft.path is then random too.
+    load_format: Literal["auto", "dummy"] = "auto"
     max_model_len: int = Field(2048, ge=16)
     # On CUDA, RMSNorm (+ residual add), RoPE and SiLU-mul run as fused Triton kernels
     # (kestrel_kernels/layer_ops.py); false runs their torch references (to compare the two).

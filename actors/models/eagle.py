@@ -239,11 +239,16 @@ def read_eagle_spec(folder: Path, target: LlamaArch, arch: str = "auto") -> Eagl
     return s
 
 
-def resolve_draft_path(draft_path: str | None, model_path: str | None) -> str:
-    """draft.path as given; when unset, the shipped head of the default target, and an
-    error for any other target (a random head would only slow it down)."""
+def resolve_draft_path(draft_path: str | None, model_path: str | None,
+                       load_format: str = "auto") -> str:
+    """draft.path as given; when unset, the shipped head of the default target, a random
+    head for a random target (model.load_format=dummy: no trained head fits it, and its
+    speed does not depend on the values), and an error for any other target (a random
+    head would only slow it down)."""
     if draft_path:
         return draft_path
+    if load_format == "dummy":
+        return "random"
     if model_path is None:
         from heads import default_head_path
         return default_head_path()
@@ -251,19 +256,25 @@ def resolve_draft_path(draft_path: str | None, model_path: str | None) -> str:
                      "head fits only the default SmolLM2 target (train one: kestrel train-draft)")
 
 
+@torch.no_grad()
 def load_eagle_head(path: str, target: LlamaForCausalLM, arch: str, dtype: torch.dtype,
                     device: torch.device, seed: int = 0) -> EagleHead:
-    """A head from an SGLang/EAGLE folder, or `path="random"` for a random one (tests)."""
+    """A head from an SGLang/EAGLE folder, or `path="random"` for a random one."""
     if path == "random":
         s = EagleSpec.for_target(target.arch, "eagle" if arch == "auto" else arch)
-        g = torch.Generator().manual_seed(seed)
-        head = EagleHead(s, target)
-        with torch.no_grad():
-            for name, p in head.named_parameters():
-                if name.endswith("norm.weight"):
-                    continue
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        return head.to(device=device, dtype=dtype)
+        # Built on the device in its dtype: a head for a 7B target is ~1 GB in float32.
+        with torch.device("meta"):
+            head = EagleHead(s, target)
+        head = head.to(dtype).to_empty(device=device)  # .to(dtype) leaves the int64 d2t alone
+        if head.eagle3:
+            head.d2t.zero_()  # draft ids are target ids
+        g = torch.Generator(device=device).manual_seed(seed)
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device=device) * 0.02)  # fp32, one tensor
+        return head
     from safetensors.torch import load_file
     folder = Path(path)
     if not (folder / "config.json").exists():

@@ -1,13 +1,16 @@
-"""GGUF file -> (LlamaArch, HF-named float32 state dict): dequantize, rename, undo Q/K permutation."""
+"""GGUF file -> (LlamaArch, HF-named float32 state dict): dequantize, rename, undo Q/K
+permutation, one tensor at a time as the state dict is read."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
+from actors.models.file_range import read_range
 from actors.models.model_config import LlamaArch
 
 # llama.cpp architecture -> HF model_type. Mistral GGUFs are written as "llama".
@@ -72,23 +75,55 @@ def _f32_decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _dequantize(tensor: Any) -> torch.Tensor:
+def _dequantize(tensor: Any, f: BinaryIO | None = None) -> torch.Tensor:
+    """One GGUF tensor as float32 [out, in] (torch order). With ``f`` (the open file), its
+    bytes are read into fresh memory rather than through the reader's memory map
+    (file_range.py says why)."""
     from gguf.quants import dequantize
 
-    # np.asarray drops the np.memmap subclass, whose per-slice bookkeeping makes row-wise
-    # dequantization several times slower.
-    arr = dequantize(np.asarray(tensor.data), tensor.tensor_type)  # numpy, torch order [out, in]
+    if f is None:
+        # np.asarray drops the np.memmap subclass, whose per-slice bookkeeping makes row-wise
+        # dequantization several times slower.
+        raw = np.asarray(tensor.data)
+    else:
+        raw = read_range(f, int(tensor.data_offset), np.empty(tensor.data.shape, tensor.data.dtype))
+    arr = dequantize(raw, tensor.tensor_type)  # numpy, torch order [out, in]
     want = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims fastest-first
     if arr.shape != want:
         arr = arr.reshape(want)
     if arr.dtype != np.float32 or not arr.flags.writeable:
-        # F32 tensors come back as read-only views of the memory map; own the memory.
+        # F32 tensors come back as read-only views of their input; own the memory.
         arr = np.array(arr, dtype=np.float32, copy=True)
     return torch.from_numpy(arr)  # float32
 
 
-def read_gguf(path: str) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
-    """Dequantize every tensor to float32 and build the LlamaArch from the GGUF metadata."""
+class GGUFCheckpoint(Mapping[str, torch.Tensor]):
+    """HF name -> float32 tensor, dequantized (and Q/K unpermuted) at each lookup, so a load
+    holds one dequantized tensor at a time rather than the whole model in float32."""
+
+    def __init__(self, path: str, tensors: dict[str, Any], arch: LlamaArch, permuted: bool):
+        self._file = open(path, "rb")
+        self._tensors = {hf_name(name): t for name, t in tensors.items()}  # HF name -> GGUF tensor
+        self._arch = arch
+        self._permuted = permuted
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = _dequantize(self._tensors[name], self._file)
+        if self._permuted and ".q_proj." in name:
+            w = unpermute_rows(w, self._arch.num_heads)
+        elif self._permuted and ".k_proj." in name:
+            w = unpermute_rows(w, self._arch.num_kv_heads)
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)  # the file's order
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def read_gguf(path: str) -> tuple[LlamaArch, GGUFCheckpoint]:
+    """The LlamaArch from the GGUF metadata, and the tensors (read on demand)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path, "r")
@@ -155,14 +190,4 @@ def read_gguf(path: str) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
     )
 
     # Only llama-arch conversions permute Q/K (qwen2 is converted with NEOX-style RoPE, unpermuted).
-    permuted = g_arch == "llama"
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        key = hf_name(name)
-        w = _dequantize(tensor)
-        if permuted and ".q_proj." in key:
-            w = unpermute_rows(w, arch.num_heads)
-        elif permuted and ".k_proj." in key:
-            w = unpermute_rows(w, arch.num_kv_heads)
-        state[key] = w
-    return arch, state
+    return arch, GGUFCheckpoint(path, tensors, arch, permuted=g_arch == "llama")

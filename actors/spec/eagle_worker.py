@@ -89,7 +89,8 @@ class EagleWorker:
         self.w = worker
         d = cfg.draft
         self.K, self.S, self.N = d.topk, d.num_steps, d.num_draft_tokens
-        self.head = load_eagle_head(resolve_draft_path(d.path, cfg.model.path), worker.model,
+        self.head = load_eagle_head(resolve_draft_path(d.path, cfg.model.path, cfg.model.load_format),
+                                    worker.model,
                                     d.arch, worker.dtype, worker.device, seed=cfg.seed)
         self.head.max_token_id = d.max_token_id
         s = self.head.spec

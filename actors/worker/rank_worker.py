@@ -94,7 +94,8 @@ class RankWorker:
         path = cfg.model.path or default_model_path()
         t0 = time.time()
         log.info("rank %d: loading %s (%s, %s)", rank, path, self.device, self.dtype)
-        self.model, self.arch = build_model(path, self.dtype, self.device)
+        self.model, self.arch = build_model(path, self.dtype, self.device,
+                                            cfg.model.load_format, cfg.seed)
         log.info("rank %d: model loaded in %.1fs", rank, time.time() - t0)
         a = self.arch
         spec = cfg.draft.enabled

@@ -3,6 +3,7 @@
 import math
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -308,3 +309,61 @@ def test_gguf_tokenizer_chat_template_and_cache(tmp_path, monkeypatch):
     folder = tmp_path / "hf_model"
     warm.save_pretrained(folder)
     assert apply_chat_template(load_tokenizer(str(folder)), messages) == got
+
+
+def test_hf_load_holds_one_tensor_at_a_time(tmp_path):
+    """Host memory while loading, in a fresh process (benchmarks/load_bench.py): on the CPU
+    the model itself plus about one tensor, never the checkpoint a second time (a shard
+    read whole, a memory map left resident, a state dict built before copying)."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cfg = dict(TINY, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+               model_type="llama", tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with torch.device("meta"):
+        shapes = LlamaForCausalLM(LlamaArch.from_hf_config(cfg)).checkpoint_state()
+    state = {k: torch.randn(v.shape) for k, v in shapes.items()}
+    save_file(state, tmp_path / "model.safetensors")
+    total = sum(t.numel() * 4 for t in state.values())
+    largest = max(t.numel() * 4 for t in state.values())
+    assert total > 8 * largest  # the bound below would not tell the two apart otherwise
+    out = subprocess.run([sys.executable, "-m", "benchmarks.load_bench", "--load-only", "--dir", str(tmp_path),
+                          "--dtype", "float32", "--device", "cpu", "--no-verify"],
+                         capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["gb"] * 1e9 == total
+    beyond = r["peak_host_gb_beyond_model"] * 1e9
+    assert beyond < 3 * largest, (beyond, total, largest)
+
+
+def test_gguf_per_tensor_dequant_equals_whole_file_dequant():
+    """GGUFCheckpoint reads each tensor's bytes into fresh memory and dequantizes it alone;
+    the same values as dequantizing from the reader's memory map (SmolLM2, Q4_1 and F32)."""
+    import gguf
+
+    from actors.models import gguf_loader
+
+    path = default_model_path()
+    arch = gguf_loader.read_gguf(path)[0]
+    tensors = {t.name: t for t in gguf.GGUFReader(path, "r").tensors}
+    ck = gguf_loader.GGUFCheckpoint(path, tensors, arch, permuted=True)
+    names = ["token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
+             "blk.0.attn_v.weight", "blk.29.ffn_down.weight", "blk.29.ffn_norm.weight"]
+    kinds = set()
+    for name in names:
+        t = tensors[name]
+        kinds.add(t.tensor_type.name)
+        whole = gguf_loader._dequantize(t)  # from the memory map
+        key = hf_name(name)
+        if ".q_proj." in key:
+            whole = unpermute_rows(whole, arch.num_heads)
+        elif ".k_proj." in key:
+            whole = unpermute_rows(whole, arch.num_kv_heads)
+        got = ck[key]
+        assert got.dtype == torch.float32 and torch.equal(got, whole), name
+    assert {"Q4_1", "F32"} <= kinds, kinds
