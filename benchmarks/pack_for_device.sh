@@ -15,7 +15,9 @@
 # .xfer/tools again (ignored paths that are not carried may not survive between calls).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-PIECE=${PIECE:-53000000}  # + the tracked files (~11 MB) stays under 64 MiB
+# Each transfer also carries the tracked files: a piece is what is left of 64 MiB, less 3 MB.
+tracked=$(git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+PIECE=${PIECE:-$(( 67108864 - tracked - 3000000 ))}
 grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
 rm -rf .xfer && mkdir -p .xfer/tools/wheels
 wheel() { local dest=$1; shift; python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
