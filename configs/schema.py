@@ -263,6 +263,13 @@ class ServeConfig(_Strict):
     queue_full_status: Literal[503, 429] = 503
     retry_after_s: int = Field(1, ge=0)
     stream_interval_ms: float = Field(0.0, ge=0)  # 0 = send every token as it comes
+    # Requests that arrive together are admitted about this much handler work per event
+    # loop round, with the sockets polled between rounds, so first tokens go out while the
+    # rest are admitted (serve_app/api/admission_pacer.py); 0 admits a burst in one round.
+    admission_slice_ms: float = Field(5.0, ge=0)
+    # While admissions queue, a running stream holds its chunks back at most this long
+    # (its tokens go out together after): the inter-token gap a burst of arrivals can add.
+    admission_defer_ms: float = Field(250.0, ge=0)
     engine_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
 
 

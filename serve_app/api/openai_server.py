@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from configs.schema import KestrelConfig
+from serve_app.api.admission_pacer import AdmissionPacer
 from serve_app.api.client_disconnect import ClientDisconnected, unless_disconnected
 from serve_app.engine.engine_client import EngineError, EngineUnavailable, QueueFull, RequestRejected
 from serve_app.api.errors import KestrelAPIError, error_body, validation_error_body
@@ -124,6 +125,8 @@ class OpenAIServer:
         self.max_request_bytes = cfg.serve.max_request_bytes
         self.metrics_need_key = cfg.serve.metrics_require_api_key
         self.metrics = ServerMetrics(self.model_name)
+        self.pacer = AdmissionPacer(cfg.serve.admission_slice_ms / 1000.0,
+                                    cfg.serve.admission_defer_ms / 1000.0)
 
     # ---- request checks --------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -295,9 +298,12 @@ class OpenAIServer:
         """(position in streams, output) from all streams as they arrive. Leaving early
         (client gone, error) cancels the unfinished streams, which aborts them."""
         try:
+            pacer = self.pacer
             if len(streams) == 1:  # the common case, without a task per stream
                 async for out in streams[0]:
                     yield 0, out
+                    if pacer.backlog and not out.finished:  # new requests first; its tokens pile up
+                        await pacer.pause()
                 return
             queue: asyncio.Queue = asyncio.Queue()
 
@@ -305,6 +311,8 @@ class OpenAIServer:
                 try:
                     async for out in stream:
                         queue.put_nowait((i, out))
+                        if pacer.backlog and not out.finished:
+                            await pacer.pause()
                     queue.put_nowait((i, _END))
                 except BaseException as e:  # noqa: BLE001 - handed to the consumer
                     queue.put_nowait((i, e))
@@ -334,13 +342,14 @@ class OpenAIServer:
     # ---- endpoints --------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
-        body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
-        ids = await self.chat_prompt(body)
-        self.check_prompt(ids, "messages")
-        request_id = make_id("chatcmpl")
-        choices = self.make_choices(body, [ids], request_id, await self.compiled_grammar(body))
-        tools, tool_choice = body.tool_dicts(), body.tool_choice_value()
-        streams = self.start(choices)
+        async with self.pacer.admission():
+            body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
+            ids = await self.chat_prompt(body)
+            self.check_prompt(ids, "messages")
+            request_id = make_id("chatcmpl")
+            choices = self.make_choices(body, [ids], request_id, await self.compiled_grammar(body))
+            tools, tool_choice = body.tool_dicts(), body.tool_choice_value()
+            streams = self.start(choices)
         usage_prompt = len(ids)
         if body.stream:
             chunks = StreamChunks("chat", request_id, self.model_name)
@@ -362,21 +371,22 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         self.check_auth(request)
-        body: CompletionRequest = await self.parse(request, CompletionRequest)
-        prompts: list[list[int]] = []
-        for i, p in enumerate(body.prompts()):
-            ids = (await self.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p))
-            self.check_prompt(ids, "prompt" if len(body.prompts()) == 1 else f"prompt.{i}")
-            prompts.append(ids)
-        request_id = make_id("cmpl")
-        choices = self.make_choices(body, prompts, request_id, await self.compiled_grammar(body))
-        if body.echo:
-            texts = [p if isinstance(p, str) else self.tokenizer.decode(ids)
-                     for p, ids in zip(body.prompts(), prompts)]
-            n = len(choices) // len(prompts)
-            for c in choices:
-                c.echo = texts[c.index // n]
-        streams = self.start(choices)
+        async with self.pacer.admission():
+            body: CompletionRequest = await self.parse(request, CompletionRequest)
+            prompts: list[list[int]] = []
+            for i, p in enumerate(body.prompts()):
+                ids = (await self.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p))
+                self.check_prompt(ids, "prompt" if len(body.prompts()) == 1 else f"prompt.{i}")
+                prompts.append(ids)
+            request_id = make_id("cmpl")
+            choices = self.make_choices(body, prompts, request_id, await self.compiled_grammar(body))
+            if body.echo:
+                texts = [p if isinstance(p, str) else self.tokenizer.decode(ids)
+                         for p, ids in zip(body.prompts(), prompts)]
+                n = len(choices) // len(prompts)
+                for c in choices:
+                    c.echo = texts[c.index // n]
+            streams = self.start(choices)
         usage_prompt = sum(len(p) for p in prompts)
         if body.stream:
             chunks = StreamChunks("completion", request_id, self.model_name)
