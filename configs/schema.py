@@ -266,7 +266,9 @@ class ServeConfig(_Strict):
     # Requests that arrive together are admitted about this much handler work per event
     # loop round, with the sockets polled between rounds, so first tokens go out while the
     # rest are admitted (serve_app/api/admission_pacer.py); 0 admits a burst in one round.
-    admission_slice_ms: float = Field(5.0, ge=0)
+    # Off (0) until measured on a GPU host; on the 2-core CPU 5 ms halved TTFT p50 at 256
+    # streams (docs/benchmarks.md).
+    admission_slice_ms: float = Field(0.0, ge=0)
     # While admissions queue, a running stream holds its chunks back at most this long
     # (its tokens go out together after): the inter-token gap a burst of arrivals can add.
     admission_defer_ms: float = Field(250.0, ge=0)
