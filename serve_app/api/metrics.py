@@ -117,34 +117,24 @@ class _StepCollector:
     def collect(self):
         stats = self.m._engine_stats
         rep = str(stats.get("replica", "engine"))
-        steps = CounterMetricFamily("kestrel_engine_steps", "Engine steps by mode ('pipelined': "
-                                    "sent while another step was in flight)",
-                                    labels=["model", "replica", "mode"])
-        for mode, n in (stats.get("steps") or {}).items():
-            steps.add_metric([self.m.model, rep, mode], n)
-        secs = CounterMetricFamily("kestrel_engine_step_seconds", "Seconds per step phase: "
-                                   "schedule, process (engine loop); execute, recv, compile "
-                                   "(rank worker); gc (the collector's passes, rank and "
-                                   "engine loop); wait (the worker idle before a pipelined step), "
-                                   "gpu_idle (the GPU idle before it, by the GPU's clock)",
-                                   labels=["model", "replica", "phase"])
-        for phase, v in (stats.get("step_seconds") or {}).items():
-            secs.add_metric([self.m.model, rep, phase], v)
-        eager = CounterMetricFamily("kestrel_engine_eager_steps", "Steps that left the captured "
-                                    "graphs while graphs are on, by reason "
-                                    "(actors/worker/eager_steps.py REASONS)",
-                                    labels=["model", "replica", "reason"])
-        for reason, n in (stats.get("eager_steps") or {}).items():
-            eager.add_metric([self.m.model, rep, reason], n)
-        shapes = CounterMetricFamily("kestrel_engine_draft_shape_steps", "Speculative decode steps "
-                                     "by the draft shape they ran at (topk, steps, nodes; "
-                                     "draft.adaptive_shapes)", labels=["model", "replica", "shape"])
-        for shape, n in (stats.get("draft_shape_steps") or {}).items():
-            shapes.add_metric([self.m.model, rep, shape], n)
-        yield steps
-        yield secs
-        yield eager
-        yield shapes
+        # (metric, help, label, the stats() entry whose label -> value it exports)
+        families = (
+            ("kestrel_engine_steps", "Engine steps by mode ('pipelined': sent while another step "
+             "was in flight)", "mode", "steps"),
+            ("kestrel_engine_step_seconds", "Seconds per step phase: schedule, process (engine "
+             "loop); execute, recv, compile (rank worker); gc (the collector's passes, rank and "
+             "engine loop); wait (the worker idle before a pipelined step), gpu_idle (the GPU "
+             "idle before it, by the GPU's clock)", "phase", "step_seconds"),
+            ("kestrel_engine_eager_steps", "Steps that left the captured graphs while graphs are "
+             "on, by reason (actors/worker/eager_steps.py REASONS)", "reason", "eager_steps"),
+            ("kestrel_engine_draft_shape_steps", "Speculative decode steps by the draft shape they "
+             "ran at (topk, steps, nodes; draft.adaptive_shapes)", "shape", "draft_shape_steps"),
+        )
+        for name, help_text, label, key in families:
+            family = CounterMetricFamily(name, help_text, labels=["model", "replica", label])
+            for value_label, v in (stats.get(key) or {}).items():
+                family.add_metric([self.m.model, rep, value_label], v)
+            yield family
 
 
 class RequestTracker:
