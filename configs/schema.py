@@ -86,9 +86,13 @@ class DraftConfig(_Strict):
 
 class KVCacheConfig(_Strict):
     page_size: int = Field(1, ge=1, le=256)
-    # Total KV slots per rank; None = from memory_fraction on GPU, 16384 on CPU.
+    # Total KV slots per rank; None = on a GPU, what memory_utilization leaves after the
+    # weights, the draft, every captured graph and a worst-case step, measured at start-up
+    # (actors/worker/memory_profile.py); 16384 on CPU.
     num_slots: int | None = Field(None, ge=64)
-    memory_fraction: float = Field(0.6, gt=0.0, le=0.95)
+    # The share of the device's memory a rank may hold in all (vLLM's gpu_memory_utilization);
+    # the rest is headroom for fragmentation, the CUDA context and other processes.
+    memory_utilization: float = Field(0.9, gt=0.0, le=0.98)
     prefix_caching: bool = True
 
 
