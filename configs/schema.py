@@ -31,6 +31,17 @@ class ModelConfig(_Strict):
     # (kestrel_kernels/layer_ops.py); false runs their torch references (to compare the two).
     fused_layer_ops: bool = True
 
+    @model_validator(mode="after")
+    def _absolute_path(self) -> "ModelConfig":
+        """A relative path, made absolute where it exists: from the working directory, else
+        from the repository (a preset's models/...): the rank actors run elsewhere."""
+        if self.path and not os.path.isabs(self.path):
+            for base in (Path.cwd(), CONFIG_DIR.parent):
+                if (base / self.path).exists():
+                    self.__dict__["path"] = str((base / self.path).resolve())
+                    break
+        return self
+
 
 class DraftConfig(_Strict):
     enabled: bool = False
