@@ -14,6 +14,9 @@
 #   gputests   the adaptive draft shapes' and speculative graphs' GPU tests                ~150
 #   load-tree, load-plain, load-vllm-plain, load-vllm-eagle
 #              closed bursts at 1..512 streams, then (not plain) the open-loop sweep       ~300 each
+#   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
+#   kestrel-7b, vllm-7b, kestrel-32b, vllm-32b
+#              random weights of the shape, plain decoding: benchmarks/h200_sizes.sh      ~200-300 each
 # LEVELS, REPEATS and MAX_TOKENS pass through to h200_http.sh for tree, plain and vllm.
 set -uo pipefail
 out=$1; shift
@@ -60,6 +63,15 @@ for stage in "$@"; do
       timeout 420 python3 -m pytest -q tests/gpu/test_adaptive_draft_gpu.py tests/gpu/test_spec_graphs.py \
         > "$work/gputests.txt" 2>&1
       tail -5 "$work/gputests.txt" ;;
+    memory)
+      timeout 400 python3 -m pytest -q tests/gpu/test_memory_profile_gpu.py ${GPU_TESTS:-} \
+        > "$work/memory.txt" 2>&1
+      tail -5 "$work/memory.txt" ;;
+    kestrel-7b|vllm-7b|kestrel-32b|vllm-32b)
+      if [ "${stage#vllm}" != "$stage" ]; then mkdir -p .peer && rm -rf .peer/tools && cp -r .xfer/tools/peer .peer/tools; fi
+      mkdir -p "$work/sizes"
+      bash benchmarks/h200_sizes.sh "$stage" "$work/sizes" > "$work/sizes_$stage.txt" 2>&1
+      grep -E "c=|prompts:|Error|error" "$work/sizes_$stage.txt" | cut -c1-160 | tail -20 ;;
     load-tree|load-plain|load-vllm-plain|load-vllm-eagle)
       # Hundreds of streams: closed levels up to 512, then the open-loop sweep (one start).
       part=${stage#load-}; [ "${part#vllm}" = "$part" ] && part=kestrel-$part

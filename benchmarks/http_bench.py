@@ -139,6 +139,19 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 # ---- in-process -----------------------------------------------------------------------------
+def long_prompt(questions: list[str], i: int, words: int) -> str:
+    """Question i behind the questions that follow it (round the list) until the prompt
+    has at least `words` words: long prompts of real text, no two with a common prefix."""
+    context, n, j = [], 0, i + 1
+    while n < words:
+        q = questions[j % len(questions)]
+        context.append(q)
+        n += len(q.split())
+        j += 1
+    return ("Here are some questions.\n\n" + "\n\n".join(context) +
+            "\n\nNow answer only this one: " + questions[i % len(questions)])
+
+
 def in_process(config: str | None, overrides: list[str], questions: list[str], levels: list[int],
                max_tokens: int, c1_prompts: int, repeats: int = 1,
                samplings: list[dict | None] = (None,)) -> list[dict[int, dict]]:
@@ -185,6 +198,11 @@ def _in_process_levels(eng, prompts: list[str], sampling: dict | None, levels: l
     return out
 
 
+def c_label(lv: dict) -> str:
+    words = lv.get("prompt_words")
+    return f"{lv['concurrency']} ({words}-word prompts)" if words else str(lv["concurrency"])
+
+
 def table(name: str, levels: list[dict]) -> str:
     head = ("| server | c | tok/s | in-process tok/s | HTTP / in-process | TTFT p50 / p99 ms | "
             "server TTFT ms | TPOT ms | chunk gap p50 / p99 ms | steps/s | per step ms: schedule, "
@@ -203,7 +221,7 @@ def table(name: str, levels: list[dict]) -> str:
         ist = ip.get("step_ms") or {}
         ip_phases = ", ".join(f"{ist[p]:.2f}" for p in ("schedule", "execute", "process")) if ist else "-"
         lines.append(
-            f"| {name} | {lv['concurrency']} | {lv['tok_s']:.0f} | {num(ip.get('tok_s'), '.0f')} | "
+            f"| {name} | {c_label(lv)} | {lv['tok_s']:.0f} | {num(ip.get('tok_s'), '.0f')} | "
             f"{num(ratio, '.2f')} | {lv['ttft_p50_ms']:.0f} / {lv['ttft_p99_ms']:.0f} | "
             f"{num(sv.get('server_ttft_mean_ms'), '.0f')} | {lv['tpot_ms']:.2f} | "
             f"{lv['gap_p50_ms']:.1f} / {lv['gap_p99_ms']:.1f} | {num(sv.get('steps_s'), '.0f')} | "
@@ -247,6 +265,12 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed levels (default 1 8 32 64)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--c1-prompts", type=int, default=10, help="prompts run one by one at concurrency 1")
+    ap.add_argument("--prompt-words", type=int, default=0, metavar="W",
+                    help="lengthen each prompt to at least W words with the questions after it "
+                         "(no two prompts share a prefix): about 1.3 W tokens")
+    ap.add_argument("--long-prompt-words", type=int, default=0, metavar="W",
+                    help="after the levels, --c1-prompts prompts of W words one at a time "
+                         "(the long-context run; its level carries prompt_words)")
     ap.add_argument("--url", default=None, help="a running OpenAI-compatible server (no in-process run)")
     ap.add_argument("--name", default=None, help="the server's name in the table and the JSON")
     ap.add_argument("--model", default=MODEL, help="the model name sent with --url")
@@ -301,9 +325,11 @@ def main(argv=None) -> None:
     qs = load_questions(Path(DATA), 80)
     # More streams than MT-bench has questions go round it again.
     questions = [qs[i % len(qs)] for i in range(max(max(args.concurrency, default=1), args.c1_prompts))]
+    if args.prompt_words:
+        questions = [long_prompt(qs, i, args.prompt_words) for i in range(len(questions))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"config": args.config, "overrides": args.set, "url": args.url,
+    meta = {"config": args.config, "overrides": args.set, "url": args.url, "prompt_words": args.prompt_words,
             "max_tokens": args.max_tokens, "c1_prompts": args.c1_prompts, "cpus": os.cpu_count(),
             "repeats": args.repeats, "streams_per_client": args.streams_per_client}
     levels: dict[str, list[dict]] = {suffix: [] for suffix, _ in variants}
@@ -335,6 +361,14 @@ def main(argv=None) -> None:
                 levels[suffix].append(lv)
                 print(f"{name}{suffix} c={c}: {lv['tok_s']:.1f} tok/s, TTFT p50 {lv['ttft_p50_ms']:.1f} ms, "
                       f"server {lv['server']}", file=sys.stderr, flush=True)
+            save()
+        if args.long_prompt_words:
+            long_qs = [long_prompt(qs, i, args.long_prompt_words) for i in range(args.c1_prompts)]
+            lv = asyncio.run(run_level(url, args.model, long_qs, 1, args.max_tokens, args.c1_prompts,
+                                       args.streams_per_client, sampling))
+            levels[""].append({**lv, "prompt_words": args.long_prompt_words})
+            print(f"{name} {args.long_prompt_words}-word prompts: {lv['tok_s']:.1f} tok/s, TTFT p50 "
+                  f"{lv['ttft_p50_ms']:.1f} ms", file=sys.stderr, flush=True)
             save()
         if args.request_rate is not None:
             open_rates = _open_sweep(args, url, name, sampling, out)

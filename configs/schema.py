@@ -31,6 +31,17 @@ class ModelConfig(_Strict):
     # (kestrel_kernels/layer_ops.py); false runs their torch references (to compare the two).
     fused_layer_ops: bool = True
 
+    @model_validator(mode="after")
+    def _absolute_path(self) -> "ModelConfig":
+        """A relative path, made absolute where it exists: from the working directory, else
+        from the repository (a preset's models/...): the rank actors run elsewhere."""
+        if self.path and not os.path.isabs(self.path):
+            for base in (Path.cwd(), CONFIG_DIR.parent):
+                if (base / self.path).exists():
+                    self.__dict__["path"] = str((base / self.path).resolve())
+                    break
+        return self
+
 
 class DraftConfig(_Strict):
     enabled: bool = False
@@ -86,9 +97,13 @@ class DraftConfig(_Strict):
 
 class KVCacheConfig(_Strict):
     page_size: int = Field(1, ge=1, le=256)
-    # Total KV slots per rank; None = from memory_fraction on GPU, 16384 on CPU.
+    # Total KV slots per rank; None = on a GPU, what memory_utilization leaves after the
+    # weights, the draft, every captured graph and a worst-case step, measured at start-up
+    # (actors/worker/memory_profile.py); 16384 on CPU.
     num_slots: int | None = Field(None, ge=64)
-    memory_fraction: float = Field(0.6, gt=0.0, le=0.95)
+    # The share of the device's memory a rank may hold in all (vLLM's gpu_memory_utilization);
+    # the rest is headroom for fragmentation, the CUDA context and other processes.
+    memory_utilization: float = Field(0.9, gt=0.0, le=0.98)
     prefix_caching: bool = True
 
 

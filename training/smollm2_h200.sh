@@ -14,9 +14,9 @@ gen_s=${2:-300}
 train_s=${3:-960}
 mkdir -p "$out"
 ngpu=$(nvidia-smi -L | wc -l)
-# Up to two processes share a GPU: each engine takes a tenth of the free memory for KV.
+# Up to two processes share a GPU: each engine holds at most 45% of it.
 engine=(--config configs/h200.yaml --set attention.backend=triton --set attention.plan_stream=false
-        --set kv_cache.memory_fraction=0.1
+        --set kv_cache.memory_utilization=0.45
         --set "attention.cuda_graph_batch_sizes=[1,2,4,8,16,32,64,128,256,512]" "${@:4}")
 
 # 1. data: one generator per GPU; greedy responses are 70% because acceptance is measured

@@ -2,7 +2,9 @@
 
 One per process (a rank captures its graphs one after another): `capture_cuda_graph`
 ticks it for each graph recorded; it logs how far it has got every few seconds, and the
-rank reads the count and time at the end for its start-up summary.
+rank reads the count and time at the end for its start-up summary. While the memory
+profile runs (actors/worker/memory_profile.py) it also records the device memory each
+graph took, by batch size.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ class CaptureProgress:
     def __init__(self):
         self.graphs = 0
         self._t0 = self._last_log = time.monotonic()
+        self._device = None  # the device whose memory is tracked, or None
+        self._bytes: dict[int, int] = {}  # batch size -> bytes its graphs took
 
     def reset(self) -> None:
         self.graphs = 0
@@ -27,7 +31,25 @@ class CaptureProgress:
     def seconds(self) -> float:
         return time.monotonic() - self._t0
 
-    def tick(self) -> None:
+    def track_memory(self, device) -> None:
+        """Record each graph's device memory from now on (None: stop)."""
+        self._device, self._bytes = device, {}
+
+    def free_before(self) -> int | None:
+        """The device's free bytes now, where memory is tracked (a capture's start)."""
+        if self._device is None:
+            return None
+        import torch
+        return torch.cuda.mem_get_info(self._device)[0]
+
+    def bytes_per_size(self) -> dict[int, int]:
+        return dict(self._bytes)
+
+    def tick(self, size: int | None = None, free_before: int | None = None) -> None:
+        """One graph recorded, of batch `size`, captured from when `free_before` was read."""
+        if free_before is not None and size is not None:
+            taken = free_before - self.free_before()
+            self._bytes[size] = self._bytes.get(size, 0) + taken
         self.graphs += 1
         now = time.monotonic()
         if now - self._last_log >= LOG_EVERY_S:

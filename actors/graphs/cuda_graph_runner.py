@@ -251,10 +251,11 @@ def padded_size(sizes: list[int], raw_bs: int) -> int | None:
 
 
 def capture_cuda_graph(forward: Callable[[Any], Any], view: Any, pool: Any,
-                       stream: "torch.cuda.Stream") -> _CudaGraph:
+                       stream: "torch.cuda.Stream", size: int) -> _CudaGraph:
     """Record ``forward(view)`` as one CUDA graph in memory ``pool`` on ``stream`` (not
     the legacy default stream), after two warm-up runs there: lazy inits, Triton compiles
-    and library handles stay out of the graph."""
+    and library handles stay out of the graph. ``size``: the batch size it serves."""
+    free_before = PROGRESS.free_before()
     device = stream.device
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -264,7 +265,7 @@ def capture_cuda_graph(forward: Callable[[Any], Any], view: Any, pool: Any,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = forward(view)
-    PROGRESS.tick()
+    PROGRESS.tick(size, free_before)
     return _CudaGraph(graph, out)
 
 
@@ -369,7 +370,7 @@ class GraphRunner:
             if capture_meta is not None:
                 capture_meta(bs, bs * self.width, view.req_pool_indices, view.seq_lens,
                              extend_lens=self._extend_view(bs), forward_mode=self.kind.mode, spec=view)
-            self._graphs[bs] = capture_cuda_graph(forward, view, self.graph_pool, stream)
+            self._graphs[bs] = capture_cuda_graph(forward, view, self.graph_pool, stream, bs)
         torch.cuda.synchronize(self.device)
 
     def wrap_graphs(self, wrap: Callable[[int, Any], Any]) -> None:

@@ -125,9 +125,9 @@ class PrefillGraphs:
         pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
         stream = torch.cuda.Stream(self.w.device) if self.use_cuda_graph else None
         for B, T in sorted(self.shapes, key=lambda s: -s[0] * s[1]):
-            self._target[B, T] = self._record(lambda _, B=B, T=T: self._target_body(B, T), pool, stream)
+            self._target[B, T] = self._record(lambda _, B=B, T=T: self._target_body(B, T), pool, stream, B)
             if self.eagle is not None:
-                self._draft[B, T] = self._record(lambda _, B=B, T=T: self._draft_body(B, T), pool, stream)
+                self._draft[B, T] = self._record(lambda _, B=B, T=T: self._draft_body(B, T), pool, stream, B)
         if self.use_cuda_graph:
             torch.cuda.synchronize(self.w.device)
         log.info("rank %d: captured %d prefill graphs (batches %s x chunks %s, at most %d tokens) "
@@ -140,10 +140,10 @@ class PrefillGraphs:
         self.inputs.zero_()
         self.length.fill_(1)
 
-    def _record(self, body, pool, stream):
+    def _record(self, body, pool, stream, batch: int):
         if not self.use_cuda_graph:
             return EagerGraph(body, None)
-        return capture_cuda_graph(body, None, pool, stream)
+        return capture_cuda_graph(body, None, pool, stream, batch)
 
     def run(self, plan: StepPlan, shape: tuple[int, int]) -> Emitted:
         """The plan's chunks at a captured shape (from shape_for) -> their output tokens,

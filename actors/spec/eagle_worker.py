@@ -37,7 +37,7 @@ from actors.worker.launched_step import Emitted, accepted_tokens
 from actors.sampling.logprobs import MAX_TOP, asked_top, node_logprobs
 from actors.worker.kv_cache import TokenToKVPool
 from actors.worker.model_runner import ModelRunner
-from actors.models.eagle import load_eagle_head, resolve_draft_path
+from actors.models.eagle import EagleHead
 from actors.graphs.plan_stream import PlanStream, VerifyInputs, prepare_draft_extend_inputs
 from actors.sampling.sampler import sampling_flags, truncates
 from actors.spec.spec_graphs import SpecGraphs, capture_spec_graphs
@@ -83,16 +83,14 @@ class PhaseClock:
 
 
 class EagleWorker:
-    def __init__(self, cfg: KestrelConfig, worker):
+    def __init__(self, cfg: KestrelConfig, worker, head: EagleHead):
+        """`head`: the draft head, loaded for `worker`'s target (RankWorker._load)."""
         from actors.worker.rank_worker import make_backend
         self.cfg = cfg
         self.w = worker
         d = cfg.draft
         self.K, self.S, self.N = d.topk, d.num_steps, d.num_draft_tokens
-        self.head = load_eagle_head(resolve_draft_path(d.path, cfg.model.path, cfg.model.load_format),
-                                    worker.model,
-                                    d.arch, worker.dtype, worker.device, seed=cfg.seed)
-        self.head.max_token_id = d.max_token_id
+        self.head = head
         s = self.head.spec
         self.hidden_size = s.hidden_size
         self.aux_layers = self.head.aux_layers

@@ -112,7 +112,7 @@ class StepGraph:
         self.coins.buffer.zero_()
         for bs in reversed(self.sizes):  # largest first: smaller sizes reuse its pool blocks
             for key, f, view in self._forwards(bs):
-                self._graphs[key] = capture_cuda_graph(f, view, pool, stream)
+                self._graphs[key] = capture_cuda_graph(f, view, pool, stream, bs)
         torch.cuda.synchronize(self.device)
 
     def _load(self, rows: list[int], key: Callable[[int], tuple], bs: int | None = None) -> int:

@@ -25,6 +25,7 @@ from actors.sampling.grammar_rows import GrammarRows
 from actors.worker.host_copy import to_device
 from actors.worker.launched_step import Emitted, LaunchedStep, one_token_each, timing_event
 from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool, max_request_slots
+from actors.worker.memory_profile import MemoryPlan, plan_memory
 from actors.sampling.logprobs import asked_top, prompt_logprobs, top_logprobs
 from actors.worker.model_runner import ModelRunner
 from actors.sampling.output_counts import OutputCounts
@@ -79,7 +80,9 @@ def make_backend(name: str, kv_pool, req_to_token, scale: float, page_size: int 
 
 
 class RankWorker:
-    def __init__(self, cfg: KestrelConfig, rank: int = 0):
+    def __init__(self, cfg: KestrelConfig, rank: int = 0, loaded: tuple | None = None):
+        """`loaded`: (model, arch, draft head or None) already built on the device, which
+        this worker then shares (the memory profile's throwaway worker)."""
         self.cfg = cfg
         self.rank = rank
         self.compiles = CompileWatch()  # armed once start-up has compiled what serving needs
@@ -91,18 +94,19 @@ class RankWorker:
         torch.set_num_threads(cfg.resolved_cpu_threads(self.device.type, os.cpu_count() or 1))
         torch.manual_seed(cfg.seed)
         layer_ops.set_fused(cfg.model.fused_layer_ops)
-        path = cfg.model.path or default_model_path()
-        t0 = time.time()
-        log.info("rank %d: loading %s (%s, %s)", rank, path, self.device, self.dtype)
-        self.model, self.arch = build_model(path, self.dtype, self.device,
-                                            cfg.model.load_format, cfg.seed)
-        log.info("rank %d: model loaded in %.1fs", rank, time.time() - t0)
-        a = self.arch
         spec = cfg.draft.enabled
+        if loaded is None:
+            loaded = self._load(spec)
+        self.model, self.arch, draft_head = loaded
+        a = self.arch
         self.window = cfg.draft.window if spec else 1
         self.max_context = max_request_slots(cfg.model.max_model_len, self.window,
                                              cfg.kv_cache.page_size)
         self.num_rows = cfg.scheduler.max_running_requests + 2
+        self.memory: MemoryPlan | None = None  # on a GPU without kv_cache.num_slots: the profile's
+        if cfg.kv_cache.num_slots is None and self.device.type == "cuda":
+            self.memory = plan_memory(cfg, rank, loaded, self._kv_bytes_per_slot(),
+                                      self._profile_slots())
         self.num_slots = self._num_slots()
         self.req_to_token = ReqToTokenPool(self.num_rows, self.max_context, self.device)
         self.kv_pool = TokenToKVPool(self.num_slots, a.num_layers, a.num_kv_heads, a.head_dim,
@@ -114,7 +118,7 @@ class RankWorker:
         self.eagle = None
         if spec:
             from actors.spec.eagle_worker import EagleWorker
-            self.eagle = EagleWorker(cfg, self)
+            self.eagle = EagleWorker(cfg, self, draft_head)
         self.counts = OutputCounts(self.num_rows, a.vocab_size, self.device)
         self.processing = ProcessingTable(self.num_rows, cfg.processing, self.device)
         self.grammars = GrammarRows(cfg.processing.grammar_threads)
@@ -134,6 +138,8 @@ class RankWorker:
         self.graph_capture: dict = {}  # what start-up captured: graphs, sizes, seconds, GiB
         if cfg.attention.cuda_graphs and not cfg.parallel.dp_attention:
             self._capture_graphs()
+            if self.memory is not None:
+                self.memory.graphs = int(self.graph_capture["gib"] * 2 ** 30)
         if self.device.type == "cuda":  # compile eager paths' kernels now, not at a first request
             from actors.graphs.warmup import warm_up_prefill, warm_up_processing, warm_up_sampled_decode
             warm_up_prefill(self)
@@ -278,23 +284,60 @@ class RankWorker:
             graphs.capture()
         self.prefill_graphs = graphs
 
+    def _load(self, spec: bool) -> tuple:
+        """(target, its arch, the draft head or None), built on this worker's device."""
+        cfg, rank = self.cfg, self.rank
+        path = cfg.model.path or default_model_path()
+        t0 = time.time()
+        log.info("rank %d: loading %s (%s, %s)", rank, path, self.device, self.dtype)
+        model, arch = build_model(path, self.dtype, self.device, cfg.model.load_format, cfg.seed)
+        log.info("rank %d: model loaded in %.1fs", rank, time.time() - t0)
+        head = None
+        if spec:
+            from actors.models.eagle import load_eagle_head, resolve_draft_path
+            d = cfg.draft
+            head = load_eagle_head(resolve_draft_path(d.path, cfg.model.path, cfg.model.load_format),
+                                   model, d.arch, self.dtype, self.device, seed=cfg.seed)
+            head.max_token_id = d.max_token_id
+        return model, arch, head
+
+    def _kv_bytes_per_slot(self) -> int:
+        """One KV slot's bytes: every target layer's K and V, and the draft's one layer."""
+        a = self.arch
+        per_slot = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return per_slot + (per_slot // a.num_layers if self.cfg.draft.enabled else 0)
+
+    def _profile_slots(self) -> int:
+        """The memory profile's KV pool: room for the warm-ups' largest prefill, a page a row."""
+        page = self.cfg.kv_cache.page_size
+        return self.cfg.scheduler.chunked_prefill_size + (self.num_rows + 1) * (page + self.window)
+
     def _num_slots(self) -> int:
         kv = self.cfg.kv_cache
         if kv.num_slots is not None:
             return kv.num_slots
-        if self.device.type != "cuda":
+        if self.memory is None:  # the CPU: no device to measure
             return 16384
-        free, _ = torch.cuda.mem_get_info(self.device)
-        a = self.arch
-        per_slot = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize
-        per_slot += per_slot // a.num_layers if self.cfg.draft.enabled else 0  # draft layer
-        return max(1024, int(free * kv.memory_fraction) // per_slot)
+        slots = self.memory.kv_cache // self._kv_bytes_per_slot()
+        need = max_request_slots(self.cfg.model.max_model_len, self.window, kv.page_size)
+        if slots < need:
+            m = self.memory
+            raise ValueError(
+                f"no room for the KV cache: kv_cache.memory_utilization={kv.memory_utilization} "
+                f"of {m.total / 2**30:.1f} GiB leaves {max(0, m.kv_cache) / 2**30:.2f} GiB after "
+                f"the weights ({m.weights / 2**30:.1f} GiB), graphs ({m.graphs_estimate / 2**30:.1f} "
+                f"GiB) and activations ({m.other / 2**30:.1f} GiB); one request of "
+                f"model.max_model_len={self.cfg.model.max_model_len} needs {need} slots. Raise "
+                "memory_utilization, lower scheduler.max_running_requests (fewer graphs) or "
+                "model.max_model_len")
+        return slots
 
     def info(self) -> dict:
         return {"num_slots": self.num_slots, "num_rows": self.num_rows,
                 "max_context": self.max_context, "window": self.window,
                 "vocab_size": self.arch.vocab_size, "eos_token_ids": list(self.arch.eos_token_ids),
                 "dtype": str(self.dtype), "device": str(self.device), "graph_capture": self.graph_capture,
+                "memory": self.memory.as_dict() if self.memory is not None else None,
                 # Per draft shape (DraftConfig.shapes(), those captured), its step's seconds
                 # at each graph batch size: the scheduler's DraftPolicy reads them.
                 "draft_step_costs": self.eagle.shape_costs if self.eagle is not None else None,

@@ -29,6 +29,8 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 30
 _ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))
 # Engine replicas not heard from for this long are dropped from the gauges (scaled down).
 _STALE_AFTER_S = 120.0
+# The parts of a rank's device memory exported (actors/worker/memory_profile.py, MemoryPlan).
+MEMORY_PARTS = ("budget", "weights", "graphs", "graphs_estimate", "other", "kv_cache")
 
 
 class ServerMetrics:
@@ -63,6 +65,11 @@ class ServerMetrics:
         self.kv_usage = Gauge("kestrel_kv_cache_usage_ratio",
                               "Fraction of KV slots in use (prefix cache counted as free)",
                               m + ["replica", "rank"], registry=r)
+        self.memory = Gauge("kestrel_device_memory_bytes",
+                            "A rank's device memory by part, from its start-up profile: budget "
+                            "(kv_cache.memory_utilization of the device), weights, graphs "
+                            "(captured), graphs_estimate, other (tables, activations), kv_cache",
+                            m + ["replica", "rank", "part"], registry=r)
         self._seen: dict[str, tuple[float, list[str]]] = {}  # replica -> (time, ranks)
         # The per-token series, resolved once: .labels() costs a lookup under a lock.
         self.ttft_m, self.itl_m, self.e2e_m = (h.labels(model_name) for h in (self.ttft, self.itl, self.e2e))
@@ -92,6 +99,10 @@ class ServerMetrics:
             rank = str(kv["rank"])
             ranks.append(rank)
             self.kv_usage.labels(self.model, rep, rank).set(1.0 - kv["free"] / cap)
+        for mem in stats.get("memory", []):
+            for part in MEMORY_PARTS:
+                if mem.get(part) is not None:
+                    self.memory.labels(self.model, rep, str(mem["rank"]), part).set(mem[part])
         self._seen[rep] = (now, ranks)
         for old, (t, old_ranks) in list(self._seen.items()):
             if now - t > _STALE_AFTER_S:
@@ -99,6 +110,8 @@ class ServerMetrics:
                     g.remove(self.model, old)
                 for rank in old_ranks:
                     self.kv_usage.remove(self.model, old, rank)
+                    for part in MEMORY_PARTS:
+                        self.memory.remove(self.model, old, rank, part)
                 del self._seen[old]
 
     def render(self) -> tuple[bytes, str]:

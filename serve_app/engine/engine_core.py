@@ -78,6 +78,7 @@ class EngineCore:
         self.max_in_flight = cfg.scheduler.steps_in_flight()
         self.channels = channels
         self.schedulers = [Scheduler(cfg, info, eos_token_ids) for info in infos]
+        self.memory = [info.get("memory") for info in infos]  # per rank: its MemoryPlan (GPU)
         self.token = secrets.token_hex(16)
         self.writer: asyncio.StreamWriter | None = None
         self._outbox: list[tuple] = []  # this step's outputs, sent as one frame
@@ -191,6 +192,7 @@ class EngineCore:
         return {"running": sum(len(s.running) + len(s.prefilling) for s in scheds),
                 "waiting": sum(len(s.waiting) for s in scheds),
                 "kv": self.kv_stats(),
+                "memory": [{"rank": r, **m} for r, m in enumerate(self.memory) if m],
                 "prompt_tokens_cached": sum(s.stats["prompt_tokens_cached"] for s in scheds),
                 "prompt_tokens_computed": sum(s.stats["prompt_tokens_computed"] for s in scheds),
                 "step_seconds": {p: sum(s[p] for s in self.step_seconds) for p in STEP_PHASES},
