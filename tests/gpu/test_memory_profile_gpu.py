@@ -10,14 +10,15 @@ import torch
 UTIL = 0.5
 BASE = ["device=cuda", "model.dtype=bfloat16", "attention.backend=triton", "draft.enabled=true",
         "draft.path=random", "attention.cuda_graphs=true", "attention.plan_stream=true",
-        "scheduler.max_running_requests=64", f"kv_cache.memory_utilization={UTIL}"]
+        "scheduler.max_running_requests=64", "kv_cache.num_slots=null", "kv_cache.page_size=16",
+        f"kv_cache.memory_utilization={UTIL}"]
 
 
 @pytest.fixture(scope="module")
-def profiled(tokenizer):
+def profiled():
     from configs.schema import load_config
     from serve_app.engine.llm_engine import LLMEngine
-    return LLMEngine(load_config(overrides=BASE), tokenizer=tokenizer)
+    return LLMEngine(load_config(overrides=BASE), load_tokenizer=False)
 
 
 def test_the_graph_estimate_is_close_to_the_capture(profiled):
@@ -41,6 +42,5 @@ def test_the_rank_holds_no_more_than_its_budget(profiled):
 
 def test_it_serves_with_that_kv(profiled):
     from serve_app.engine.request import SamplingParams
-    outs = profiled.generate(["Hello, how are", "The capital of France is"],
-                             SamplingParams(max_tokens=16, ignore_eos=True))
+    outs = profiled.generate([[1, 2, 3, 4], [5, 6, 7, 8, 9]], SamplingParams(max_tokens=16, ignore_eos=True))
     assert all(len(o.output_ids) == 16 for o in outs)
