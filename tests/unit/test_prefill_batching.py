@@ -49,9 +49,7 @@ def test_requests_arriving_one_by_one_are_prefilled_together(tiny_llama_dir):
     def extends(min_batch: int) -> int:
         eng = tiny_engine(tiny_llama_dir, "scheduler.max_running_requests=8",
                           f"scheduler.prefill_min_batch={min_batch}",
-                          "scheduler.prefill_max_delay_steps=8",
-                          # alone: alternating with decodes would batch arrivals too
-                          "scheduler.decode_between_chunks=false", spec=False)
+                          "scheduler.prefill_max_delay_steps=8", spec=False)
         eng.add_request(random_prompts(1, seed=1)[0], greedy(40))
         eng.step()
         before = eng.mode_steps["extend"]
@@ -88,6 +86,6 @@ def test_a_long_prompt_holds_running_streams_one_chunk_at_a_time(tiny_llama_dir)
         return modes, (running.output_ids, long.output_ids)
     on, on_tokens = run(True)
     off, off_tokens = run(False)
-    assert on == ["decode", "extend"] * 4  # the first decode: the extend before it gave `running` its token
+    assert on == ["extend", "decode"] * 3 + ["extend"]
     assert off == ["extend"] * 4
     assert on_tokens == off_tokens
