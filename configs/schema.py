@@ -123,6 +123,12 @@ class SchedulerConfig(_Strict):
     # decoding request; 1 prefills at once.
     prefill_min_batch: int = Field(1, ge=1)
     prefill_max_delay_steps: int = Field(32, ge=0)
+    # While requests decode, a prefill step that leaves a prompt with chunks to go is
+    # followed by a decode step: a long prompt holds the running streams back one chunk at
+    # a time, not for its whole prefill. New arrivals still prefill back to back (prefill
+    # first): alternating with decodes while a burst arrives cost a quarter of the
+    # throughput at 256 streams. False: a long prompt's chunks run back to back too.
+    decode_between_chunks: bool = True
     # Plan and launch step N+1 before step N has finished, so the device goes from one step
     # to the next without waiting for the host to read N's tokens. None: the served engine
     # always does (its ranks run apart from its planning); the in-process engine does on a

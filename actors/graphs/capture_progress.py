@@ -21,7 +21,8 @@ class CaptureProgress:
         self.graphs = 0
         self._t0 = self._last_log = time.monotonic()
         self._device = None  # the device whose memory is tracked, or None
-        self._bytes: dict[int, int] = {}  # batch size -> bytes its graphs took
+        # batch size -> (device bytes its graphs took, bytes they keep allocated)
+        self._bytes: dict[int, tuple[int, int]] = {}
 
     def reset(self) -> None:
         self.graphs = 0
@@ -35,21 +36,25 @@ class CaptureProgress:
         """Record each graph's device memory from now on (None: stop)."""
         self._device, self._bytes = device, {}
 
-    def free_before(self) -> int | None:
-        """The device's free bytes now, where memory is tracked (a capture's start)."""
+    def free_before(self) -> tuple[int, int] | None:
+        """(the device's free bytes, this process's allocated bytes) now, where memory is
+        tracked (a capture's start)."""
         if self._device is None:
             return None
         import torch
-        return torch.cuda.mem_get_info(self._device)[0]
+        return torch.cuda.mem_get_info(self._device)[0], torch.cuda.memory_allocated(self._device)
 
-    def bytes_per_size(self) -> dict[int, int]:
+    def bytes_per_size(self) -> dict[int, tuple[int, int]]:
+        """Batch size -> (device bytes its graphs took, bytes they keep allocated): a graph
+        keeps its outputs; what it freed stays in the pool for the next graph to reuse."""
         return dict(self._bytes)
 
-    def tick(self, size: int | None = None, free_before: int | None = None) -> None:
-        """One graph recorded, of batch `size`, captured from when `free_before` was read."""
-        if free_before is not None and size is not None:
-            taken = free_before - self.free_before()
-            self._bytes[size] = self._bytes.get(size, 0) + taken
+    def tick(self, size: int | None = None, before: tuple[int, int] | None = None) -> None:
+        """One graph recorded, of batch `size`, captured from when `before` was read."""
+        if before is not None and size is not None:
+            free, allocated = self.free_before()
+            dev, kept = self._bytes.get(size, (0, 0))
+            self._bytes[size] = (dev + before[0] - free, kept + allocated - before[1])
         self.graphs += 1
         now = time.monotonic()
         if now - self._last_log >= LOG_EVERY_S:

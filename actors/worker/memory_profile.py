@@ -10,11 +10,13 @@ pool must exist first; its size has to come from a measurement made before.
 The profile: a throwaway worker shares the loaded weights, holds a small KV pool, captures
 its graphs at three of the batch sizes (the largest, one in the middle, the smallest),
 runs the start-up warm-ups (the largest prefill shapes among them), and is dropped. What
-the device lost meanwhile is everything but the KV cache at those three sizes. Each
-captured graph's own cost is recorded per size; the sizes not captured are filled in from
-a line through the middle and the smallest size's costs (a graph's outputs grow with its
-batch; the largest size alone carries the shared intermediates). After the real capture
-the rank logs the estimate beside what the graphs took.
+the device lost meanwhile is everything but the KV cache at those three sizes. The sizes
+not captured are filled in per size from what the middle and the smallest size's graphs
+keep allocated (their outputs, on a line in the batch size), not from what the device
+lost while they were captured: those graphs took most of their memory from blocks the
+largest size's intermediates had left free in the pool, which the real capture's first
+few sizes use up (measured: the device-loss line missed a quarter of the graphs of 512
+streams). After the real capture the rank logs the estimate beside what the graphs took.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def profiled_sizes(sizes: list[int]) -> list[int]:
 
 def graph_bytes_beyond(per_size: dict[int, int], sizes: list[int]) -> int:
     """Bytes the graphs of the sizes in `sizes` but not in `per_size` (captured: size ->
-    the bytes its graphs took) will take, on the line through the two smallest captured
+    the bytes its graphs keep) will take, on the line through the two smallest captured
     sizes (the largest holds the shared intermediates, so it is off the line). With fewer
     than two such sizes, each missing size costs as much as the largest of them."""
     missing = [b for b in sizes if b not in per_size]
@@ -49,6 +51,17 @@ def graph_bytes_beyond(per_size: dict[int, int], sizes: list[int]) -> int:
     (b0, b1) = small[0], small[-1]
     slope = max(0.0, (per_size[b1] - per_size[b0]) / (b1 - b0))
     return int(sum(max(0.0, per_size[b0] + slope * (b - b0)) for b in missing))
+
+
+def graph_bytes(per_size: dict[int, tuple[int, int]], sizes: list[int]) -> int:
+    """Every size's graphs, from the profile's (size -> (device bytes taken, bytes kept)):
+    the largest size's device cost (its intermediates, in the pool the others reuse, and
+    its outputs), then per smaller size what its graphs keep allocated, measured or on the
+    line; never less than the profile's graphs took."""
+    top = max(per_size)
+    kept = {b: max(0, k) for b, (_, k) in per_size.items() if b != top}
+    rest = sum(kept.values()) + graph_bytes_beyond(kept | {top: 0}, [b for b in sizes if b != top])
+    return max(per_size[top][0] + rest, sum(dev for dev, _ in per_size.values()))
 
 
 @dataclass
@@ -115,8 +128,8 @@ def plan_memory(cfg, rank: int, loaded, kv_bytes_per_slot: int, profile_slots: i
     gc.collect()
     torch.cuda.empty_cache()
     leaked = free0 - torch.cuda.mem_get_info(dev)[0]
-    profiled_graphs = sum(per_size.values())
-    graphs_estimate = profiled_graphs + (graph_bytes_beyond(per_size, sizes) if graphs else 0)
+    profiled_graphs = sum(dev for dev, _ in per_size.values())
+    graphs_estimate = graph_bytes(per_size, sizes) if graphs else 0
     other = max(0, used - profiled_graphs - profile_slots * kv_bytes_per_slot)
     own += max(0, leaked)
     kv = kv_bytes_left(total, cfg.kv_cache.memory_utilization, own, free0 - max(0, leaked),

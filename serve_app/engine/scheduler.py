@@ -2,7 +2,8 @@
 
 One Scheduler drives one rank's worker. Each step is either an extend (chunked prefill of
 waiting requests, prefill first as SGLang does) or a decode of every running request
-(plain or speculative). `schedule()` builds a StepPlan, the worker executes it, and
+(plain or speculative); with scheduler.decode_between_chunks, a decode runs between two
+chunks of one prompt while requests decode. `schedule()` builds a StepPlan, the worker executes it, and
 `process_output()` commits lengths and emits tokens. Nothing here touches a model.
 
 Ownership (contract C10): `kv_allocated_len` is written only by `_grow_kv` and
@@ -69,6 +70,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_id = 0
         self._held_steps = 0  # decode steps run while admissible requests waited
+        # The last extend left a prompt with chunks to go (scheduler.decode_between_chunks).
+        self._chunks_left = False
         # step id -> its requests, in plan order, with the admission each was planned under
         self._inflight: dict[int, list[tuple[Request, int]]] = {}
         # req_to_token updates not yet sent: they ride on the next plan that is dispatched,
@@ -232,7 +235,10 @@ class Scheduler:
         if not self.has_work:
             return None
         self.step_id += 1
-        plan = self._schedule_extend() or self._schedule_decode()
+        plan = None
+        if not (self._chunks_left and self.running and self.cfg.scheduler.decode_between_chunks):
+            plan = self._schedule_extend()
+        plan = plan or self._schedule_decode()
         if plan is None and self.waiting:
             plan = self._schedule_extend()  # decode preempted everyone: prefill them again
         if plan is not None:
@@ -243,6 +249,8 @@ class Scheduler:
             plan.processing_resets, self._processing_resets = self._processing_resets, []
             if plan.grammar_resets and self._vocab_to_send is not None:
                 plan.grammar_vocab, self._vocab_to_send = self._vocab_to_send, None
+            self._chunks_left = plan.mode == "extend" and any(
+                r.scheduled < len(r.fill_ids) for r in self.prefilling)
         return plan
 
     def _admit(self, req: Request) -> bool:

@@ -219,7 +219,9 @@ def test_preempted_grammar_requests_with_steps_in_flight(grammar_model, tokenize
     params = [SamplingParams(**{**_params(compiled, i), "temperature": 0.0}) for i in range(len(prompts))]
     over = ("model.max_model_len=160",)
     want = _engine(grammar_model, tokenizer, shape, *over).generate(prompts, params)
-    eng = _engine(grammar_model, tokenizer, shape, *over, "kv_cache.num_slots=200")
+    # Chunks back to back, as in the schedule this KV size was chosen for: it preempts.
+    eng = _engine(grammar_model, tokenizer, shape, *over, "kv_cache.num_slots=200",
+                  "scheduler.decode_between_chunks=false")
     reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     ahead = Ahead(eng)
     ahead.run()

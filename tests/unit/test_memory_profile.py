@@ -2,8 +2,8 @@
 The profile itself needs a GPU: tests/gpu/test_memory_profile_gpu.py."""
 import pytest
 
-from actors.worker.memory_profile import (MemoryPlan, graph_bytes_beyond, kv_bytes_left,
-                                          profiled_sizes)
+from actors.worker.memory_profile import (MemoryPlan, graph_bytes, graph_bytes_beyond,
+                                          kv_bytes_left, profiled_sizes)
 from configs.schema import graph_sizes_up_to, load_config
 
 
@@ -22,6 +22,18 @@ def test_missing_sizes_follow_the_line_through_the_smaller_captured_ones():
     per_size = {b: cost[b] for b in (1, 8)} | {64: cost[64] + 10 ** 6}
     assert graph_bytes_beyond(per_size, sizes) == sum(cost[b] for b in (2, 4, 16, 32))
     assert graph_bytes_beyond(per_size, [1, 8, 64]) == 0
+
+
+def test_smaller_sizes_count_what_they_keep_not_what_the_device_lost():
+    # The largest size took 10**6 from the device (intermediates and outputs); the two
+    # smaller ones fit in the blocks it left free (the device lost nothing) but keep
+    # outputs of 10 * b bytes, as every size between them will.
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    per_size = {64: (10 ** 6, 640), 8: (0, 80), 1: (0, 10)}
+    assert graph_bytes(per_size, sizes) == 10 ** 6 + sum(10 * b for b in sizes if b != 64)
+    # never less than the profile's own graphs took from the device
+    assert graph_bytes({64: (100, 640), 8: (5000, 80), 1: (0, 10)}, [1, 8, 64]) == 5100
+    assert graph_bytes({64: (700, 640)}, [64]) == 700
 
 
 def test_a_falling_line_is_not_extrapolated_below_zero():

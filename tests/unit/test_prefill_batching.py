@@ -61,3 +61,31 @@ def test_requests_arriving_one_by_one_are_prefilled_together(tiny_llama_dir):
         return eng.mode_steps["extend"] - before
     assert extends(1) == 4
     assert extends(4) == 1
+
+
+def test_a_long_prompt_holds_running_streams_one_chunk_at_a_time(tiny_llama_dir):
+    """scheduler.decode_between_chunks: a prompt of four chunks arriving while another
+    request decodes; on, a decode step runs between every two of its chunks (the running
+    stream gets a token each time), off, its chunks run back to back. Same tokens."""
+    def run(between: bool):
+        eng = tiny_engine(tiny_llama_dir, "scheduler.max_running_requests=4",
+                          "scheduler.chunked_prefill_size=16",
+                          f"scheduler.decode_between_chunks={str(between).lower()}", spec=True)
+        sched, worker = eng.schedulers[0], eng.workers[0]
+        running = eng.add_request(random_prompts(1, seed=1)[0], greedy(40))
+        while not running.output_ids:
+            eng.step()
+        long = eng.add_request([3 + i % 120 for i in range(60)], greedy(8))  # 4 chunks of 16
+        modes = []
+        while not long.output_ids:
+            plan = sched.schedule()
+            modes.append(plan.mode)
+            sched.process_output(plan, worker.execute(plan))
+        while eng.has_work:
+            eng.step()
+        return modes, (running.output_ids, long.output_ids)
+    on, on_tokens = run(True)
+    off, off_tokens = run(False)
+    assert on == ["extend", "decode"] * 3 + ["extend"]
+    assert off == ["extend"] * 4
+    assert on_tokens == off_tokens
