@@ -48,6 +48,16 @@ class LlamaArch:
                     f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
                 )
 
+    def check_context(self, max_model_len: int) -> None:
+        """ValueError, naming the fields, where a context of max_model_len tokens would be
+        served wrong: attention here is over the whole context, never a local window."""
+        if self.sliding_window is not None and self.sliding_window < max_model_len:
+            raise ValueError(
+                f"config.json sliding_window={self.sliding_window} is smaller than "
+                f"model.max_model_len={max_model_len}: Kestrel attends over the whole context "
+                f"(no sliding-window attention), which past {self.sliding_window} tokens differs "
+                f"from this model's; set model.max_model_len <= {self.sliding_window}")
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

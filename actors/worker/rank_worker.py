@@ -30,7 +30,7 @@ from actors.sampling.logprobs import asked_top, prompt_logprobs, top_logprobs
 from actors.worker.model_runner import ModelRunner
 from actors.sampling.output_counts import OutputCounts
 from actors.sampling.processing_table import ProcessingTable
-from actors.models.loader import build_model, default_model_path
+from actors.models.loader import build_model, default_model_path, read_arch
 from actors.sampling.sampler import sample_tokens, sampling_flags
 from actors.protocol.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
@@ -289,6 +289,7 @@ class RankWorker:
         cfg, rank = self.cfg, self.rank
         path = cfg.model.path or default_model_path()
         t0 = time.time()
+        read_arch(path).check_context(cfg.model.max_model_len)  # before reading any weight
         log.info("rank %d: loading %s (%s, %s)", rank, path, self.device, self.dtype)
         model, arch = build_model(path, self.dtype, self.device, cfg.model.load_format, cfg.seed)
         log.info("rank %d: model loaded in %.1fs", rank, time.time() - t0)

@@ -135,3 +135,18 @@ def test_shape_folder_has_no_weights():
     for folder in SHAPES:
         names = os.listdir(ROOT / "models" / folder)
         assert not any(n.endswith((".safetensors", ".bin", ".gguf")) for n in names)
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused_before_loading(tmp_path):
+    """Mistral-style local attention is not implemented: a context past the window would be
+    served wrong, so the worker refuses it, naming both fields, before reading weights."""
+    from actors.worker.rank_worker import RankWorker
+    folder = tmp_path / "windowed"
+    folder.mkdir()
+    cfg = {**TINY_QWEN2, "model_type": "mistral", "sliding_window": 64}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    over = [f"model.path={folder}", "model.load_format=dummy", "device=cpu", "draft.enabled=false",
+            "kv_cache.num_slots=1024", "scheduler.max_running_requests=4"]
+    with pytest.raises(ValueError, match=r"sliding_window=64 .*model.max_model_len=128"):
+        RankWorker(load_config(overrides=over + ["model.max_model_len=128"]))
+    RankWorker(load_config(overrides=over + ["model.max_model_len=64"]))  # within the window: served
