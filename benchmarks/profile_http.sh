@@ -4,6 +4,8 @@
 # front end), the engine core and the rank (the GPU's host thread) during the second run, and
 # top's per-process CPU beside.
 #   bash benchmarks/profile_http.sh PY_SPY OUT [CONCURRENCY] [--set k=v ...]
+# Later --concurrency/--max-tokens in the options override the runs' (the profile follows the
+# second level equal to CONCURRENCY); SPY_DELAY (s, default 1) delays the sampling.
 # Writes OUT/profile_{replica,core,rank}.txt (py-spy raw stacks: `python -m benchmarks.stack_summary`
 # sums them) and OUT/top.txt.
 set -uo pipefail
@@ -18,7 +20,7 @@ until grep -q "c=$c:" "$log" 2>/dev/null; do
   sleep 0.2
 done
 replica=$(pgrep -f "ServeReplica:kestrel:EngineDeployment" | head -1)
-sleep 1  # into the second run's stream, past its warm-up
+sleep "${SPY_DELAY:-1}"  # into the second run's stream, past its warm-up (0: its admissions)
 core=$(pgrep -f "EngineCoreActor" | head -1)
 rank=$(pgrep -f "RankActor" | head -1)
 "$spy" record -p "$replica" -d 3 -r 500 -f raw -o "$out/profile_replica.txt" --nonblocking &
