@@ -20,6 +20,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                Histogram, disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily
 
+from serve_app.api.token_histogram import TokenHistogram
+
 # The `*_created` timestamp series double the output and no dashboard uses them.
 disable_created_metrics()
 
@@ -45,19 +47,20 @@ class ServerMetrics:
         self.ttft = Histogram("kestrel_time_to_first_token_seconds",
                               "Arrival to first generated token", m, buckets=_LATENCY_BUCKETS,
                               registry=r)
-        self.itl = Histogram("kestrel_inter_token_latency_seconds",
-                             "Time between generated tokens, as streamed", m,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = TokenHistogram("kestrel_inter_token_latency_seconds",
+                                  "Time between generated tokens, as streamed", model_name,
+                                  _LATENCY_BUCKETS)
+        r.register(self.itl)
         self.e2e = Histogram("kestrel_e2e_request_latency_seconds", "Arrival to last token", m,
                              buckets=_E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kestrel_prompt_tokens", "Prompt tokens of accepted requests",
                                      m, registry=r)
         self.generation_tokens = Counter("kestrel_generation_tokens", "Generated tokens", m,
                                          registry=r)
-        self.accept_length = Histogram("kestrel_spec_accept_length",
-                                       "Tokens emitted per speculative decode step "
-                                       "(accepted drafts + bonus)", m, buckets=_ACCEPT_BUCKETS,
-                                       registry=r)
+        self.accept_length = TokenHistogram("kestrel_spec_accept_length",
+                                            "Tokens emitted per speculative decode step "
+                                            "(accepted drafts + bonus)", model_name, _ACCEPT_BUCKETS)
+        r.register(self.accept_length)
         self.running = Gauge("kestrel_num_requests_running", "Requests decoding or prefilling",
                              m + ["replica"], registry=r)
         self.waiting = Gauge("kestrel_num_requests_waiting", "Requests queued for admission",
@@ -72,9 +75,8 @@ class ServerMetrics:
                             m + ["replica", "rank", "part"], registry=r)
         self._seen: dict[str, tuple[float, list[str]]] = {}  # replica -> (time, ranks)
         # The per-token series, resolved once: .labels() costs a lookup under a lock.
-        self.ttft_m, self.itl_m, self.e2e_m = (h.labels(model_name) for h in (self.ttft, self.itl, self.e2e))
+        self.ttft_m, self.e2e_m = (h.labels(model_name) for h in (self.ttft, self.e2e))
         self.generation_tokens_m = self.generation_tokens.labels(model_name)
-        self.accept_length_m = self.accept_length.labels(model_name)
         self._engine_stats: dict[str, Any] = {}
         r.register(_StepCollector(self))
 
@@ -170,13 +172,13 @@ class RequestTracker:
             n_gaps, gap = n - 1, 0.0
         else:
             n_gaps, gap = n, (now - self.last) / n
-        for _ in range(n_gaps):
-            m.itl_m.observe(gap)
+        if n_gaps:
+            m.itl.observe(gap, n_gaps)
         self.last = now
         self.tokens += n
         m.generation_tokens_m.inc(n)
         for a in accept_lengths or ():
-            m.accept_length_m.observe(a)
+            m.accept_length.observe(a)
 
     def finish(self, reason: str | None, prompt_tokens: int) -> None:
         model = self.m.model
