@@ -35,10 +35,8 @@ from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
 __all__ = ["HAS_TRITON", "paged_attention", "paged_attention_ref", "default_num_kv_splits",
            "MAX_KV_SPLITS"]
 
-# One request over a 32k context (Qwen2.5-7B: 4 KV heads) is 4 programs a split: 16 splits
-# left half of an H200's SMs idle, and its decode step 1.4x vLLM's.
-MAX_KV_SPLITS = 64
-_BLOCK_S = 64  # the merge kernel's split lanes: one compiled kernel for any split count
+MAX_KV_SPLITS = 16
+_BLOCK_S = 16  # the merge kernel's split lanes: one compiled kernel for any split count
 assert _BLOCK_S >= MAX_KV_SPLITS
 _LOG2E = 1.4426950408889634
 
