@@ -12,20 +12,15 @@ not wait for it.
 
 One step loop per rank: schedule -> send the plan down the rank's step channel (the next
 plan goes out before this one returns) -> receive the output -> process_output -> one
-"out" frame to the front end. Under parallel.dp_attention the ranks step in lockstep
+Outputs frame to the front end. Under parallel.dp_attention the ranks step in lockstep
 (their collectives must line up): one loop sends every rank a plan each step, an idle
 one where a rank's scheduler has none, and takes the step's outputs together; a new
 request goes to the rank with the least load (requests held, then KV in use), and a
 rank that fails fails the whole replica, whose ranks cannot step without it.
 
-Front channel frames (length-prefixed pickles, as the step channel's; the first frame
-from the front end must carry the core's token):
-  in:  ("add", (rank, rid, prompt_ids, sampling_params)), ("finish", (rid, reason)),
-       ("vocab", grammar vocabulary json: once, before the first add with a grammar),
-       ("call", (call_id, name))  name: "kv_stats" | "rank_stats" | "stats"
-  out: ("out", [(rid, token_ids, finished, finish_reason, num_output_tokens, accept_lengths,
-                 cached_tokens, logprobs, prompt_logprobs)]),
-       ("reply", (call_id, value)), ("reject", (rid, message)), ("failed", (rank, message))
+The front channel's messages (AddRequest, FinishRequest, GrammarVocab, StatsQuery in; one
+Outputs per step, StatsReply, Rejected, RanksFailed out) are defined, with the step
+channel's, in actors/protocol/messages.py.
 """
 from __future__ import annotations
 
@@ -40,13 +35,16 @@ from typing import Any
 
 import ray
 
-from actors.worker import gc_pauses
-from actors.worker.step_channel import HEADER, HELLO, OK, decode, encode
+from actors.protocol.messages import (CORE_RECEIVES_FROM_FRONT, AddRequest, FinishRequest,
+                                      GrammarVocab, Hello, Outputs, RanksFailed, Ready, Rejected,
+                                      RequestOutput, Stats, StatsQuery, StatsReply, encode,
+                                      read_message)
 from actors.protocol.step_plan import StepOutput, StepPlan
+from actors.worker import gc_pauses
 from configs.schema import KestrelConfig
 from serve_app.engine.draft_policy import shape_name
 from serve_app.engine.rank_channel import RankChannel
-from serve_app.engine.request import Request, RequestOutput, SamplingParams
+from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
 
 log = logging.getLogger("kestrel.engine")
@@ -59,11 +57,6 @@ FAILURE_GRACE_S = 1.0
 # rank's host, the device, a compile, the collector) from the log (_note_slow).
 SLOW_STEP_S, SLOW_STEP_TIMES = 0.1, 5.0
 STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile", "gc", "gpu_idle")
-
-
-async def read_frame(reader: asyncio.StreamReader) -> tuple[str, Any]:
-    (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-    return decode(await reader.readexactly(n))
 
 
 class EngineCore:
@@ -80,7 +73,7 @@ class EngineCore:
         self.schedulers = [Scheduler(cfg, info, eos_token_ids) for info in infos]
         self.token = secrets.token_hex(16)
         self.writer: asyncio.StreamWriter | None = None
-        self._outbox: list[tuple] = []  # this step's outputs, sent as one frame
+        self._outbox: list[RequestOutput] = []  # this step's outputs, sent as one frame
         # Per rank: seconds in each phase of a step (schedule and process here; execute,
         # wait, recv and gpu_idle as the actor measured them), and steps by mode. `wait`
         # and `gpu_idle` count only plans sent while another was in flight: the time the
@@ -113,7 +106,7 @@ class EngineCore:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        expected = encode(HELLO, self.token)
+        expected = encode(Hello(self.token))
         try:  # compared as bytes: nothing from an unknown peer is unpickled
             hello = await reader.readexactly(len(expected))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -124,23 +117,22 @@ class EngineCore:
             writer.close()
             return
         self.writer = writer
-        writer.write(encode(OK, None))
+        writer.write(encode(Ready()))
+        answers = {Stats.KV: self.kv_stats, Stats.RANKS: self.rank_stats, Stats.ENGINE: self.stats}
         try:
             while True:
-                kind, payload = await read_frame(reader)
-                if kind == "add":
-                    self._add(*payload)
-                elif kind == "finish":
-                    rid, reason = payload
+                message = await read_message(reader, CORE_RECEIVES_FROM_FRONT)
+                if isinstance(message, AddRequest):
+                    self._add(message)
+                elif isinstance(message, FinishRequest):
                     for rank, s in enumerate(self.schedulers):
-                        if s.finish(rid, reason):
+                        if s.finish(message.rid, message.reason):
                             self._wake[rank].set()
-                elif kind == "vocab":  # before the first request with a grammar (None: the ranks hold it)
+                elif isinstance(message, GrammarVocab):  # before the first request with a grammar
                     for s in self.schedulers:
-                        s.set_grammar_vocab(payload)
-                elif kind == "call":
-                    call_id, name = payload
-                    writer.write(encode("reply", (call_id, getattr(self, name)())))
+                        s.set_grammar_vocab(message.vocab_json)
+                elif isinstance(message, StatsQuery):
+                    writer.write(encode(StatsReply(message.call_id, answers[message.stats]())))
                 self._flush()  # aborts answered at once
         except (asyncio.IncompleteReadError, ConnectionError):
             log.warning("front channel closed: aborting every request")
@@ -149,28 +141,24 @@ class EngineCore:
             self._outbox.clear()
             self.writer = None
 
-    def _send(self, kind: str, payload: Any) -> None:
+    def _send(self, message: Any) -> None:
         if self.writer is not None and not self.writer.is_closing():
-            self.writer.write(encode(kind, payload))
-
-    def _emit(self, out: RequestOutput) -> None:
-        self._outbox.append((out.rid, out.new_token_ids, out.finished, out.finish_reason,
-                             out.num_output_tokens, out.accept_lengths, out.cached_tokens,
-                             out.logprobs, out.prompt_logprobs))
+            self.writer.write(encode(message))
 
     def _flush(self) -> None:
         if self._outbox:
-            self._send("out", self._outbox)
-            self._outbox = []
+            self._send(Outputs(self._outbox))  # encoded at once: the list can be reused
+            self._outbox.clear()
 
-    def _add(self, rank: int | None, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+    def _add(self, add: AddRequest) -> None:
+        rank = add.rank
         try:
-            req = Request(rid, prompt_ids, SamplingParams(**params), on_output=self._emit)
+            req = Request(add.rid, add.prompt_ids, add.params, on_output=self._outbox.append)
             if rank is None:  # dp_attention: the core places it, by the ranks' loads
                 rank = min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].load())
             self.schedulers[rank].add_request(req)
-        except (TypeError, ValueError) as e:  # the front end checked; say so if it missed
-            self._send("reject", (rid, str(e)))
+        except ValueError as e:  # the front end checked; say so if it missed
+            self._send(Rejected(add.rid, str(e)))
             return
         self._wake[rank].set()
 
@@ -280,7 +268,7 @@ class EngineCore:
         # Clients see this message: what failed, without the insides (class, traceback).
         self.failed = f"{who} failed: {str(e) or 'an error without a message'}"
         # One rank's streams, or (None) every stream of the replica.
-        self._send("failed", (ranks[0] if len(ranks) == 1 else None, self.failed))
+        self._send(RanksFailed(ranks[0] if len(ranks) == 1 else None, self.failed))
         for r in ranks:
             self.schedulers[r].abort_all()
         self._outbox.clear()  # the front end fails those streams itself

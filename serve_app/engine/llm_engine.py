@@ -19,7 +19,9 @@ from collections import Counter, deque
 from actors.worker.rank_worker import RankWorker
 from configs.schema import KestrelConfig
 from serve_app.text.detokenizer import detokenizer_factory
-from serve_app.engine.request import Request, RequestOutput, SamplingParams
+from actors.protocol.messages import RequestOutput
+from actors.protocol.sampling_params import SamplingParams
+from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
 from serve_app.text.tokenizer import stop_token_ids
 

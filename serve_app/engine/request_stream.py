@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from serve_app.text.detokenizer import TextStream
-from serve_app.engine.request import RequestOutput
+from actors.protocol.messages import RequestOutput
 
 
 class StreamFailed(Exception):

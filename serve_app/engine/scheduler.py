@@ -22,7 +22,8 @@ from actors.protocol.step_plan import RowProcessing, StepOutput, StepPlan, coins
 from configs.schema import KestrelConfig
 from serve_app.engine.draft_policy import DraftPolicy
 from serve_app.engine.radix_cache import RadixCache
-from serve_app.engine.request import CoinStream, Request, RequestOutput
+from actors.protocol.messages import RequestOutput
+from serve_app.engine.request import CoinStream, Request
 
 log = logging.getLogger("kestrel.scheduler")
 

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from actors.worker.step_channel import HEADER, StepServer, encode
+from actors.protocol.messages import HEADER, WIRE_VERSION, Hello, Ready, encode
 from actors.protocol.step_plan import StepOutput, StepPlan
+from actors.worker.step_channel import StepServer
 from configs.schema import load_config
 from kestrel_testing import LocalEngine
 from serve_app.engine.llm_engine import LLMEngine
@@ -147,7 +148,7 @@ def test_a_vanished_actor_is_seen_at_once():
     def actor_that_dies():
         conn, _ = listener.accept()
         conn.recv(1 << 16)  # the hello
-        conn.sendall(encode("ok", None))
+        conn.sendall(encode(Ready()))
         conn.recv(1 << 16)  # a plan arrives; the process dies before answering
         conn.close()
 
@@ -173,7 +174,7 @@ def test_a_connection_without_the_token_is_refused_before_any_unpickling():
     with socket.create_connection(server.address) as s:
         s.settimeout(5)
         try:  # one write: the reset may come as soon as the wrong hello is read
-            s.sendall(encode("hello", "not-the-token") + encode("ok", Bomb()))
+            s.sendall(encode(Hello("not-the-token")) + encode(Bomb()))
             answer = s.recv(HEADER.size)
         except ConnectionResetError:  # closed with our frames unread
             answer = b""
@@ -186,6 +187,29 @@ def test_a_connection_without_the_token_is_refused_before_any_unpickling():
         return (await asyncio.wait_for(channel.recv(), 5)).tokens
 
     assert asyncio.run(honest()) == [[7], [7]]
+    server.close()
+
+
+def test_a_peer_of_another_wire_version_is_refused_before_any_unpickling():
+    """Even with the right token: an engine built from other code must not be served."""
+    unpickled = []
+
+    class Bomb:
+        def __reduce__(self):
+            return (unpickled.append, ("ran",))
+
+    server = StepServer(lambda plan: StepOutput(plan.step_id, [[7] for _ in plan.rows]))
+    hello = encode(Hello(server.token))
+    old = HEADER.pack(WIRE_VERSION + 1, len(hello) - HEADER.size) + hello[HEADER.size:]
+    with socket.create_connection(server.address) as s:
+        s.settimeout(5)
+        try:
+            s.sendall(old + encode(Bomb()))
+            answer = s.recv(HEADER.size)
+        except ConnectionResetError:
+            answer = b""
+        assert answer == b""
+    assert unpickled == []
     server.close()
 
 
