@@ -30,7 +30,7 @@ import logging
 import secrets
 import socket
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
 import ray
@@ -46,6 +46,7 @@ from serve_app.engine.draft_policy import shape_name
 from serve_app.engine.rank_channel import RankChannel
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
+from serve_app.engine.step_pipeline import StepPipeline
 
 log = logging.getLogger("kestrel.engine")
 
@@ -88,13 +89,15 @@ class EngineCore:
         self.shape_steps = [Counter() for _ in infos]  # per rank: draft shape label -> speculative steps
         self.shape_names = [shape_name(s) for s in cfg.draft.shapes()]
         self.failed: str | None = None
-        if cfg.parallel.dp_attention:
-            self._wake = [asyncio.Event()] * len(infos)  # one loop: any rank's request wakes it
-            self.loops = [asyncio.create_task(self._run_lockstep(), name="kestrel-ranks")]
+        if cfg.parallel.dp_attention:  # one loop for the group: any rank's request wakes it
+            wake = asyncio.Event()
+            self._wake = [wake] * len(infos)
+            self.loops = [asyncio.create_task(self._run(list(range(len(infos))), wake, "the engine's rank group"),
+                                              name="kestrel-ranks")]
         else:
             self._wake = [asyncio.Event() for _ in infos]
-            self.loops = [asyncio.create_task(self._run_rank(r), name=f"kestrel-rank-{r}")
-                          for r in range(len(infos))]
+            self.loops = [asyncio.create_task(self._run([r], self._wake[r], f"engine rank {r}"),
+                                              name=f"kestrel-rank-{r}") for r in range(len(infos))]
 
     # ---- the front channel -------------------------------------------------------------
     async def listen(self, host: str) -> tuple[str, int]:
@@ -197,29 +200,30 @@ class EngineCore:
                 raise RuntimeError(f"the step loop {which} stopped")
 
     # ---- the step loop ---------------------------------------------------------------
-    async def _run_rank(self, rank: int) -> None:
-        sched, channel, wake = self.schedulers[rank], self.channels[rank], self._wake[rank]
-        seconds = self.step_seconds[rank]
-        inflight: deque = deque()  # (plan, sent while another was in flight), in send order
+    async def _run(self, ranks: list[int], wake: asyncio.Event, who: str) -> None:
+        """The step loop of one rank, or under dp_attention of every rank in lockstep (an
+        idle plan where a rank's scheduler has none, so the ranks' collectives line up):
+        plans sent ahead through a StepPipeline, outputs committed in send order."""
+        channels = [self.channels[r] for r in ranks]
+        pipeline = StepPipeline([self.schedulers[r] for r in ranks], [ch.send for ch in channels],
+                                self.max_in_flight, [self.step_seconds[r] for r in ranks], "schedule")
         try:
             while True:
-                t0 = time.perf_counter()
-                for plan in sched.plans_ahead(len(inflight), self.max_in_flight):
-                    channel.send(plan)
-                    inflight.append((plan, bool(inflight)))
-                seconds["schedule"] += time.perf_counter() - t0
-                if not inflight:
+                pipeline.fill()
+                if not pipeline.in_flight:
                     wake.clear()
                     await wake.wait()
                     continue
-                out = await channel.recv()
-                plan, pipelined = inflight.popleft()
-                self._process(rank, plan, out, pipelined)
+                outs = await self._recv_all(channels)
+                step = pipeline.oldest()
+                for rank, plan, out in zip(ranks, step.plans, outs):
+                    if plan.mode != "idle":
+                        self._process(rank, plan, out, step.pipelined)
                 self._flush()
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # actor died, scheduler bug: fail this rank's requests loudly
-            self._fail(e, f"engine rank {rank}", [rank])
+        except Exception as e:  # actor died, scheduler bug: fail these ranks' requests loudly
+            self._fail(e, who, ranks)
 
     def _process(self, rank: int, plan: StepPlan, out: StepOutput, pipelined: bool) -> None:
         """A step's output on `rank`: lengths committed, outputs into the outbox, timings."""
@@ -273,59 +277,15 @@ class EngineCore:
             self.schedulers[r].abort_all()
         self._outbox.clear()  # the front end fails those streams itself
 
-    # ---- the lockstep loop (dp_attention) -------------------------------------------------
-    async def _run_lockstep(self) -> None:
-        """Every rank gets a plan each step, an idle one when its scheduler has none, so the
-        ranks' collectives line up; a step's outputs come back together. Two steps stay in
-        flight, as in the per-rank loops."""
-        scheds, channels = self.schedulers, self.channels
-        wake = self._wake[0]
-        inflight: deque = deque()  # (one plan per rank, sent while another step was in flight)
-        try:
-            while True:
-                while len(inflight) < self.max_in_flight:
-                    plans = self._schedule_all()
-                    if all(p is None for p in plans):
-                        if inflight or not any(s.has_work for s in scheds):
-                            break
-                        # Decode plans that preempted every running request: planning
-                        # again prefills them.
-                        plans = self._schedule_all()
-                        if all(p is None for p in plans):
-                            raise RuntimeError("the schedulers have requests but could not plan a step")
-                    plans = [p or StepPlan(s.step_id, "idle", []) for p, s in zip(plans, scheds)]
-                    for channel, plan in zip(channels, plans):
-                        channel.send(plan)
-                    inflight.append((plans, bool(inflight)))
-                if not inflight:
-                    wake.clear()
-                    await wake.wait()
-                    continue
-                outs = await self._recv_all()
-                plans, pipelined = inflight.popleft()
-                for rank, (plan, out) in enumerate(zip(plans, outs)):
-                    if plan.mode != "idle":
-                        self._process(rank, plan, out, pipelined)
-                self._flush()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._fail(e, "the engine's rank group", list(range(len(scheds))))
-
-    def _schedule_all(self) -> list[StepPlan | None]:
-        plans = []
-        for sched, seconds in zip(self.schedulers, self.step_seconds):
-            t0 = time.perf_counter()
-            plans.append(sched.schedule())
-            seconds["schedule"] += time.perf_counter() - t0
-        return plans
-
-    async def _recv_all(self) -> list[StepOutput]:
-        """Every rank's output of the oldest step in flight. A rank's failure fails its
-        peers too (their collectives lose it: at once when it died, after
+    @staticmethod
+    async def _recv_all(channels: list[RankChannel]) -> list[StepOutput]:
+        """Each channel's output of the oldest step in flight. Under dp_attention a rank's
+        failure fails its peers too (their collectives lose it: at once when it died, after
         parallel.dp_timeout_s when it hangs); what is raised is the failure that explains
         the others: a rank whose channel closed, else the first."""
-        tasks = [asyncio.ensure_future(ch.recv()) for ch in self.channels]
+        if len(channels) == 1:
+            return [await channels[0].recv()]
+        tasks = [asyncio.ensure_future(ch.recv()) for ch in channels]
         try:
             _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             if pending:

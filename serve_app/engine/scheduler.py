@@ -212,23 +212,6 @@ class Scheduler:
         req.prefilled = req.scheduled = 0
 
     # ---- scheduling ----------------------------------------------------------------------
-    def plans_ahead(self, in_flight: int, limit: int):
-        """The plans to launch now, one at a time (each is launched before the next is
-        planned), until `limit` steps are in flight or none is left to plan. A decode plan
-        that preempted every running request returns None with the requests back in the
-        queue: with nothing in flight, planning again prefills them (that plan alone)."""
-        while in_flight < limit:
-            plan = self.schedule()
-            if plan is None:
-                break
-            yield plan
-            in_flight += 1
-        if in_flight == 0 and self.has_work:
-            plan = self.schedule()
-            if plan is None:
-                raise RuntimeError("the scheduler has requests but could not plan a step")
-            yield plan
-
     def schedule(self) -> StepPlan | None:
         if not self.has_work:
             return None
