@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import pickle
+import socket
 import struct
 from dataclasses import dataclass, field, fields
 from itertools import starmap
@@ -196,3 +197,17 @@ async def read_message(reader: asyncio.StreamReader, accepted: tuple[type, ...])
     """The next message from an asyncio stream (IncompleteReadError when it closed)."""
     n = body_length(await reader.readexactly(HEADER.size))
     return decode(await reader.readexactly(n), accepted)
+
+
+async def open_channel(host: str, port: int, token: str, accepted: tuple[type, ...]
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The connecting side of either channel: connect, say Hello with `token`, wait for Ready."""
+    reader, writer = await asyncio.open_connection(host, port)
+    sock = writer.get_extra_info("socket")
+    if sock is not None:  # frames are small and each is awaited: no Nagle delay
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    writer.write(encode(Hello(token)))
+    answer = await read_message(reader, accepted)
+    if not isinstance(answer, Ready):
+        raise ConnectionError(f"the peer answered the hello with {type(answer).__name__}")
+    return reader, writer

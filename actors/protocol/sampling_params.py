@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from actors.sampling.logprobs import MAX_TOP
 from actors.sampling.output_counts import MAX_BAD_WORD_TOKENS
+
+# OpenAI's bounds, which the HTTP front end's request models declare too.
+MAX_TEMPERATURE = 2.0
+MAX_REPETITION_PENALTY = 2.0
 
 
 @dataclass
@@ -52,18 +57,20 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be within [0, 2], got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be within [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be within (0, 2], got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be within (0, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be within [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be within [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs must be within [0, 20], got {self.prompt_logprobs}")
+        # The ranks compute at most MAX_TOP alternatives (actors/sampling/logprobs.py).
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP:
+            raise ValueError(f"logprobs must be within [0, {MAX_TOP}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP:
+            raise ValueError(f"prompt_logprobs must be within [0, {MAX_TOP}], got {self.prompt_logprobs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if any(not 1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):

@@ -13,14 +13,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import socket
 import time
 from typing import Any, Awaitable, Callable
 
 from actors.protocol.messages import (FRONT_RECEIVES, AddRequest, FinishRequest, GrammarVocab,
-                                      Hello, Outputs, RanksFailed, Ready, Rejected, Stats,
-                                      StatsQuery, StatsReply, WireError, encode,
-                                      read_message)
+                                      Outputs, RanksFailed, Rejected, Stats, StatsQuery, StatsReply,
+                                      WireError, encode, open_channel, read_message)
 from actors.protocol.sampling_params import SamplingParams
 from configs.schema import KestrelConfig
 from serve_app.text.detokenizer import TextStream
@@ -85,18 +83,8 @@ class EngineClient:
     @classmethod
     async def connect(cls, cfg: KestrelConfig, num_ranks: int, host: str, port: int, token: str,
                       tokenizer: Any, timeout_s: float = 60.0, **kw) -> "EngineClient":
-        async def hello():
-            reader, writer = await asyncio.open_connection(host, port)
-            sock = writer.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            writer.write(encode(Hello(token)))
-            answer = await read_message(reader, FRONT_RECEIVES)
-            if not isinstance(answer, Ready):
-                raise ConnectionError(f"the engine core answered {type(answer).__name__}")
-            return reader, writer
         try:
-            reader, writer = await asyncio.wait_for(hello(), timeout_s)
+            reader, writer = await asyncio.wait_for(open_channel(host, port, token, FRONT_RECEIVES), timeout_s)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             raise EngineUnavailable(f"could not open the front channel to the engine core at "
                                     f"{host}:{port} ({type(e).__name__}: {e})") from None

@@ -8,10 +8,9 @@ died) or a failed step raises RankFailed with what the actor said.
 from __future__ import annotations
 
 import asyncio
-import socket
 
-from actors.protocol.messages import (CORE_RECEIVES_FROM_RANK, Hello, Ready, StepFailed,
-                                      WireError, encode, read_message)
+from actors.protocol.messages import (CORE_RECEIVES_FROM_RANK, StepFailed, WireError, encode,
+                                      open_channel, read_message)
 from actors.protocol.step_plan import StepOutput, StepPlan
 
 
@@ -35,17 +34,10 @@ class RankChannel:
     @classmethod
     async def connect(cls, host: str, port: int, token: str, rank: int,
                       timeout_s: float = 60.0) -> "RankChannel":
-        async def hello() -> "RankChannel":
-            reader, writer = await asyncio.open_connection(host, port)
-            sock = writer.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            writer.write(encode(Hello(token)))
-            if not isinstance(await read_message(reader, CORE_RECEIVES_FROM_RANK), Ready):
-                raise ConnectionError("the actor did not answer the hello")
-            return cls(reader, writer, rank)
         try:
-            return await asyncio.wait_for(hello(), timeout_s)
+            reader, writer = await asyncio.wait_for(
+                open_channel(host, port, token, CORE_RECEIVES_FROM_RANK), timeout_s)
+            return cls(reader, writer, rank)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             raise RankFailed(f"could not open the step channel of rank {rank} at {host}:{port} "
                              f"({type(e).__name__}: {e}); see the RankActor's log") from None

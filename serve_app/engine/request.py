@@ -14,6 +14,12 @@ from actors.protocol.sampling_params import SamplingParams
 COIN_BLOCK = 32  # steps of coins drawn per generator call
 
 
+def text_ids(ids: list[int], ended_by_stop_token: bool) -> list[int]:
+    """The ids of an output that become text: a stop token that ended the request is not
+    part of the text (nor of the logprobs listed beside it)."""
+    return ids[:-1] if ended_by_stop_token else ids
+
+
 class CoinStream:
     """A sampled request's uniforms: `width` per step from its seeded generator, drawn a
     block of steps at a time. One torch.rand per block yields the same numbers as one per
