@@ -13,47 +13,35 @@ tokens, send them, and read and prepare N+1. Each output goes back as one small
 frame as soon as the device has produced it. A dead actor closes the connection, which
 the engine sees at once.
 
-Frames: an 8-byte little-endian length, then a pickle of (kind, payload). The first frame
-on a connection must be ("hello", token), the secret this actor returned through Ray's
-own authenticated channel; nothing else is unpickled before it matched. The socket binds
-to loopback when the engine runs on the same node (the placement group's STRICT_PACK
-makes that the normal case).
+Frames and messages: actors/protocol/messages.py. The first frame on a connection must be
+the engine's Hello with the secret this actor returned through Ray's own authenticated
+channel; nothing is unpickled before it matched. The socket binds to loopback when the
+engine runs on the same node (the placement group's STRICT_PACK makes that the normal
+case).
 """
 from __future__ import annotations
 
 import hmac
 import logging
-import pickle
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
 import traceback
 from collections import deque
 from typing import Any, Callable, Protocol
 
+from actors.protocol.messages import (HEADER, RANK_RECEIVES, Hello, Ready, StepFailed,
+                                      WireError, body_length, decode, encode)
 from actors.protocol.step_plan import StepOutput, StepPlan
 from configs.schema import MAX_STEPS_IN_FLIGHT
 
 log = logging.getLogger("kestrel.step_channel")
 
-HEADER = struct.Struct("<Q")
-MAX_FRAME = 1 << 30  # a 4096-token prefill plan is tens of KB; anything near this is garbage
-OK, ERROR, HELLO = "ok", "error", "hello"
 # Steps launched and not yet answered: as many as the engine keeps in flight.
 MAX_LAUNCHED = MAX_STEPS_IN_FLIGHT
 POLL_S = 0.0001  # while one step runs and no plan is there, how often to look at both
-
-
-def encode(kind: str, payload: Any) -> bytes:
-    body = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(body)) + body
-
-
-def decode(body: bytes) -> tuple[str, Any]:
-    return pickle.loads(body)
 
 
 def _read_exact(conn: socket.socket, n: int) -> bytes | None:
@@ -163,18 +151,22 @@ class StepServer:
         header = _read_exact(conn, HEADER.size)
         if header is None:
             return False
-        (n,) = HEADER.unpack(header)
-        expected = encode(HELLO, self.token)[HEADER.size:]
-        if n != len(expected):
+        expected = encode(Hello(self.token))
+        if body_length(header) != len(expected) - HEADER.size:
             return False
-        body = _read_exact(conn, n)
-        return body is not None and hmac.compare_digest(body, expected)
+        body = _read_exact(conn, len(expected) - HEADER.size)
+        return body is not None and hmac.compare_digest(body, expected[HEADER.size:])
 
     def _run(self, conn: socket.socket) -> None:
-        if not self._hello(conn):
+        try:
+            hello = self._hello(conn)
+        except WireError as e:
+            log.warning("step channel: a connection was refused: %s", e)
+            return
+        if not hello:
             log.warning("step channel: a connection without the actor's token was refused")
             return
-        conn.sendall(encode(OK, None))
+        conn.sendall(encode(Ready()))
         launched: deque = deque()  # (launched step, plan, timings), oldest first
 
         def answer_ready() -> None:
@@ -220,14 +212,10 @@ class StepServer:
         if header is None:
             return None, {}
         t1 = time.perf_counter()
-        (n,) = HEADER.unpack(header)
-        if n > MAX_FRAME:
-            raise OSError(f"frame of {n} bytes")
-        body = _read_exact(conn, n)
+        body = _read_exact(conn, body_length(header))
         if body is None:
             return None, {}
-        kind, plan = decode(body)
-        return plan, {"wait": t1 - t0 if idle else 0.0, "recv": time.perf_counter() - t1}
+        return decode(body, RANK_RECEIVES), {"wait": t1 - t0 if idle else 0.0, "recv": time.perf_counter() - t1}
 
     def _answer(self, conn: socket.socket, step: Any, plan: StepPlan, timings: dict) -> None:
         try:
@@ -237,11 +225,10 @@ class StepServer:
             return
         out.timings.update(timings)
         self.steps += 1
-        conn.sendall(encode(OK, out))
+        conn.sendall(encode(out))
 
     def _fail(self, conn: socket.socket, plan: StepPlan, e: Exception) -> None:
         """The engine fails this rank's requests with the message."""
         log.exception("step %s failed", getattr(plan, "step_id", "?"), exc_info=e)
-        # (message, traceback): the message may reach clients, the traceback only logs.
-        conn.sendall(encode(ERROR, (str(e) or "an error without a message",
-                                    "".join(traceback.format_exception(e, limit=8)))))
+        conn.sendall(encode(StepFailed(str(e) or "an error without a message",
+                                       "".join(traceback.format_exception(e, limit=8)))))

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from pydantic import (BaseModel, Field, StrictBool, TypeAdapter, ValidationInfo, field_validator,
                       model_serializer, model_validator)
 
+from actors.protocol.sampling_params import MAX_REPETITION_PENALTY, MAX_TEMPERATURE
+from actors.sampling.logprobs import MAX_TOP
 from serve_app.text.grammar import GrammarSpec, check_parses, check_spec, refuse_unenforced
 from serve_app.api.tools import constraint as tool_constraint
 from serve_app.api.request_field_policy import (NoEffectChatFields, NoEffectFields,
@@ -17,7 +19,8 @@ from serve_app.api.request_field_policy import (NoEffectChatFields, NoEffectFiel
                                             RequestModel, unsupported)
 
 MAX_N = 16
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs; vLLM's default for both endpoints
+# OpenAI's bound for top_logprobs, vLLM's default for both endpoints: what the ranks compute.
+MAX_TOP_LOGPROBS = MAX_TOP
 MAX_STOP_STRINGS = 16
 # The engine keeps seeds and top_k in int64 (torch): a larger one failed the rank's step,
 # and with it every request on the replica.
@@ -179,7 +182,7 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
 
     model: str | None = None  # None = the served model
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # extension (as vLLM): -1 or 0 = off
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
@@ -194,7 +197,7 @@ class SamplingFields(NoEffectFields, RejectedSamplingFields):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI) -> bias
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(None, ge=0)
     bad_words: list[str] | None = None  # vLLM's: tokenized by the server (openai_server.py)

@@ -39,6 +39,7 @@ from actors.sampling.output_counts import MAX_BAD_WORD_TOKENS
 from serve_app.engine.request import RequestOutput
 from serve_app.api.request_body import read_json_object
 from serve_app.engine.request_stream import StreamFailed
+from serve_app.engine.scheduler import PromptRejected, check_prompt, output_room
 from serve_app.api.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                          TokenizePromptRequest, TokenizeResponse,
                                          tokenize_request_model)
@@ -196,14 +197,15 @@ class OpenAIServer:
                 f"Token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise KestrelAPIError.bad_request("The prompt is empty", param=param)
-        limit = self.max_model_len - 1
-        if len(ids) > limit:
+        try:
+            check_prompt(ids, self.max_model_len)
+        except PromptRejected as e:
+            if not e.num_tokens:
+                raise KestrelAPIError.bad_request("The prompt is empty", param=param) from None
             raise KestrelAPIError.bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"has {len(ids)} tokens (at most {limit} leave room for one generated token)",
-                param=param)
+                f"has {e.num_tokens} tokens (at most {e.limit} leave room for one generated token)",
+                param=param) from None
         self.check_vocab(ids, param)
 
     async def compiled_grammar(self, body: Any) -> str | None:
@@ -225,7 +227,7 @@ class OpenAIServer:
         choices = []
         bad_words = self.bad_word_ids(body.bad_words or [])
         for p, ids in enumerate(prompts):
-            params = body.to_sampling_params(self.max_model_len - len(ids))
+            params = body.to_sampling_params(output_room(len(ids), self.max_model_len))
             params["bad_words"] = bad_words
             params["grammar"] = grammar
             self.check_vocab(list(params["logit_bias"]), "logit_bias")

@@ -13,16 +13,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import socket
 import time
 from typing import Any, Awaitable, Callable
 
-from actors.worker.step_channel import HELLO, OK, encode
+from actors.protocol.messages import (FRONT_RECEIVES, AddRequest, FinishRequest, GrammarVocab,
+                                      Outputs, RanksFailed, Rejected, Stats, StatsQuery, StatsReply,
+                                      WireError, encode, open_channel, read_message)
+from actors.protocol.sampling_params import SamplingParams
 from configs.schema import KestrelConfig
 from serve_app.text.detokenizer import TextStream
-from serve_app.engine.engine_core import read_frame
 from serve_app.text.grammar import compiler_for
-from serve_app.engine.request import RequestOutput, SamplingParams
 from serve_app.engine.request_stream import RequestStream
 from serve_app.engine.scheduler import check_prompt
 
@@ -83,18 +83,8 @@ class EngineClient:
     @classmethod
     async def connect(cls, cfg: KestrelConfig, num_ranks: int, host: str, port: int, token: str,
                       tokenizer: Any, timeout_s: float = 60.0, **kw) -> "EngineClient":
-        async def hello():
-            reader, writer = await asyncio.open_connection(host, port)
-            sock = writer.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            writer.write(encode(HELLO, token))
-            kind, _ = await read_frame(reader)
-            if kind != OK:
-                raise ConnectionError(f"the engine core answered {kind!r}")
-            return reader, writer
         try:
-            reader, writer = await asyncio.wait_for(hello(), timeout_s)
+            reader, writer = await asyncio.wait_for(open_channel(host, port, token, FRONT_RECEIVES), timeout_s)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             raise EngineUnavailable(f"could not open the front channel to the engine core at "
                                     f"{host}:{port} ({type(e).__name__}: {e})") from None
@@ -104,27 +94,24 @@ class EngineClient:
     async def _read(self) -> None:
         try:
             while True:
-                kind, payload = await read_frame(self.reader)
-                if kind == "out":
+                message = await read_message(self.reader, FRONT_RECEIVES)
+                if isinstance(message, Outputs):
                     streams = self.streams
-                    for rid, ids, finished, reason, n_out, accepts, cached, lps, plps in payload:
-                        stream = streams.get(rid)
+                    for out in message.outputs:
+                        stream = streams.get(out.rid)
                         if stream is not None:
-                            stream.push(RequestOutput(rid, ids, "", finished, reason,
-                                                      stream.num_prompt_tokens, n_out, accepts,
-                                                      cached, lps, plps))
-                elif kind == "reply":
-                    call_id, value = payload
-                    fut = self._calls.pop(call_id, None)
+                            stream.push(out)
+                elif isinstance(message, StatsReply):
+                    fut = self._calls.pop(message.call_id, None)
                     if fut is not None and not fut.done():
-                        fut.set_result(value)
-                elif kind == "reject":
-                    rid, message = payload
-                    if rid in self.streams:
-                        self.streams[rid].fail(message)
-                elif kind == "failed":
-                    rank, message = payload
-                    self._fail(message, rank)
+                        fut.set_result(message.value)
+                elif isinstance(message, Rejected):
+                    if message.rid in self.streams:
+                        self.streams[message.rid].fail(message.message)
+                elif isinstance(message, RanksFailed):
+                    self._fail(message.message, message.rank)
+        except WireError as e:
+            self._fail(f"the front channel to the engine core failed: {e}")
         except (asyncio.IncompleteReadError, ConnectionError):
             self._fail("the engine core closed its channel (it died or was killed)")
 
@@ -138,10 +125,10 @@ class EngineClient:
                 if not fut.done():
                     fut.set_exception(EngineUnavailable(message))
 
-    def _send(self, kind: str, payload: Any) -> None:
+    def _send(self, message: Any) -> None:
         if self.writer.is_closing():
             raise EngineUnavailable(self.failed or "the front channel to the engine core is closed")
-        self.writer.write(encode(kind, payload))
+        self.writer.write(encode(message))
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], sampling_params: dict[str, Any],
@@ -169,11 +156,11 @@ class EngineClient:
             raise QueueFull(f"the engine queue is full ({self.held[rank]} requests)")
         if params.grammar is not None and not self._vocab_sent:  # once: the core keeps it
             # None when the ranks hold it: the core only learns that grammars may come.
-            self._send("vocab", None if self.vocab_at_ranks else compiler_for(self.tokenizer).vocab_json)
+            self._send(GrammarVocab(None if self.vocab_at_ranks else compiler_for(self.tokenizer).vocab_json))
             self._vocab_sent = True
         text = TextStream(self.tokenizer, prompt, params.stop) if self.tokenizer is not None else None
         stream = RequestStream(rid, rank, len(prompt), text, self._end, self.interval_s)
-        self._send("add", (None if self.lockstep else rank, rid, prompt, sampling_params))
+        self._send(AddRequest(rid, prompt, params, None if self.lockstep else rank))
         self.streams[rid] = stream
         self.held[rank] += 1
         return stream
@@ -185,28 +172,28 @@ class EngineClient:
             return
         self.held[stream.rank] -= 1
         if reason is not None and not self.writer.is_closing():
-            self.writer.write(encode("finish", (rid, reason)))
+            self.writer.write(encode(FinishRequest(rid, reason)))
 
     # ---- state ---------------------------------------------------------------------------
     def num_requests(self) -> int:
         """Requests admitted whose streams have not ended."""
         return sum(self.held)
 
-    async def _call(self, name: str) -> Any:
+    async def _query(self, stats: Stats) -> Any:
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send("call", (call_id, name))
+        self._send(StatsQuery(call_id, stats))
         return await fut
 
     async def kv_stats(self) -> list[dict[str, int]]:
-        return await self._call("kv_stats")
+        return await self._query(Stats.KV)
 
     async def rank_stats(self) -> list[dict[str, Any]]:
-        return await self._call("rank_stats")
+        return await self._query(Stats.RANKS)
 
     async def stats(self) -> dict[str, Any]:
-        return {"replica": self.replica, **(await self._call("stats"))}
+        return {"replica": self.replica, **(await self._query(Stats.ENGINE))}
 
     async def check_health(self) -> None:
         """Raises if a rank or the core failed, or an actor does not answer."""

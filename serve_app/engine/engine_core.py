@@ -12,20 +12,15 @@ not wait for it.
 
 One step loop per rank: schedule -> send the plan down the rank's step channel (the next
 plan goes out before this one returns) -> receive the output -> process_output -> one
-"out" frame to the front end. Under parallel.dp_attention the ranks step in lockstep
+Outputs frame to the front end. Under parallel.dp_attention the ranks step in lockstep
 (their collectives must line up): one loop sends every rank a plan each step, an idle
 one where a rank's scheduler has none, and takes the step's outputs together; a new
 request goes to the rank with the least load (requests held, then KV in use), and a
 rank that fails fails the whole replica, whose ranks cannot step without it.
 
-Front channel frames (length-prefixed pickles, as the step channel's; the first frame
-from the front end must carry the core's token):
-  in:  ("add", (rank, rid, prompt_ids, sampling_params)), ("finish", (rid, reason)),
-       ("vocab", grammar vocabulary json: once, before the first add with a grammar),
-       ("call", (call_id, name))  name: "kv_stats" | "rank_stats" | "stats"
-  out: ("out", [(rid, token_ids, finished, finish_reason, num_output_tokens, accept_lengths,
-                 cached_tokens, logprobs, prompt_logprobs)]),
-       ("reply", (call_id, value)), ("reject", (rid, message)), ("failed", (rank, message))
+The front channel's messages (AddRequest, FinishRequest, GrammarVocab, StatsQuery in; one
+Outputs per step, StatsReply, Rejected, RanksFailed out) are defined, with the step
+channel's, in actors/protocol/messages.py.
 """
 from __future__ import annotations
 
@@ -35,19 +30,23 @@ import logging
 import secrets
 import socket
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
 import ray
 
-from actors.worker import gc_pauses
-from actors.worker.step_channel import HEADER, HELLO, OK, decode, encode
+from actors.protocol.messages import (CORE_RECEIVES_FROM_FRONT, AddRequest, FinishRequest,
+                                      GrammarVocab, Hello, Outputs, RanksFailed, Ready, Rejected,
+                                      RequestOutput, Stats, StatsQuery, StatsReply, encode,
+                                      read_message)
 from actors.protocol.step_plan import StepOutput, StepPlan
+from actors.worker import gc_pauses
 from configs.schema import KestrelConfig
 from serve_app.engine.draft_policy import shape_name
 from serve_app.engine.rank_channel import RankChannel
-from serve_app.engine.request import Request, RequestOutput, SamplingParams
+from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
+from serve_app.engine.step_pipeline import StepPipeline
 
 log = logging.getLogger("kestrel.engine")
 
@@ -59,11 +58,6 @@ FAILURE_GRACE_S = 1.0
 # rank's host, the device, a compile, the collector) from the log (_note_slow).
 SLOW_STEP_S, SLOW_STEP_TIMES = 0.1, 5.0
 STEP_PHASES = ("schedule", "process", "execute", "wait", "recv", "compile", "gc", "gpu_idle")
-
-
-async def read_frame(reader: asyncio.StreamReader) -> tuple[str, Any]:
-    (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-    return decode(await reader.readexactly(n))
 
 
 class EngineCore:
@@ -81,7 +75,7 @@ class EngineCore:
         self.memory = [info.get("memory") for info in infos]  # per rank: its MemoryPlan (GPU)
         self.token = secrets.token_hex(16)
         self.writer: asyncio.StreamWriter | None = None
-        self._outbox: list[tuple] = []  # this step's outputs, sent as one frame
+        self._outbox: list[RequestOutput] = []  # this step's outputs, sent as one frame
         # Per rank: seconds in each phase of a step (schedule and process here; execute,
         # wait, recv and gpu_idle as the actor measured them), and steps by mode. `wait`
         # and `gpu_idle` count only plans sent while another was in flight: the time the
@@ -96,13 +90,15 @@ class EngineCore:
         self.shape_steps = [Counter() for _ in infos]  # per rank: draft shape label -> speculative steps
         self.shape_names = [shape_name(s) for s in cfg.draft.shapes()]
         self.failed: str | None = None
-        if cfg.parallel.dp_attention:
-            self._wake = [asyncio.Event()] * len(infos)  # one loop: any rank's request wakes it
-            self.loops = [asyncio.create_task(self._run_lockstep(), name="kestrel-ranks")]
+        if cfg.parallel.dp_attention:  # one loop for the group: any rank's request wakes it
+            wake = asyncio.Event()
+            self._wake = [wake] * len(infos)
+            self.loops = [asyncio.create_task(self._run(list(range(len(infos))), wake, "the engine's rank group"),
+                                              name="kestrel-ranks")]
         else:
             self._wake = [asyncio.Event() for _ in infos]
-            self.loops = [asyncio.create_task(self._run_rank(r), name=f"kestrel-rank-{r}")
-                          for r in range(len(infos))]
+            self.loops = [asyncio.create_task(self._run([r], self._wake[r], f"engine rank {r}"),
+                                              name=f"kestrel-rank-{r}") for r in range(len(infos))]
 
     # ---- the front channel -------------------------------------------------------------
     async def listen(self, host: str) -> tuple[str, int]:
@@ -114,7 +110,7 @@ class EngineCore:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        expected = encode(HELLO, self.token)
+        expected = encode(Hello(self.token))
         try:  # compared as bytes: nothing from an unknown peer is unpickled
             hello = await reader.readexactly(len(expected))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -125,23 +121,22 @@ class EngineCore:
             writer.close()
             return
         self.writer = writer
-        writer.write(encode(OK, None))
+        writer.write(encode(Ready()))
+        answers = {Stats.KV: self.kv_stats, Stats.RANKS: self.rank_stats, Stats.ENGINE: self.stats}
         try:
             while True:
-                kind, payload = await read_frame(reader)
-                if kind == "add":
-                    self._add(*payload)
-                elif kind == "finish":
-                    rid, reason = payload
+                message = await read_message(reader, CORE_RECEIVES_FROM_FRONT)
+                if isinstance(message, AddRequest):
+                    self._add(message)
+                elif isinstance(message, FinishRequest):
                     for rank, s in enumerate(self.schedulers):
-                        if s.finish(rid, reason):
+                        if s.finish(message.rid, message.reason):
                             self._wake[rank].set()
-                elif kind == "vocab":  # before the first request with a grammar (None: the ranks hold it)
+                elif isinstance(message, GrammarVocab):  # before the first request with a grammar
                     for s in self.schedulers:
-                        s.set_grammar_vocab(payload)
-                elif kind == "call":
-                    call_id, name = payload
-                    writer.write(encode("reply", (call_id, getattr(self, name)())))
+                        s.set_grammar_vocab(message.vocab_json)
+                elif isinstance(message, StatsQuery):
+                    writer.write(encode(StatsReply(message.call_id, answers[message.stats]())))
                 self._flush()  # aborts answered at once
         except (asyncio.IncompleteReadError, ConnectionError):
             log.warning("front channel closed: aborting every request")
@@ -150,28 +145,24 @@ class EngineCore:
             self._outbox.clear()
             self.writer = None
 
-    def _send(self, kind: str, payload: Any) -> None:
+    def _send(self, message: Any) -> None:
         if self.writer is not None and not self.writer.is_closing():
-            self.writer.write(encode(kind, payload))
-
-    def _emit(self, out: RequestOutput) -> None:
-        self._outbox.append((out.rid, out.new_token_ids, out.finished, out.finish_reason,
-                             out.num_output_tokens, out.accept_lengths, out.cached_tokens,
-                             out.logprobs, out.prompt_logprobs))
+            self.writer.write(encode(message))
 
     def _flush(self) -> None:
         if self._outbox:
-            self._send("out", self._outbox)
-            self._outbox = []
+            self._send(Outputs(self._outbox))  # encoded at once: the list can be reused
+            self._outbox.clear()
 
-    def _add(self, rank: int | None, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+    def _add(self, add: AddRequest) -> None:
+        rank = add.rank
         try:
-            req = Request(rid, prompt_ids, SamplingParams(**params), on_output=self._emit)
+            req = Request(add.rid, add.prompt_ids, add.params, on_output=self._outbox.append)
             if rank is None:  # dp_attention: the core places it, by the ranks' loads
                 rank = min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].load())
             self.schedulers[rank].add_request(req)
-        except (TypeError, ValueError) as e:  # the front end checked; say so if it missed
-            self._send("reject", (rid, str(e)))
+        except ValueError as e:  # the front end checked; say so if it missed
+            self._send(Rejected(add.rid, str(e)))
             return
         self._wake[rank].set()
 
@@ -211,29 +202,30 @@ class EngineCore:
                 raise RuntimeError(f"the step loop {which} stopped")
 
     # ---- the step loop ---------------------------------------------------------------
-    async def _run_rank(self, rank: int) -> None:
-        sched, channel, wake = self.schedulers[rank], self.channels[rank], self._wake[rank]
-        seconds = self.step_seconds[rank]
-        inflight: deque = deque()  # (plan, sent while another was in flight), in send order
+    async def _run(self, ranks: list[int], wake: asyncio.Event, who: str) -> None:
+        """The step loop of one rank, or under dp_attention of every rank in lockstep (an
+        idle plan where a rank's scheduler has none, so the ranks' collectives line up):
+        plans sent ahead through a StepPipeline, outputs committed in send order."""
+        channels = [self.channels[r] for r in ranks]
+        pipeline = StepPipeline([self.schedulers[r] for r in ranks], [ch.send for ch in channels],
+                                self.max_in_flight, [self.step_seconds[r] for r in ranks], "schedule")
         try:
             while True:
-                t0 = time.perf_counter()
-                for plan in sched.plans_ahead(len(inflight), self.max_in_flight):
-                    channel.send(plan)
-                    inflight.append((plan, bool(inflight)))
-                seconds["schedule"] += time.perf_counter() - t0
-                if not inflight:
+                pipeline.fill()
+                if not pipeline.in_flight:
                     wake.clear()
                     await wake.wait()
                     continue
-                out = await channel.recv()
-                plan, pipelined = inflight.popleft()
-                self._process(rank, plan, out, pipelined)
+                outs = await self._recv_all(channels)
+                step = pipeline.oldest()
+                for rank, plan, out in zip(ranks, step.plans, outs):
+                    if plan.mode != "idle":
+                        self._process(rank, plan, out, step.pipelined)
                 self._flush()
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # actor died, scheduler bug: fail this rank's requests loudly
-            self._fail(e, f"engine rank {rank}", [rank])
+        except Exception as e:  # actor died, scheduler bug: fail these ranks' requests loudly
+            self._fail(e, who, ranks)
 
     def _process(self, rank: int, plan: StepPlan, out: StepOutput, pipelined: bool) -> None:
         """A step's output on `rank`: lengths committed, outputs into the outbox, timings."""
@@ -282,64 +274,20 @@ class EngineCore:
         # Clients see this message: what failed, without the insides (class, traceback).
         self.failed = f"{who} failed: {str(e) or 'an error without a message'}"
         # One rank's streams, or (None) every stream of the replica.
-        self._send("failed", (ranks[0] if len(ranks) == 1 else None, self.failed))
+        self._send(RanksFailed(ranks[0] if len(ranks) == 1 else None, self.failed))
         for r in ranks:
             self.schedulers[r].abort_all()
         self._outbox.clear()  # the front end fails those streams itself
 
-    # ---- the lockstep loop (dp_attention) -------------------------------------------------
-    async def _run_lockstep(self) -> None:
-        """Every rank gets a plan each step, an idle one when its scheduler has none, so the
-        ranks' collectives line up; a step's outputs come back together. Two steps stay in
-        flight, as in the per-rank loops."""
-        scheds, channels = self.schedulers, self.channels
-        wake = self._wake[0]
-        inflight: deque = deque()  # (one plan per rank, sent while another step was in flight)
-        try:
-            while True:
-                while len(inflight) < self.max_in_flight:
-                    plans = self._schedule_all()
-                    if all(p is None for p in plans):
-                        if inflight or not any(s.has_work for s in scheds):
-                            break
-                        # Decode plans that preempted every running request: planning
-                        # again prefills them.
-                        plans = self._schedule_all()
-                        if all(p is None for p in plans):
-                            raise RuntimeError("the schedulers have requests but could not plan a step")
-                    plans = [p or StepPlan(s.step_id, "idle", []) for p, s in zip(plans, scheds)]
-                    for channel, plan in zip(channels, plans):
-                        channel.send(plan)
-                    inflight.append((plans, bool(inflight)))
-                if not inflight:
-                    wake.clear()
-                    await wake.wait()
-                    continue
-                outs = await self._recv_all()
-                plans, pipelined = inflight.popleft()
-                for rank, (plan, out) in enumerate(zip(plans, outs)):
-                    if plan.mode != "idle":
-                        self._process(rank, plan, out, pipelined)
-                self._flush()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._fail(e, "the engine's rank group", list(range(len(scheds))))
-
-    def _schedule_all(self) -> list[StepPlan | None]:
-        plans = []
-        for sched, seconds in zip(self.schedulers, self.step_seconds):
-            t0 = time.perf_counter()
-            plans.append(sched.schedule())
-            seconds["schedule"] += time.perf_counter() - t0
-        return plans
-
-    async def _recv_all(self) -> list[StepOutput]:
-        """Every rank's output of the oldest step in flight. A rank's failure fails its
-        peers too (their collectives lose it: at once when it died, after
+    @staticmethod
+    async def _recv_all(channels: list[RankChannel]) -> list[StepOutput]:
+        """Each channel's output of the oldest step in flight. Under dp_attention a rank's
+        failure fails its peers too (their collectives lose it: at once when it died, after
         parallel.dp_timeout_s when it hangs); what is raised is the failure that explains
         the others: a rank whose channel closed, else the first."""
-        tasks = [asyncio.ensure_future(ch.recv()) for ch in self.channels]
+        if len(channels) == 1:
+            return [await channels[0].recv()]
+        tasks = [asyncio.ensure_future(ch.recv()) for ch in channels]
         try:
             _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             if pending:

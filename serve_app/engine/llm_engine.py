@@ -5,22 +5,26 @@ Engine deployment drives the same Scheduler and RankWorker classes across Ray.
 Without dp_attention, DP ranks are independent: each has its own scheduler and requests
 go to the least-loaded one.
 
-Steps run as the served engine runs them (serve_app/engine/engine_core.py): with
-scheduler.launch_ahead (by default on a GPU), step N+1 is planned and launched on the worker
-before step N is finished, so the device does not wait for the host between steps.
+Steps run as the served engine runs them, through the same StepPipeline
+(serve_app/engine/step_pipeline.py): with scheduler.launch_ahead (by default on a GPU), step
+N+1 is planned and launched on the worker before step N is finished, so the device does
+not wait for the host between steps.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 
 from actors.worker.rank_worker import RankWorker
 from configs.schema import KestrelConfig
 from serve_app.text.detokenizer import detokenizer_factory
-from serve_app.engine.request import Request, RequestOutput, SamplingParams
+from actors.protocol.messages import RequestOutput
+from actors.protocol.sampling_params import SamplingParams
+from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
+from serve_app.engine.step_pipeline import StepPipeline
 from serve_app.text.tokenizer import stop_token_ids
 
 log = logging.getLogger("kestrel.engine")
@@ -47,13 +51,14 @@ class LLMEngine:
         self.schedulers = [Scheduler(cfg, {**w.info(), **(worker_info or {})}, eos, factory)
                            for w in self.workers]
         self._ids = itertools.count()
-        # Per rank: (plan, launched step) in launch order, at most steps_in_flight of them.
-        self.steps_in_flight = cfg.scheduler.steps_in_flight(cfg.resolved_device())
-        self._inflight = [deque() for _ in self.workers]
         self.steps = 0
         # Where step time goes (seconds, summed over ranks): host scheduling, the worker
         # (model and sampling), committing outputs; and steps per mode. For progress lines.
         self.seconds = {"schedule": 0.0, "execute": 0.0, "process": 0.0}
+        # Per rank: its steps in flight, at most steps_in_flight of them.
+        limit = cfg.scheduler.steps_in_flight(cfg.resolved_device())
+        self.pipelines = [StepPipeline([s], [w.launch], limit, [self.seconds], "execute")
+                          for s, w in zip(self.schedulers, self.workers)]
         self.mode_steps = {"extend": 0, "decode": 0}
         self.eager_steps: Counter = Counter()  # reason -> steps that left the graphs (eager_steps.py)
         self.shape_steps: Counter = Counter()  # draft shape index -> speculative steps at it
@@ -77,42 +82,36 @@ class LLMEngine:
         the cancelled requests are dropped), so the engine is idle when this returns."""
         for s in self.schedulers:
             s.abort_all()
-        for sched, worker, inflight in zip(self.schedulers, self.workers, self._inflight):
-            while inflight:
-                plan, launched = inflight.popleft()
-                sched.process_output(plan, worker.finish(launched))
+        for sched, worker, pipeline in zip(self.schedulers, self.workers, self.pipelines):
+            while pipeline.in_flight:
+                step = pipeline.oldest()
+                sched.process_output(step.plans[0], worker.finish(step.launched[0]))
 
     @property
     def has_work(self) -> bool:
         """Requests to run, or a launched step to finish (its rows may all have ended)."""
-        return any(s.has_work for s in self.schedulers) or any(self._inflight)
+        return any(s.has_work for s in self.schedulers) or any(p.in_flight for p in self.pipelines)
 
     @property
     def launched(self) -> int:
         """Steps launched and not yet finished, over all ranks."""
-        return sum(len(q) for q in self._inflight)
+        return sum(len(p.in_flight) for p in self.pipelines)
 
     def step(self) -> list[RequestOutput]:
         """One finished step on every rank with work (ranks are independent without
         dp_attention); the rank's next step is launched before this one is finished."""
         events: list[RequestOutput] = []
-        limit = self.steps_in_flight
-        for sched, worker, inflight in zip(self.schedulers, self.workers, self._inflight):
-            t0 = time.perf_counter()
-            launch_s = 0.0
-            for plan in sched.plans_ahead(len(inflight), limit):
-                t = time.perf_counter()
-                inflight.append((plan, worker.launch(plan)))
-                launch_s += time.perf_counter() - t
-            if not inflight:
+        for sched, worker, pipeline in zip(self.schedulers, self.workers, self.pipelines):
+            pipeline.fill()
+            if not pipeline.in_flight:
                 continue
             t1 = time.perf_counter()
-            plan, launched = inflight.popleft()
-            out = worker.finish(launched)
+            step = pipeline.oldest()
+            plan = step.plans[0]
+            out = worker.finish(step.launched[0])
             t2 = time.perf_counter()
             events += sched.process_output(plan, out)
-            self.seconds["schedule"] += t1 - t0 - launch_s
-            self.seconds["execute"] += t2 - t1 + launch_s
+            self.seconds["execute"] += t2 - t1
             self.seconds["process"] += time.perf_counter() - t2
             self.mode_steps[plan.mode] = self.mode_steps.get(plan.mode, 0) + 1
             if out.eager:

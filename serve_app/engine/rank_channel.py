@@ -8,9 +8,9 @@ died) or a failed step raises RankFailed with what the actor said.
 from __future__ import annotations
 
 import asyncio
-import socket
 
-from actors.worker.step_channel import ERROR, HEADER, HELLO, OK, decode, encode
+from actors.protocol.messages import (CORE_RECEIVES_FROM_RANK, StepFailed, WireError, encode,
+                                      open_channel, read_message)
 from actors.protocol.step_plan import StepOutput, StepPlan
 
 
@@ -34,40 +34,32 @@ class RankChannel:
     @classmethod
     async def connect(cls, host: str, port: int, token: str, rank: int,
                       timeout_s: float = 60.0) -> "RankChannel":
-        async def hello() -> "RankChannel":
-            reader, writer = await asyncio.open_connection(host, port)
-            sock = writer.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            channel = cls(reader, writer, rank)
-            writer.write(encode(HELLO, token))
-            await channel.recv()  # the actor's OK: the token matched
-            return channel
         try:
-            return await asyncio.wait_for(hello(), timeout_s)
-        except (OSError, asyncio.TimeoutError) as e:
+            reader, writer = await asyncio.wait_for(
+                open_channel(host, port, token, CORE_RECEIVES_FROM_RANK), timeout_s)
+            return cls(reader, writer, rank)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             raise RankFailed(f"could not open the step channel of rank {rank} at {host}:{port} "
                              f"({type(e).__name__}: {e}); see the RankActor's log") from None
 
     def send(self, plan: StepPlan) -> None:
         if self.writer.is_closing():
             raise RankFailed(f"the step channel of rank {self.rank} is closed")
-        self.writer.write(encode(OK, plan))
+        self.writer.write(encode(plan))
 
     async def recv(self) -> StepOutput:
         try:
-            header = await self.reader.readexactly(HEADER.size)
-            (n,) = HEADER.unpack(header)
-            kind, payload = decode(await self.reader.readexactly(n))
+            message = await read_message(self.reader, CORE_RECEIVES_FROM_RANK)
+        except WireError as e:
+            raise RankFailed(f"rank {self.rank} sent a frame this engine cannot read: {e}") from None
         except (asyncio.IncompleteReadError, ConnectionError):
             raise RankFailed(f"the actor of rank {self.rank} closed its step channel "
                              "(it died or was killed)", closed=True) from None
-        if kind == ERROR:
-            message, trace = payload
-            raise RankFailed(f"rank {self.rank} failed a step: {message}", detail=trace)
-        if kind != OK:
-            raise RankFailed(f"rank {self.rank} sent an unknown frame {kind!r}")
-        return payload
+        if isinstance(message, StepOutput):
+            return message
+        if isinstance(message, StepFailed):
+            raise RankFailed(f"rank {self.rank} failed a step: {message.message}", detail=message.traceback)
+        raise RankFailed(f"rank {self.rank} sent an unexpected {type(message).__name__}")
 
     def close(self) -> None:
         self.writer.close()

@@ -8,9 +8,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from actors.sampling.output_counts import MAX_BAD_WORD_TOKENS
+from actors.protocol.messages import RequestOutput
+from actors.protocol.sampling_params import SamplingParams
 
 COIN_BLOCK = 32  # steps of coins drawn per generator call
+
+
+def text_ids(ids: list[int], ended_by_stop_token: bool) -> list[int]:
+    """The ids of an output that become text: a stop token that ended the request is not
+    part of the text (nor of the logprobs listed beside it)."""
+    return ids[:-1] if ended_by_stop_token else ids
 
 
 class CoinStream:
@@ -30,85 +37,6 @@ class CoinStream:
             self.pos = 0
         self.pos += 1
         return self.block[self.pos - 1]
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    # Logit processing (kestrel_kernels/penalties.py): OpenAI's penalties and bias, vLLM's extensions.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_p: float = 0.0
-    min_tokens: int = 0
-    # vLLM's bad_words, tokenized: a sequence's last id is never emitted right after the
-    # ids before it (a one-id sequence never at all). At most MAX_BAD_WORD_TOKENS ids each
-    # (actors/sampling/output_counts.py).
-    bad_words: list[list[int]] = field(default_factory=list)
-    logprobs: int | None = None  # alternatives listed with each token's logprob; None = none
-    # The prompt's own tokens' logprobs (vLLM's prompt_logprobs), with this many
-    # alternatives each; None = none. Taken from the raw logits (no processing applies
-    # to a prompt), so a request asking for them is not served from the prefix cache.
-    prompt_logprobs: int | None = None
-    # Structured outputs: the compiled grammar, serialized (serve_app/text/grammar.py); every
-    # output token is one the grammar allows, on every decoding path.
-    grammar: str | None = None
-
-    @property
-    def needs_counts(self) -> bool:
-        """Whether the worker must count this request's outputs (penalties, min_tokens)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.bad_words)
-
-    @property
-    def processes_logits(self) -> bool:
-        """Whether the worker processes this request's logits (its processing table row)."""
-        return self.needs_counts or bool(self.logit_bias)
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be within [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be within (0, 2], got {self.repetition_penalty}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be within [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be within [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs must be within [0, 20], got {self.prompt_logprobs}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if any(not 1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
-            raise ValueError(f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
-
-
-@dataclass
-class RequestOutput:
-    rid: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    accept_lengths: list[int] = field(default_factory=list)  # new ones since the last output
-    cached_tokens: int = 0  # prompt tokens the prefix cache held at the request's admission
-    logprobs: list | None = None  # per new token: (logprob, top ids, top logprobs), if asked
-    # With the first output of a request that asked: per prompt token, None for the first,
-    # then (logprob, top ids, top logprobs, rank) (actors/sampling/logprobs.py).
-    prompt_logprobs: list | None = None
 
 
 @dataclass(eq=False)  # a request is itself: queue lookups compare identity, not fields

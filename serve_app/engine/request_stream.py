@@ -14,7 +14,8 @@ import time
 from typing import Callable
 
 from serve_app.text.detokenizer import TextStream
-from serve_app.engine.request import RequestOutput
+from actors.protocol.messages import RequestOutput
+from serve_app.engine.request import text_ids
 
 
 class StreamFailed(Exception):
@@ -95,20 +96,22 @@ class RequestStream:
         text, ended_here = "", False
         if self.text is not None:
             # The scheduler of a Serve engine makes no text, so its "stop" is always a stop
-            # token, which the text leaves out.
-            text_ids = ids[:-1] if finished and reason == "stop" else ids
-            if logprobs is not None:  # a stop token is not part of the text: nor listed
-                logprobs = logprobs[:len(text_ids)]
-            text, stopped = self.text.feed(text_ids, final=finished)
+            # token.
+            shown = text_ids(ids, finished and reason == "stop")
+            if logprobs is not None:
+                logprobs = logprobs[:len(shown)]
+            text, stopped = self.text.feed(shown, final=finished)
             if stopped:
                 ended_here = not finished
                 finished, reason = True, "stop"
         if finished:
             self.finished = True
             self._end(self.rid, "stop" if ended_here else None)
-        return RequestOutput(self.rid, ids, text, finished, reason, self.num_prompt_tokens,
-                             self.num_output_tokens, accepts, last.cached_tokens, logprobs,
-                             outs[0].prompt_logprobs)  # only a request's first output has them
+        return RequestOutput(rid=self.rid, new_token_ids=ids, new_text=text, finished=finished,
+                             finish_reason=reason, num_prompt_tokens=self.num_prompt_tokens,
+                             num_output_tokens=self.num_output_tokens, accept_lengths=accepts,
+                             cached_tokens=last.cached_tokens, logprobs=logprobs,
+                             prompt_logprobs=outs[0].prompt_logprobs)  # only a request's first output has them
 
     def cancel(self) -> None:
         """The consumer went away: the request ends now and its KV is freed."""

@@ -23,20 +23,37 @@ from actors.protocol.step_plan import RowProcessing, StepOutput, StepPlan, coins
 from configs.schema import KestrelConfig
 from serve_app.engine.draft_policy import DraftPolicy
 from serve_app.engine.radix_cache import RadixCache
-from serve_app.engine.request import CoinStream, Request, RequestOutput
+from actors.protocol.messages import RequestOutput
+from serve_app.engine.request import CoinStream, Request, text_ids
 
 log = logging.getLogger("kestrel.scheduler")
 
 
+def output_room(num_prompt_tokens: int, max_model_len: int) -> int:
+    """The most tokens a request may generate after a prompt this long: what the model's
+    context leaves (the HTTP front end's default max_tokens, the scheduler's cap)."""
+    return max_model_len - num_prompt_tokens
+
+
+class PromptRejected(ValueError):
+    """A prompt that cannot run: empty (`num_tokens` 0), or longer than `limit`, which
+    leaves room for one output token. The HTTP front end words its own answer from it."""
+
+    def __init__(self, message: str, num_tokens: int, limit: int):
+        super().__init__(message)
+        self.num_tokens, self.limit = num_tokens, limit
+
+
 def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
-    """ValueError if a prompt cannot run: empty, or no room left for one output token.
-    (The Serve engine's front end checks it too, before handing a request over.)"""
-    limit = max_model_len - 1
+    """PromptRejected if a prompt cannot run. The one check of a prompt: the HTTP front
+    end, the engine client and the scheduler each call it."""
+    limit = max_model_len - 1  # output_room(limit, max_model_len) == 1
     if not prompt_ids:
-        raise ValueError("the prompt is empty")
+        raise PromptRejected("the prompt is empty", 0, limit)
     if len(prompt_ids) > limit:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model accepts "
-                         f"at most {limit} (model.max_model_len={max_model_len})")
+        raise PromptRejected(f"the prompt has {len(prompt_ids)} tokens; this model accepts "
+                             f"at most {limit} (model.max_model_len={max_model_len})",
+                             len(prompt_ids), limit)
 
 
 def row_processing(req: Request) -> RowProcessing:
@@ -109,7 +126,7 @@ class Scheduler:
         if p.grammar is not None and not self.grammar_ready:
             raise ValueError("a grammar needs the grammar vocabulary (set_grammar_vocab) first")
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
-        req.max_output = min(p.max_tokens, self.max_model_len - len(req.prompt_ids))
+        req.max_output = min(p.max_tokens, output_room(len(req.prompt_ids), self.max_model_len))
         if p.temperature > 0:
             seed = p.seed if p.seed is not None else torch.seed()
             req.coin_stream = CoinStream(seed, self.coins_per_request)
@@ -214,23 +231,6 @@ class Scheduler:
         req.prefilled = req.scheduled = 0
 
     # ---- scheduling ----------------------------------------------------------------------
-    def plans_ahead(self, in_flight: int, limit: int):
-        """The plans to launch now, one at a time (each is launched before the next is
-        planned), until `limit` steps are in flight or none is left to plan. A decode plan
-        that preempted every running request returns None with the requests back in the
-        queue: with nothing in flight, planning again prefills them (that plan alone)."""
-        while in_flight < limit:
-            plan = self.schedule()
-            if plan is None:
-                break
-            yield plan
-            in_flight += 1
-        if in_flight == 0 and self.has_work:
-            plan = self.schedule()
-            if plan is None:
-                raise RuntimeError("the scheduler has requests but could not plan a step")
-            yield plan
-
     def schedule(self) -> StepPlan | None:
         if not self.has_work:
             return None
@@ -507,7 +507,7 @@ class Scheduler:
         deferred = req.text_stream is not None and req.quiet
         if req.text_stream is not None and (reason or not deferred):
             ids = req.output_ids if deferred else new_ids
-            text, stopped = req.text_stream.feed(ids[:-1] if stop_token else ids, final=bool(reason))
+            text, stopped = req.text_stream.feed(text_ids(ids, stop_token), final=bool(reason))
             if stopped:
                 reason = "stop"
             req.text += text
@@ -518,9 +518,10 @@ class Scheduler:
             req.token_logprobs += logprobs
         if req.on_output is None and not reason:
             return None
-        out = RequestOutput(req.rid, new_ids, text, reason is not None, reason,
-                            len(req.prompt_ids), len(req.output_ids), accepted, req.prompt_cached,
-                            logprobs)
+        out = RequestOutput(rid=req.rid, new_token_ids=new_ids, new_text=text, finished=reason is not None,
+                            finish_reason=reason, num_prompt_tokens=len(req.prompt_ids),
+                            num_output_tokens=len(req.output_ids), accept_lengths=accepted,
+                            cached_tokens=req.prompt_cached, logprobs=logprobs)
         if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             out.prompt_logprobs = [None] + req.prompt_logprobs
             req.prompt_logprobs_sent = True
@@ -539,5 +540,6 @@ class Scheduler:
         self._release_kv(req)
         self.requests.pop(req.rid, None)
         if reason == "abort" and req.on_output is not None:
-            req.on_output(RequestOutput(req.rid, [], "", True, "abort", len(req.prompt_ids),
-                                        len(req.output_ids)))
+            req.on_output(RequestOutput(rid=req.rid, new_token_ids=[], new_text="", finished=True,
+                                        finish_reason="abort", num_prompt_tokens=len(req.prompt_ids),
+                                        num_output_tokens=len(req.output_ids)))

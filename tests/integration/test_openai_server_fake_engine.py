@@ -95,3 +95,17 @@ def test_fan_out_seeds_and_indices(tokenizer):
     assert sorted(s for _, s in seen) == [10, 10, 11, 11]  # per prompt: seed, seed+1
     assert len({rid for rid, _ in seen}) == 4
     assert body["usage"]["completion_tokens"] == 8
+
+
+def test_a_prompt_that_cannot_run_is_answered_before_the_engine(tokenizer):
+    """The one prompt check (scheduler.check_prompt), worded for HTTP clients."""
+    cfg, engine = make_client(echo_script, "model.max_model_len=16")
+    r = call(tokenizer, cfg, engine, "POST", "/v1/completions", json={"prompt": list(range(1, 17))})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"] == ("This model's maximum context length is 16 tokens; the prompt "
+                                            "has 16 tokens (at most 15 leave room for one generated token)")
+    r = call(tokenizer, cfg, engine, "POST", "/v1/completions", json={"prompt": [[1, 2], list(range(1, 20))]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt.1"
+    assert not engine.streams
+    r = call(tokenizer, cfg, engine, "POST", "/v1/completions", json={"prompt": list(range(1, 16))})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 15

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from actors.worker.step_channel import HEADER, StepServer, encode
+from actors.protocol.messages import HEADER, WIRE_VERSION, Hello, Ready, encode
 from actors.protocol.step_plan import StepOutput, StepPlan
+from actors.worker.step_channel import StepServer
 from configs.schema import load_config
 from kestrel_testing import LocalEngine
 from serve_app.engine.llm_engine import LLMEngine
@@ -147,7 +148,7 @@ def test_a_vanished_actor_is_seen_at_once():
     def actor_that_dies():
         conn, _ = listener.accept()
         conn.recv(1 << 16)  # the hello
-        conn.sendall(encode("ok", None))
+        conn.sendall(encode(Ready()))
         conn.recv(1 << 16)  # a plan arrives; the process dies before answering
         conn.close()
 
@@ -162,23 +163,29 @@ def test_a_vanished_actor_is_seen_at_once():
     asyncio.run(run())
 
 
-def test_a_connection_without_the_token_is_refused_before_any_unpickling():
+def _refused_before_any_unpickling(server: StepServer, hello: bytes) -> None:
+    """`hello`, then a frame that would run code when unpickled: the server closes the
+    connection without an answer, and nothing ran."""
     unpickled = []
 
     class Bomb:
         def __reduce__(self):
             return (unpickled.append, ("ran",))
 
-    server = StepServer(lambda plan: StepOutput(plan.step_id, [[7] for _ in plan.rows]))
     with socket.create_connection(server.address) as s:
         s.settimeout(5)
         try:  # one write: the reset may come as soon as the wrong hello is read
-            s.sendall(encode("hello", "not-the-token") + encode("ok", Bomb()))
+            s.sendall(hello + encode(Bomb()))
             answer = s.recv(HEADER.size)
         except ConnectionResetError:  # closed with our frames unread
             answer = b""
         assert answer == b""  # closed without an answer
     assert unpickled == []
+
+
+def test_a_connection_without_the_token_is_refused_before_any_unpickling():
+    server = StepServer(lambda plan: StepOutput(plan.step_id, [[7] for _ in plan.rows]))
+    _refused_before_any_unpickling(server, encode(Hello("not-the-token")))
 
     async def honest():  # the actor still serves the engine that has the token
         channel = await RankChannel.connect(*server.address, server.token, 0)
@@ -186,6 +193,15 @@ def test_a_connection_without_the_token_is_refused_before_any_unpickling():
         return (await asyncio.wait_for(channel.recv(), 5)).tokens
 
     assert asyncio.run(honest()) == [[7], [7]]
+    server.close()
+
+
+def test_a_peer_of_another_wire_version_is_refused_before_any_unpickling():
+    """Even with the right token: an engine built from other code must not be served."""
+    server = StepServer(lambda plan: StepOutput(plan.step_id, [[7] for _ in plan.rows]))
+    hello = encode(Hello(server.token))
+    _refused_before_any_unpickling(server, HEADER.pack(WIRE_VERSION + 1, len(hello) - HEADER.size)
+                                   + hello[HEADER.size:])
     server.close()
 
 
