@@ -13,7 +13,8 @@ names. A connection opens with the connecting side's `Hello` (the secret the lis
 actor handed out through Ray's authenticated channel), compared as bytes before anything
 is unpickled, and the listener's `Ready`. A peer built from other code (another
 WIRE_VERSION) is refused at its first frame header; bump WIRE_VERSION whenever a message
-here, or StepPlan / StepOutput (actors/protocol/step_plan.py), changes its fields.
+here or a type it carries (StepPlan, StepOutput, RowProcessing: actors/protocol/step_plan.py;
+SamplingParams: actors/protocol/sampling_params.py) changes its fields.
 
     step channel    core -> rank:  Hello, then StepPlan per step
                     rank -> core:  Ready, then StepOutput or StepFailed per plan, in order

@@ -215,7 +215,8 @@ class StepServer:
         body = _read_exact(conn, body_length(header))
         if body is None:
             return None, {}
-        return decode(body, RANK_RECEIVES), {"wait": t1 - t0 if idle else 0.0, "recv": time.perf_counter() - t1}
+        plan = decode(body, RANK_RECEIVES)
+        return plan, {"wait": t1 - t0 if idle else 0.0, "recv": time.perf_counter() - t1}
 
     def _answer(self, conn: socket.socket, step: Any, plan: StepPlan, timings: dict) -> None:
         try:

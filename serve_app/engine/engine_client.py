@@ -84,7 +84,8 @@ class EngineClient:
     async def connect(cls, cfg: KestrelConfig, num_ranks: int, host: str, port: int, token: str,
                       tokenizer: Any, timeout_s: float = 60.0, **kw) -> "EngineClient":
         try:
-            reader, writer = await asyncio.wait_for(open_channel(host, port, token, FRONT_RECEIVES), timeout_s)
+            reader, writer = await asyncio.wait_for(open_channel(host, port, token, FRONT_RECEIVES),
+                                                    timeout_s)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             raise EngineUnavailable(f"could not open the front channel to the engine core at "
                                     f"{host}:{port} ({type(e).__name__}: {e})") from None

@@ -12,7 +12,8 @@ not wait for it.
 
 One step loop per rank: schedule -> send the plan down the rank's step channel (the next
 plan goes out before this one returns) -> receive the output -> process_output -> one
-Outputs frame to the front end. Under parallel.dp_attention the ranks step in lockstep
+Outputs frame to the front end; the planning ahead is the StepPipeline the in-process
+engine runs too (serve_app/engine/step_pipeline.py). Under parallel.dp_attention the ranks step in lockstep
 (their collectives must line up): one loop sends every rank a plan each step, an idle
 one where a rank's scheduler has none, and takes the step's outputs together; a new
 request goes to the rank with the least load (requests held, then KV in use), and a
@@ -93,8 +94,8 @@ class EngineCore:
         if cfg.parallel.dp_attention:  # one loop for the group: any rank's request wakes it
             wake = asyncio.Event()
             self._wake = [wake] * len(infos)
-            self.loops = [asyncio.create_task(self._run(list(range(len(infos))), wake, "the engine's rank group"),
-                                              name="kestrel-ranks")]
+            group = self._run(list(range(len(infos))), wake, "the engine's rank group")
+            self.loops = [asyncio.create_task(group, name="kestrel-ranks")]
         else:
             self._wake = [asyncio.Event() for _ in infos]
             self.loops = [asyncio.create_task(self._run([r], self._wake[r], f"engine rank {r}"),

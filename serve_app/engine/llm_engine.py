@@ -17,11 +17,11 @@ import logging
 import time
 from collections import Counter
 
+from actors.protocol.messages import RequestOutput
+from actors.protocol.sampling_params import SamplingParams
 from actors.worker.rank_worker import RankWorker
 from configs.schema import KestrelConfig
 from serve_app.text.detokenizer import detokenizer_factory
-from actors.protocol.messages import RequestOutput
-from actors.protocol.sampling_params import SamplingParams
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.step_pipeline import StepPipeline
@@ -57,7 +57,8 @@ class LLMEngine:
         self.seconds = {"schedule": 0.0, "execute": 0.0, "process": 0.0}
         # Per rank: its steps in flight, at most steps_in_flight of them.
         limit = cfg.scheduler.steps_in_flight(cfg.resolved_device())
-        self.pipelines = [StepPipeline([s], [w.launch], limit, [self.seconds], "execute")
+        # The worker's launch is looked up at each step: tests wrap it on a built engine.
+        self.pipelines = [StepPipeline([s], [lambda plan, w=w: w.launch(plan)], limit, [self.seconds], "execute")
                           for s, w in zip(self.schedulers, self.workers)]
         self.mode_steps = {"extend": 0, "decode": 0}
         self.eager_steps: Counter = Counter()  # reason -> steps that left the graphs (eager_steps.py)

@@ -13,8 +13,8 @@ import asyncio
 import time
 from typing import Callable
 
-from serve_app.text.detokenizer import TextStream
 from actors.protocol.messages import RequestOutput
+from serve_app.text.detokenizer import TextStream
 from serve_app.engine.request import text_ids
 
 
@@ -107,11 +107,12 @@ class RequestStream:
         if finished:
             self.finished = True
             self._end(self.rid, "stop" if ended_here else None)
+        # Only a request's first output has prompt logprobs.
         return RequestOutput(rid=self.rid, new_token_ids=ids, new_text=text, finished=finished,
                              finish_reason=reason, num_prompt_tokens=self.num_prompt_tokens,
                              num_output_tokens=self.num_output_tokens, accept_lengths=accepts,
                              cached_tokens=last.cached_tokens, logprobs=logprobs,
-                             prompt_logprobs=outs[0].prompt_logprobs)  # only a request's first output has them
+                             prompt_logprobs=outs[0].prompt_logprobs)
 
     def cancel(self) -> None:
         """The consumer went away: the request ends now and its KV is freed."""

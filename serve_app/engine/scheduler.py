@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from actors.worker.kv_cache import RowAllocator, SlotAllocator, kv_ahead, max_request_slots
+from actors.protocol.messages import RequestOutput
 from actors.protocol.step_plan import RowProcessing, StepOutput, StepPlan, coins_per_request
 from configs.schema import KestrelConfig
 from serve_app.engine.draft_policy import DraftPolicy
 from serve_app.engine.radix_cache import RadixCache
-from actors.protocol.messages import RequestOutput
 from serve_app.engine.request import CoinStream, Request, text_ids
 
 log = logging.getLogger("kestrel.scheduler")
