@@ -80,7 +80,7 @@ def test_a_step_a_smaller_shape_cannot_hold_runs_at_the_configured_one(tiny_llam
             seen.append((len(plan.rows), plan.draft_shape, step.draft_shape))
         return step
 
-    eng.pipelines[0].launchers[0] = spy  # what the engine's step loop launches with
+    w.launch = spy
     assert (outputs(eng, prompts, MAX_TOKENS), outputs(eng, prompts[:2], MAX_TOKENS)) == want
     asked_big = [ran for n, asked, ran in seen if asked == 1 and n > 2]
     asked_small = [ran for n, asked, ran in seen if asked == 1 and n <= 2]
