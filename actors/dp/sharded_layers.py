@@ -129,6 +129,9 @@ def shard_model(model: nn.Module, dp: DPAttentionGroup) -> None:
     """Replace a loaded LlamaForCausalLM's embedding, LM head and MLPs with this rank's
     shards (the full weights are freed when nothing else holds them)."""
     inner = model.model
+    if not isinstance(inner.layers[0].mlp.down_proj, nn.Linear):  # fp8_linear.Fp8Linear
+        raise ValueError("parallel.dp_attention does not shard FP8 layers (model.quantization=fp8 "
+                         "or an FP8 checkpoint): set parallel.dp_attention=false")
     embed = VocabParallelEmbedding(inner.embed_tokens.weight.detach(), dp)
     untied = None if model.arch.tie_word_embeddings else model.lm_head.weight.detach()
     inner.embed_tokens = embed
