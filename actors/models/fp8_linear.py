@@ -50,16 +50,21 @@ def is_fp8(model: nn.Module) -> bool:
     return isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
 
 
-def check_fp8_device(dtype: torch.dtype, device: torch.device | str) -> None:
+def check_fp8_device(dtype: torch.dtype, device: torch.device | str, dims: dict[str, int]) -> None:
     """Refuse what the CUDA path cannot run: it needs row-wise scaled FP8 matmuls (compute
-    capability 8.9: Ada, Hopper and later), which write bf16. The CPU runs the fp32
-    reference in any dtype."""
+    capability 8.9: Ada, Hopper and later), which write bf16 and take GEMM dimensions
+    (``dims``: name -> size) that are multiples of 16. The CPU runs the fp32 reference in
+    any dtype and shape."""
     device = torch.device(device)
     if device.type != "cuda":
         return
     if dtype != torch.bfloat16:
         raise ValueError(f"model.quantization=fp8 on CUDA needs model.dtype bfloat16 (or auto), not "
                          f"{str(dtype).removeprefix('torch.')}: FP8 matmuls with per-token scales write bf16")
+    odd = {k: v for k, v in dims.items() if v % 16}
+    if odd:
+        raise ValueError(f"model.quantization=fp8 on CUDA needs GEMM dimensions that are multiples "
+                         f"of 16; this model has {odd}")
     cap = torch.cuda.get_device_capability(device)
     if cap < (8, 9):
         raise ValueError(f"model.quantization=fp8 needs a GPU of compute capability 8.9 or more "

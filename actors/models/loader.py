@@ -94,7 +94,8 @@ def build_model(
         log.info("%s stores FP8 weights (compressed-tensors): served in FP8 with "
                  "model.quantization=none", path)
     if fp8:
-        check_fp8_device(dtype, device)
+        check_fp8_device(dtype, device, {"hidden_size": arch.hidden_size, "q_size": arch.q_size,
+                                         "kv_size": arch.kv_size, "intermediate_size": arch.intermediate_size})
     # Build on the meta device and allocate uninitialised storage straight on the target
     # device: random init of every weight would be wasted work, and load_weights is strict,
     # so nothing stays unset.

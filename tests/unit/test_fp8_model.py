@@ -183,13 +183,17 @@ def test_settings_that_cannot_run_are_refused(monkeypatch, folders):
     with pytest.raises(ValueError, match="model.quantization"):
         build_model(str(folders[0]), torch.bfloat16, "cpu", quantization="int8")
     # CUDA: bf16 only (row-wise scaled FP8 matmuls write bf16), and compute capability 8.9+.
+    dims = {"hidden_size": 4096, "intermediate_size": 11008}
     for dtype in (torch.float32, torch.float16):
         with pytest.raises(ValueError, match="model.dtype bfloat16"):
-            check_fp8_device(dtype, "cuda")
+            check_fp8_device(dtype, "cuda", dims)
+    with pytest.raises(ValueError, match="multiples of 16.*'intermediate_size': 1000"):
+        check_fp8_device(torch.bfloat16, "cuda", dict(dims, intermediate_size=1000))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="compute capability 8.9"):
-        check_fp8_device(torch.bfloat16, "cuda")
-    check_fp8_device(torch.float32, "cpu")  # the CPU runs the fp32 reference in any dtype
+        check_fp8_device(torch.bfloat16, "cuda", dims)
+    # The CPU runs the fp32 reference in any dtype and shape.
+    check_fp8_device(torch.float32, "cpu", dict(dims, intermediate_size=1000))
 
 
 def test_dp_attention_refuses_an_fp8_target(folders):
