@@ -26,6 +26,13 @@ class ModelConfig(_Strict):
     # real shapes and tokenizer for speed measurements (models/qwen2.5-7b etc.); a draft
     # without draft.path is then random too.
     load_format: Literal["auto", "dummy"] = "auto"
+    # fp8: the decoder's linear layers in FP8 E4M3 (half the weight bytes a decode step
+    # reads, and FP8 tensor cores): weights quantized at load with a scale per output
+    # channel, activations per token at run time; embeddings, LM head, norms, KV cache and
+    # the draft head stay in dtype. On CUDA it needs compute capability 8.9+ and dtype
+    # bfloat16 (auto); the CPU runs the fp32 reference. A compressed-tensors FP8_DYNAMIC
+    # checkpoint is served in FP8 whatever this says (docs/serve.md, "FP8").
+    quantization: Literal["none", "fp8"] = "none"
     max_model_len: int = Field(2048, ge=16)
     # On CUDA, RMSNorm (+ residual add), RoPE and SiLU-mul run as fused Triton kernels
     # (kestrel_kernels/layer_ops.py); false runs their torch references (to compare the two).
@@ -314,6 +321,13 @@ class KestrelConfig(_Strict):
     processing: ProcessingConfig = Field(default_factory=ProcessingConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    @model_validator(mode="after")
+    def _fp8_not_sharded(self) -> "KestrelConfig":
+        if self.model.quantization == "fp8" and self.parallel.dp_attention:
+            raise ValueError("model.quantization=fp8 does not run under parallel.dp_attention "
+                             "(its MLP shards are unquantized slices)")
+        return self
 
     def graph_batch_sizes(self) -> list[int]:
         """The decode batch sizes to capture: attention.cuda_graph_batch_sizes, or by default

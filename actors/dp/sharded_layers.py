@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.dp.attention_group import DPAttentionGroup
+from actors.models.fp8_linear import is_fp8
 from kestrel_kernels import layer_ops
 
 
@@ -129,6 +130,9 @@ def shard_model(model: nn.Module, dp: DPAttentionGroup) -> None:
     """Replace a loaded LlamaForCausalLM's embedding, LM head and MLPs with this rank's
     shards (the full weights are freed when nothing else holds them)."""
     inner = model.model
+    if is_fp8(model):
+        raise ValueError("parallel.dp_attention does not shard FP8 layers (model.quantization=fp8 "
+                         "or an FP8 checkpoint): set parallel.dp_attention=false")
     embed = VocabParallelEmbedding(inner.embed_tokens.weight.detach(), dp)
     untied = None if model.arch.tie_word_embeddings else model.lm_head.weight.detach()
     inner.embed_tokens = embed

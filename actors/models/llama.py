@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.models.fp8_linear import write_quantized
 from actors.models.model_config import LlamaArch
 from actors.models.rope import RotaryEmbedding
 from kestrel_kernels import layer_ops
+from kestrel_kernels.fp8_linear import FP8
 
 # attn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], layer_id) -> [T, Hq, D].
 # The backend owns the KV cache, the causal/tree mask and the 1/sqrt(D) softmax scale.
@@ -60,11 +62,11 @@ class Attention(nn.Module):
 FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj",
                                             "self_attn.v_proj"),
                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-_SUFFIXES = (".weight", ".bias")
+_SUFFIXES = (".weight", ".bias", ".weight_scale")  # weight_scale: FP8 layers (fp8_linear.py)
 
 
 def _ends_with(name: str, proj: str) -> tuple[str, str] | None:
-    """(prefix, suffix) when ``name`` is prefix + proj + suffix (a weight or a bias)."""
+    """(prefix, suffix) when ``name`` is prefix + proj + suffix (a weight, bias or scale)."""
     for suffix in _SUFFIXES:
         if name.endswith(proj + suffix):
             return name[:-len(proj + suffix)], suffix
@@ -243,7 +245,11 @@ class LlamaForCausalLM(nn.Module):
         ``state`` may read its tensors lazily (hf_loader, gguf_loader): each is read once,
         copied and dropped. Checkpoint q/k/v (gate/up) land straight in their rows of the
         fused parameter, so nothing is concatenated on the host. ``copy(dst, src)`` moves
-        one tensor (pinned_staging.PinnedStaging.copy on CUDA)."""
+        one tensor (pinned_staging.PinnedStaging.copy on CUDA).
+
+        An FP8 model (fp8_linear.py) takes FP8 weights with their weight_scale entries as
+        they are, or unquantized weights (no weight_scale in the checkpoint), each quantized
+        on the device as it is written."""
         slots = self.checkpoint_state()  # checkpoint name -> parameter or row slice of one
         expected = set(slots)
         given = set(state)
@@ -251,8 +257,11 @@ class LlamaForCausalLM(nn.Module):
         ignored = {n for n in given if self.arch.tie_word_embeddings and n == "lm_head.weight"}
         # Old Llama checkpoints persist the RoPE table; we compute it.
         ignored |= {n for n in given if n.endswith("rotary_emb.inv_freq")}
+        # Scales an unquantized checkpoint lacks: made from the weights by write_quantized.
+        derived = (set() if any(n.endswith(".weight_scale") for n in given)
+                   else {n for n in expected if n.endswith(".weight_scale")})
         unknown = sorted(given - ignored - expected)
-        missing = sorted(expected - given)
+        missing = sorted(expected - derived - given)
         if unknown or missing:
             raise KeyError(
                 "checkpoint does not match the model: "
@@ -265,5 +274,13 @@ class LlamaForCausalLM(nn.Module):
             src, dst = state[name], slots[name]
             if tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
-            copy(dst, src)
+            # FP8 weights come with their scales; unquantized ones into FP8 rows without.
+            if src.dtype == FP8 and (dst.dtype != FP8 or derived) \
+                    or dst.dtype == FP8 and src.dtype != FP8 and not derived:
+                raise ValueError(f"{name}: checkpoint dtype {src.dtype} does not fit the model's "
+                                 f"{dst.dtype} (FP8 weights need weight_scale entries, and only FP8 ones)")
+            if dst.dtype == FP8 and src.dtype != FP8:
+                write_quantized(dst, slots[name + "_scale"], src, copy)
+            else:
+                copy(dst, src)
             del src  # before the next one is read: one tensor on the host at a time

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
+from actors.models.fp8_linear import check_fp8_device, use_fp8_linears
 from actors.models.llama import LlamaForCausalLM
 from actors.models.load_meter import LoadMeter
 from actors.models.model_config import LlamaArch
@@ -72,22 +73,38 @@ def read_arch(path: str) -> LlamaArch:
 
 def build_model(
     path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    load_format: str = "auto", seed: int = 0,
+    load_format: str = "auto", seed: int = 0, quantization: str = "none",
 ) -> tuple[LlamaForCausalLM, LlamaArch]:
     """The target on ``device`` in ``dtype``: its weights streamed from the checkpoint
-    (load_format "auto"), or random from ``seed`` ("dummy": the shape only, for speed)."""
+    (load_format "auto"), or random from ``seed`` ("dummy": the shape only, for speed).
+    quantization "fp8" (model.quantization), or an FP8 checkpoint whatever it says: the
+    decoder's linear layers in FP8 (fp8_linear.py)."""
+    if quantization not in ("none", "fp8"):
+        raise ValueError(f"model.quantization={quantization!r} is not supported (none, fp8)")
     if load_format == "dummy":
         arch, state = read_arch(path), None
     elif load_format == "auto":
         arch, state = load_model_weights(path)  # headers only: tensors are read as copied
     else:
         raise ValueError(f"model.load_format={load_format!r} is not supported (auto, dummy)")
+    fp8 = quantization == "fp8" or arch.quantization == "fp8"
+    if arch.quantization == "fp8" and quantization == "none":
+        # As vLLM does: the checkpoint's own quantization wins (dequantizing it would only
+        # cost memory and speed for the same values).
+        log.info("%s stores FP8 weights (compressed-tensors): served in FP8 with "
+                 "model.quantization=none", path)
+    if fp8:
+        check_fp8_device(dtype, device, {"hidden_size": arch.hidden_size, "q_size": arch.q_size,
+                                         "kv_size": arch.kv_size, "intermediate_size": arch.intermediate_size})
     # Build on the meta device and allocate uninitialised storage straight on the target
     # device: random init of every weight would be wasted work, and load_weights is strict,
     # so nothing stays unset.
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
-    model = model.to(dtype).to_empty(device=device)  # cast while still meta: no fp32 detour
+    model = model.to(dtype)  # cast while still meta: no fp32 detour
+    if fp8:
+        use_fp8_linears(model)  # after the cast, which would turn FP8 weights into dtype ones
+    model = model.to_empty(device=device)
     model.requires_grad_(False)
     if state is None:
         from actors.models.dummy_weights import fill_dummy

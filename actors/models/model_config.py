@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.models.checkpoint_quantization import checkpoint_quantization
+
 # model_type values whose forward is exactly the Llama block (RMSNorm, RoPE, GQA, SwiGLU).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # rope_type values rope.py implements ("freq_factors" is Kestrel's own: llama.cpp's rope_freqs tensor).
@@ -32,6 +34,9 @@ class LlamaArch:
     architecture: str = "llama"  # HF model_type: "llama" | "mistral" | "qwen2"
     # Mistral-style local attention window; None = full causal attention. Backends must honour it.
     sliding_window: int | None = None
+    # The checkpoint's own quantization (checkpoint_quantization.py): "fp8" for compressed-
+    # tensors FP8_DYNAMIC weights, None for unquantized ones.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -120,6 +125,7 @@ class LlamaArch:
             eos_token_ids=eos_ids,
             architecture=model_type,
             sliding_window=None if window is None else int(window),
+            quantization=checkpoint_quantization(d),
         )
 
 

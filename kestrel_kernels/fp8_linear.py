@@ -1,0 +1,75 @@
+"""FP8 (E4M3) linear layer: weights with a scale per output channel, activations quantized
+per token at run time, the product accumulated in fp32 and scaled back.
+
+y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n] + bias[n]
+
+On CUDA the product is one `torch._scaled_mm` (cuBLASLt / CUTLASS row-wise scaling, which
+needs a compute capability of 8.9 or more and writes bf16); elsewhere, and as the test
+oracle, `fp8_linear_ref` dequantizes both operands to fp32 and multiplies. Both quantize the
+activations with the same torch ops (`quantize_rows`), so they differ only by the fp32
+summation order and the final rounding. No host reads: the calls can be captured in a CUDA
+graph. Each row's scale depends on that row alone, so a token's output does not depend on
+the batch it runs in (speculative verify of N tokens and plain decode of one quantize it
+alike).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FP8", "FP8_MAX", "quantize_rows", "fp8_linear", "fp8_linear_ref", "fp8_linear_scaled_mm"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite E4M3 value
+# An all-zero row gets this amax instead of 0 (its scale must not be 0: x / scale).
+_MIN_AMAX = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (any float dtype) -> (q [..., K] float8_e4m3fn, scale [..., 1] fp32) with
+    x ~= q * scale, each row scaled so its largest magnitude maps to FP8_MAX."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX  # [..., 1] fp32
+    # Clamped: amax / FP8_MAX is rounded, and E4M3 has no infinity to saturate to.
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # [..., K] fp8
+    return q, scale
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
+    N, K = weight.shape
+    if weight.dtype != FP8 or x.shape[-1] != K or weight_scale.shape != (N, 1) \
+            or weight_scale.dtype != torch.float32:
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)} needs a float8_e4m3fn weight [N, {x.shape[-1]}] "
+                         f"and an fp32 weight_scale [N, 1]; got {weight.dtype} {tuple(weight.shape)}, "
+                         f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] in the model dtype, weight [N, K] fp8, weight_scale [N, 1] fp32, bias [N]
+    -> [..., N] in x's dtype: the pure-torch reference (the CPU path)."""
+    _check(x, weight, weight_scale)
+    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))  # [M, K] fp8, [M, 1] fp32
+    # E4M3 values are exact in fp32 and so are their products: only the sums round.
+    out = (xq.float() @ weight.float().t()) * xs * weight_scale.view(1, -1)  # [M, N] fp32
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear_ref` as one `torch._scaled_mm` with row-wise scales (CUDA, bf16 x; K and
+    N multiples of 16)."""
+    _check(x, weight, weight_scale)
+    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))  # [M, K] fp8, [M, 1] fp32
+    # weight [N, K] row-major is the column-major [K, N] the second operand must be.
+    out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
+                           bias=bias, out_dtype=x.dtype)  # [M, N]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear_scaled_mm` on CUDA, `fp8_linear_ref` elsewhere."""
+    fn = fp8_linear_scaled_mm if x.is_cuda else fp8_linear_ref
+    return fn(x, weight, weight_scale, bias)
