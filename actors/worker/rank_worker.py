@@ -291,7 +291,8 @@ class RankWorker:
         t0 = time.time()
         read_arch(path).check_context(cfg.model.max_model_len)  # before reading any weight
         log.info("rank %d: loading %s (%s, %s)", rank, path, self.device, self.dtype)
-        model, arch = build_model(path, self.dtype, self.device, cfg.model.load_format, cfg.seed)
+        model, arch = build_model(path, self.dtype, self.device, cfg.model.load_format, cfg.seed,
+                                  quantization=cfg.model.quantization)
         log.info("rank %d: model loaded in %.1fs", rank, time.time() - t0)
         head = None
         if spec:
