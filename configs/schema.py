@@ -133,8 +133,8 @@ class SchedulerConfig(_Strict):
     # While requests decode, a prefill step that leaves a prompt with chunks to go is
     # followed by a decode step: a long prompt holds the running streams back one chunk at
     # a time, not for its whole prefill. New arrivals still prefill back to back (prefill
-    # first): alternating with decodes while a burst arrives cost a quarter of the
-    # throughput at 256 streams. False: a long prompt's chunks run back to back too.
+    # first): alternating them with decodes while a burst arrives cost throughput and first
+    # tokens (docs/benchmarks.md). False: a long prompt's chunks run back to back too.
     decode_between_chunks: bool = True
     # Plan and launch step N+1 before step N has finished, so the device goes from one step
     # to the next without waiting for the host to read N's tokens. None: the served engine
@@ -294,8 +294,7 @@ class ServeConfig(_Strict):
     # Requests that arrive together are admitted about this much handler work per event
     # loop round, with the sockets polled between rounds, so first tokens go out while the
     # rest are admitted (serve_app/api/admission_pacer.py); 0 admits a burst in one round.
-    # Off (0) until measured on a GPU host; on the 2-core CPU 5 ms halved TTFT p50 at 256
-    # streams (docs/benchmarks.md).
+    # Off (0): it helped on a 2-core CPU and changed little on an H200 (docs/benchmarks.md).
     admission_slice_ms: float = Field(0.0, ge=0)
     # While admissions queue, a running stream holds its chunks back at most this long
     # (its tokens go out together after): the inter-token gap a burst of arrivals can add.
