@@ -13,9 +13,11 @@
 #   profile    py-spy on the served plain and tree ranks under the grammar (profile_http.sh) ~300
 #   gputests   the adaptive draft shapes' and speculative graphs' GPU tests                ~150
 #   load-tree, load-plain, load-vllm-plain, load-vllm-eagle
-#              closed bursts at 1..512 streams, then (not plain) the open-loop sweep       ~300 each
+#              closed bursts at 1..512 streams, then (not plain; not with OPEN=0) the
+#              open-loop sweep                                                             ~300 each
+#   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
-#   kestrel-7b, vllm-7b, kestrel-32b, vllm-32b
+#   kestrel-7b, vllm-7b, kestrel-32b, vllm-32b, kestrel-72b, vllm-72b (FP8)
 #              random weights of the shape, plain decoding: benchmarks/h200_sizes.sh      ~200-300 each
 # LEVELS, REPEATS and MAX_TOKENS pass through to h200_http.sh for tree, plain and vllm.
 set -uo pipefail
@@ -67,7 +69,7 @@ for stage in "$@"; do
       timeout 400 python3 -m pytest -q tests/gpu/test_memory_profile_gpu.py ${GPU_TESTS:-} \
         > "$work/memory.txt" 2>&1
       tail -5 "$work/memory.txt" ;;
-    kestrel-7b|vllm-7b|kestrel-32b|vllm-32b)
+    kestrel-7b|vllm-7b|kestrel-32b|vllm-32b|kestrel-72b|vllm-72b)
       if [ "${stage#vllm}" != "$stage" ]; then mkdir -p .peer && rm -rf .peer/tools && cp -r .xfer/tools/peer .peer/tools; fi
       mkdir -p "$work/sizes"
       bash benchmarks/h200_sizes.sh "$stage" "$work/sizes" > "$work/sizes_$stage.txt" 2>&1
@@ -75,7 +77,7 @@ for stage in "$@"; do
     load-tree|load-plain|load-vllm-plain|load-vllm-eagle)
       # Hundreds of streams: closed levels up to 512, then the open-loop sweep (one start).
       part=${stage#load-}; [ "${part#vllm}" = "$part" ] && part=kestrel-$part
-      mode=both; [ "$part" = kestrel-plain ] && mode=closed
+      mode=both; { [ "$part" = kestrel-plain ] || [ "${OPEN:-1}" = 0 ]; } && mode=closed
       if [ "${part#vllm}" != "$part" ]; then mkdir -p .peer && rm -rf .peer/tools && cp -r .xfer/tools/peer .peer/tools; fi
       if [ $mode = both ]; then
         LEVELS=${LEVELS:-1 8 32 64 128 256 512} REPEATS=${REPEATS:-1} RATES=${RATES:-16 48 96 inf} \
@@ -86,6 +88,13 @@ for stage in "$@"; do
           bash benchmarks/h200_http.sh "$part" "$work/load" > "$work/load_$part.txt" 2>&1
       fi
       grep -E "c=|rate " "$work/load_$part.txt" | cut -c1-140 ;;
+    profile512)
+      mkdir -p "$work/profile512"
+      SPY_DELAY=0 bash benchmarks/profile_http.sh /tmp/pyspy/bin/py-spy "$work/profile512" 512 \
+        --max-tokens 256 2>&1 | tail -3
+      for p in replica core rank; do
+        python3 -m benchmarks.stack_summary "$work/profile512/profile_$p.txt" > "$work/profile512/summary_$p.txt" 2>&1
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   pack

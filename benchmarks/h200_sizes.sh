@@ -2,13 +2,14 @@
 # Real model sizes on one H200, random weights (speed does not depend on their values):
 # Kestrel's preset for the shape beside `vllm serve --load-format dummy`, the same client,
 # one server start each:
-#   bash benchmarks/h200_sizes.sh kestrel-7b|vllm-7b|kestrel-32b|vllm-32b OUT
+#   bash benchmarks/h200_sizes.sh kestrel-7b|vllm-7b|kestrel-32b|vllm-32b|kestrel-72b|vllm-72b OUT
 # Plain decoding (no draft): closed bursts at c = 1, 8, 64, 256 (LEVELS) of prompts of about
 # 1k tokens (750 words), 256 new tokens, greedy, streamed chat; then two prompts of about
 # 31.5k tokens (22800 words) one at a time: the long-context decode and its TTFT.
 # Needs Kestrel's bundle unstaged (source .stage/tools/unstage.sh) and, for vllm parts,
 # .peer/tools from vLLM's (benchmarks/h200_lease.sh copies it). SET="k=v ..." adds
-# overrides to the Kestrel part; TAG names it.
+# overrides to the Kestrel part; TAG names it. The 72B shape is FP8 on both servers (vLLM:
+# --quantization fp8, weights quantized at load).
 set -uo pipefail
 part=$1
 out=${2:-.}
@@ -24,11 +25,12 @@ case $server in
   kestrel)
     timeout "${LIMIT:-560}" "${bench[@]}" --config "configs/h200-$size.yaml" "${sets[@]}" --name "kestrel-$size${TAG:-}" ;;
   vllm)
+    [ "$size" = 72b ] && VLLM_ARGS="--quantization fp8 ${VLLM_ARGS:-}"
     (source .peer/tools/unstage_vllm.sh >/dev/null && exec python3 -m vllm.entrypoints.openai.api_server \
       --model "$PWD/models/$name" --served-model-name "$name" --load-format dummy --dtype bfloat16 \
       --port 8011 --gpu-memory-utilization 0.9 --max-model-len 32768 ${VLLM_ARGS:-}) > "$out/vllm-$size.log" 2>&1 &
     pid=$!
-    timeout "${LIMIT:-560}" "${bench[@]}" --url http://127.0.0.1:8011 --name "vllm-$size"
+    timeout "${LIMIT:-560}" "${bench[@]}" --url http://127.0.0.1:8011 --name "vllm-$size${TAG:-}"
     kill "$pid"; wait "$pid" 2>/dev/null ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

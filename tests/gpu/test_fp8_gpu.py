@@ -80,17 +80,12 @@ def fp8_folder(tmp_path_factory):
     return str(folder)
 
 
-def test_fp8_engine_speculates_losslessly_on_gpu(fp8_folder, monkeypatch):
-    import actors.worker.rank_worker as rank_worker
+def test_fp8_engine_speculates_losslessly_on_gpu(fp8_folder):
     from actors.models.fp8_linear import is_fp8
     from configs.schema import load_config
     from gpu.test_gpu_engine import check_near_ties
     from serve_app.engine.llm_engine import LLMEngine
     from serve_app.engine.request import SamplingParams
-    real = rank_worker.build_model
-    # The rank builds its target with model.quantization (pinned here for this engine).
-    monkeypatch.setattr(rank_worker, "build_model",
-                        lambda *a, **k: real(*a, **dict(k, quantization="fp8")))
     base = [f"model.path={fp8_folder}", "model.quantization=fp8", "model.dtype=bfloat16", "device=cuda",
             "kv_cache.num_slots=16384", "model.max_model_len=512", "scheduler.max_running_requests=8",
             "attention.backend=triton", "attention.cuda_graphs=true", "draft.path=random"]

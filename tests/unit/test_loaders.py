@@ -311,6 +311,26 @@ def test_gguf_tokenizer_chat_template_and_cache(tmp_path, monkeypatch):
     assert apply_chat_template(load_tokenizer(str(folder)), messages) == got
 
 
+@pytest.mark.parametrize("path", ["smollm2", "models/qwen2.5-7b"])
+def test_chat_template_ids_equal_transformers_tokenizing(path):
+    """apply_chat_template renders and then encodes with the Rust tokenizer itself; the ids
+    equal transformers' own tokenize=True for every kind of conversation."""
+    tok = load_tokenizer(default_model_path() if path == "smollm2" else str(Path(__file__).resolve().parents[2] / path))
+    convs = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo wörld ✓ 東京 🙂"},
+         {"role": "assistant", "content": "Hi!\n\n  spaced   out\t"}, {"role": "user", "content": "def f(x):\n    return x"}],
+        [{"role": "user", "content": "text with <|im_end|> and <|endoftext|> inside"}],
+        [{"role": "user", "content": ""}],
+    ]
+    for messages in convs:
+        for gen, cont in ((True, False), (False, False), (False, True)):
+            want = tok.apply_chat_template(messages, add_generation_prompt=gen, continue_final_message=cont,
+                                           tokenize=True, return_dict=False)
+            got = apply_chat_template(tok, messages, add_generation_prompt=gen, continue_final_message=cont)
+            assert got == list(want) and all(type(t) is int for t in got), (messages, gen, cont)
+
+
 def test_hf_load_holds_one_tensor_at_a_time(tmp_path):
     """Host memory while loading, in a fresh process (benchmarks/load_bench.py): on the CPU
     the model itself plus about one tensor, never the checkpoint a second time (a shard
