@@ -1,6 +1,7 @@
 """FP8 GEMM micro-benchmark (GPU): the bf16 linear against torch._scaled_mm on activations
 already in FP8, and against the whole FP8 linear (per-token quantization + _scaled_mm, what
-model.quantization=fp8 runs), at Qwen2.5-7B's and 72B's GEMM shapes and a few batch sizes.
+model.quantization=fp8 runs: the quantization as one Triton kernel, and as the torch ops of
+the reference beside it), at Qwen2.5-7B's and 72B's GEMM shapes and a few batch sizes.
 
 Each op is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph), as decode
 steps run when serving, so launch overhead does not hide the kernels.
@@ -29,6 +30,12 @@ def bench(fn) -> float:
     return do_bench_cudagraph(fn, rep=100) * 1e3
 
 
+def torch_ops_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """The FP8 linear with the reference's torch ops quantizing the activations."""
+    xq, xs = quantize_rows(x)  # [M, K] fp8, [M, 1] fp32
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -37,7 +44,7 @@ def main() -> None:
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
     print(f"{'model':>5} {'gemm':>8} {'N':>6} {'K':>6} {'M':>4} | {'bf16 us':>8} {'fp8 mm us':>9} "
-          f"{'quant+mm us':>11} | {'mm x':>5} {'linear x':>8} | {'fp8 TFLOP/s':>11}")
+          f"{'quant+mm us':>11} {'torch quant+mm':>14} | {'mm x':>5} {'linear x':>8} | {'fp8 TFLOP/s':>11}")
     for model in args.models:
         for gemm, N, K in SHAPES[model]:
             w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02  # [N, K] bf16
@@ -49,8 +56,9 @@ def main() -> None:
                 t_mm = bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1),
                                                       out_dtype=torch.bfloat16))
                 t_lin = bench(lambda: fp8_linear(x, wq, ws))
+                t_torch = bench(lambda: torch_ops_linear(x, wq, ws))
                 tflops = 2 * M * N * K / (t_lin * 1e-6) / 1e12
-                print(f"{model:>5} {gemm:>8} {N:>6} {K:>6} {M:>4} | {t_bf16:8.1f} {t_mm:9.1f} {t_lin:11.1f} | "
+                print(f"{model:>5} {gemm:>8} {N:>6} {K:>6} {M:>4} | {t_bf16:8.1f} {t_mm:9.1f} {t_lin:11.1f} {t_torch:14.1f} | "
                       f"{t_bf16 / t_mm:5.2f} {t_bf16 / t_lin:8.2f} | {tflops:11.1f}")
             del w, wq, ws
             torch.cuda.empty_cache()

@@ -6,8 +6,9 @@ y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n] + bias[n]
 On CUDA the product is one `torch._scaled_mm` (cuBLASLt / CUTLASS row-wise scaling, which
 needs a compute capability of 8.9 or more and writes bf16); elsewhere, and as the test
 oracle, `fp8_linear_ref` dequantizes both operands to fp32 and multiplies. Both quantize the
-activations with the same torch ops (`quantize_rows`), so they differ only by the fp32
-summation order and the final rounding. No host reads: the calls can be captured in a CUDA
+activations alike: the reference with torch ops (`quantize_rows`), CUDA with one Triton
+kernel whose codes and scales are bit-equal to them (`triton_fp8_quant.py`), so the two differ
+only by the fp32 summation order and the final rounding. No host reads: the calls can be captured in a CUDA
 graph. Each row's scale depends on that row alone, so a token's output does not depend on
 the batch it runs in (speculative verify of N tokens and plain decode of one quantize it
 alike).
@@ -16,19 +17,19 @@ from __future__ import annotations
 
 import torch
 
+from kestrel_kernels.fp8_format import FP8, FP8_MAX, MIN_AMAX
+from kestrel_kernels.triton_available import use_triton
+from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
+
 __all__ = ["FP8", "FP8_MAX", "quantize_rows", "fp8_linear", "fp8_linear_ref", "fp8_linear_scaled_mm"]
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite E4M3 value
-# An all-zero row gets this amax instead of 0 (its scale must not be 0: x / scale).
-_MIN_AMAX = 1e-12
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (any float dtype) -> (q [..., K] float8_e4m3fn, scale [..., 1] fp32) with
     x ~= q * scale, each row scaled so its largest magnitude maps to FP8_MAX."""
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX  # [..., 1] fp32
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX  # [..., 1] fp32
     # Clamped: amax / FP8_MAX is rounded, and E4M3 has no infinity to saturate to.
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # [..., K] fp8
     return q, scale
@@ -61,7 +62,11 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     """`fp8_linear_ref` as one `torch._scaled_mm` with row-wise scales (CUDA, bf16 x; K and
     N multiples of 16)."""
     _check(x, weight, weight_scale)
-    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))  # [M, K] fp8, [M, 1] fp32
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    quantize = quantize_rows_triton if use_triton(rows) else quantize_rows
+    xq, xs = quantize(rows)  # [M, K] fp8, [M, 1] fp32
     # weight [N, K] row-major is the column-major [K, N] the second operand must be.
     out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
                            bias=bias, out_dtype=x.dtype)  # [M, N]

@@ -36,8 +36,8 @@ def _let_interpreter_index_numpy_scalars() -> None:
 
 
 def _round_bf16_to_nearest_even() -> None:
-    """Triton 3.6's interpreter casts fp32 -> bf16 by dropping the low bits; the GPU rounds
-    to nearest even, as torch does. Round like the GPU so kernels that mirror torch's bf16
+    """Triton 3.6's interpreter casts fp32 -> bf16 (and -> E4M3) by dropping the low bits; the
+    GPU rounds to nearest even, as torch does. Round like the GPU so kernels that mirror torch's bf16
     roundings can be compared with it exactly."""
     import triton.language as tl
     import triton.runtime.interpreter as interp
@@ -49,6 +49,9 @@ def _round_bf16_to_nearest_even() -> None:
         if src_ty == tl.float32 and dst_ty == tl.bfloat16:
             f32 = torch.from_numpy(np.array(values, dtype=np.float32))
             return f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        if src_ty == tl.float32 and dst_ty == tl.float8e4nv:  # truncates too; the GPU rounds
+            f32 = torch.from_numpy(np.array(values, dtype=np.float32))
+            return f32.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         return original(values, src_ty, dst_ty, rounding_mode)
     convert._kestrel_patched = True
     interp._convert_float = convert

@@ -1,0 +1,59 @@
+"""Triton kernel for `kestrel_kernels.fp8_linear.quantize_rows`: a row's FP8 codes and scale
+in one launch instead of seven element-wise torch kernels (cast, abs, amax, clamp, divide,
+clamp, cast) before every FP8 GEMM.
+
+One program per row, two passes over it in blocks: the largest magnitude, then the codes.
+The divisions round to nearest (`div_rn`), as torch's do, and E4M3 conversion rounds to
+nearest even, so the codes and scales are bit-equal to the reference's. No host reads: the
+call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from kestrel_kernels.fp8_format import FP8, FP8_MAX, MIN_AMAX
+from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
+
+__all__ = ["HAS_TRITON", "quantize_rows_triton"]
+
+# The largest row block one program holds at once; longer rows loop over blocks.
+_MAX_BLOCK = 4096
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _quantize_rows_kernel(X, Q, S, stride_x, K, fp8_max, min_amax, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            ok = k0 + offs < K
+            x = tl.load(X + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), min_amax), fp8_max)
+        tl.store(S + row, scale)
+        for k0 in range(0, K, BLOCK):
+            ok = k0 + offs < K
+            x = tl.load(X + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+            tl.store(Q + row * K + k0 + offs, q.to(Q.dtype.element_ty), mask=ok)
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `quantize_rows`: x [M, K] (rows with a contiguous last dim) ->
+    (q [M, K] float8_e4m3fn, scale [M, 1] fp32)."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed; use kestrel_kernels.fp8_linear.quantize_rows")
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"quantize_rows_triton needs [M, K] rows with a contiguous last dim, got "
+                         f"shape {tuple(x.shape)} strides {x.stride()}")
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=FP8, device=x.device)  # [M, K] E4M3 codes
+    scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)  # [M, 1] per-row scale
+    if M == 0:
+        return q, scale
+    block = min(triton.next_power_of_2(K), _MAX_BLOCK)
+    _quantize_rows_kernel[(M,)](x, q, scale, x.stride(0), K, FP8_MAX, MIN_AMAX, BLOCK=block,
+                                num_warps=min(max(block // 256, 1), 8))
+    return q, scale
