@@ -15,6 +15,7 @@
 #   load-tree, load-plain, load-vllm-plain, load-vllm-eagle
 #              closed bursts at 1..512 streams, then (not plain; not with OPEN=0) the
 #              open-loop sweep                                                             ~300 each
+#   fp8gemm    the FP8 linear against bf16 at the 7B and 72B GEMM shapes (fp8_gemm_bench.py) ~60
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
 #   kestrel-7b, vllm-7b, kestrel-32b, vllm-32b, kestrel-72b, vllm-72b (FP8)
@@ -88,6 +89,9 @@ for stage in "$@"; do
           bash benchmarks/h200_http.sh "$part" "$work/load" > "$work/load_$part.txt" 2>&1
       fi
       grep -E "c=|rate " "$work/load_$part.txt" | cut -c1-140 ;;
+    fp8gemm)
+      timeout 300 python3 benchmarks/fp8_gemm_bench.py > "$work/fp8_gemm.txt" 2>&1
+      tail -45 "$work/fp8_gemm.txt" ;;
     profile512)
       mkdir -p "$work/profile512"
       SPY_DELAY=0 bash benchmarks/profile_http.sh /tmp/pyspy/bin/py-spy "$work/profile512" 512 \
