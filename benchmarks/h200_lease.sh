@@ -15,6 +15,8 @@
 #   load-tree, load-plain, load-vllm-plain, load-vllm-eagle
 #              closed bursts at 1..512 streams, then (not plain; not with OPEN=0) the
 #              open-loop sweep                                                             ~300 each
+#   load7b     a 7B-shaped safetensors checkpoint written to local disk, then loaded to the GPU
+#              with the page cache dropped: load seconds and peak host memory (load_bench.py) ~150
 #   fp8gemm    the FP8 linear against bf16 at the 7B and 72B GEMM shapes (fp8_gemm_bench.py) ~60
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
@@ -89,6 +91,10 @@ for stage in "$@"; do
           bash benchmarks/h200_http.sh "$part" "$work/load" > "$work/load_$part.txt" 2>&1
       fi
       grep -E "c=|rate " "$work/load_$part.txt" | cut -c1-140 ;;
+    load7b)
+      timeout 400 python3 -m benchmarks.load_bench --shape models/qwen2.5-7b --dir /tmp/ckpt-7b --device cuda \
+        > "$work/load7b.txt" 2>&1
+      tail -8 "$work/load7b.txt"; rm -rf /tmp/ckpt-7b ;;
     fp8gemm)
       timeout 300 python3 benchmarks/fp8_gemm_bench.py > "$work/fp8_gemm.txt" 2>&1
       tail -45 "$work/fp8_gemm.txt" ;;
