@@ -9,11 +9,15 @@ holds every evaluation prompt (every turn of MT-bench) and tells whether a candi
   ignored), or
 - a near duplicate: its word n-gram shingles overlap one evaluation prompt's with a
   Jaccard similarity of at least `jaccard`, or cover at least `containment` of that
-  prompt's shingles (the evaluation prompt pasted inside a longer one).
+  prompt's shingles (the evaluation prompt pasted inside a longer one); or, for a short
+  evaluation prompt (under `short_words` words), their sets of words overlap with a
+  Jaccard similarity of at least `word_jaccard`.
 
 Word 3-grams by default: one changed word in a 15-word prompt removes 3 of its 13
-shingles (Jaccard 10/16), where 8-grams would remove 8 of 8 and miss it. Prompts shorter
-than n words are matched exactly only.
+shingles (Jaccard 10/16), where 8-grams would remove 8 of 8 and miss it. In a 6-word
+prompt one changed word leaves 1 of 4 shingles, hence the word sets for short prompts
+(5/7 of the words shared). Both err towards dropping: a training prompt lost costs
+little, an evaluation prompt trained on spoils the measure.
 """
 from __future__ import annotations
 
@@ -57,16 +61,28 @@ class EvalPromptIndex:
     n: int = 3
     jaccard: float = 0.5
     containment: float = 0.7
+    short_words: int = 16
+    word_jaccard: float = 0.7
     exact: dict[str, str] = field(default_factory=dict)  # normalized text -> source name
     sources: list[str] = field(default_factory=list)  # per indexed prompt: source name
+    sources_short: list[str] = field(default_factory=list)  # per short prompt: source name
     sizes: list[int] = field(default_factory=list)  # per indexed prompt: shingle count
     postings: dict[tuple[str, ...], list[int]] = field(default_factory=dict)  # shingle -> prompts
+    short_sets: list[frozenset[str]] = field(default_factory=list)  # short prompts' word sets
+    word_postings: dict[str, list[int]] = field(default_factory=dict)  # word -> short prompts
 
     def add(self, text: str, source: str) -> None:
         norm = normalize(text)
         if not norm:
             return
         self.exact.setdefault(norm, source)
+        words = frozenset(norm.split())
+        if len(norm.split()) < self.short_words:
+            j = len(self.short_sets)
+            self.short_sets.append(words)
+            self.sources_short.append(source)
+            for w in words:
+                self.word_postings.setdefault(w, []).append(j)
         sh = shingles(norm, self.n)
         if not sh:
             return
@@ -99,6 +115,12 @@ class EvalPromptIndex:
             return None
         if norm in self.exact:
             return "exact", self.exact[norm]
+        words = frozenset(norm.split())
+        if len(norm.split()) < 2 * self.short_words:
+            common_words: Counter[int] = Counter(j for w in words for j in self.word_postings.get(w, ()))
+            for j, common in common_words.items():
+                if common / (len(words) + len(self.short_sets[j]) - common) >= self.word_jaccard:
+                    return "near", self.sources_short[j]
         sh = shingles(norm, self.n)
         if not sh:
             return None

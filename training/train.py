@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from actors.models.eagle import EagleHead, EagleSpec
 from actors.models.llama import LlamaForCausalLM
+from training.categories import CATEGORIES, DEFAULT_MIX, parse_mix
 from training.vocab import DraftVocab
 
 log = logging.getLogger("kestrel.training")
@@ -511,6 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gen-time-budget", type=float, default=None, help="seconds for data generation, at most")
     g.add_argument("--data-only", action="store_true",
                    help="stop after writing OUT/data (train several heads on it with --data/--eval-data)")
+    g.add_argument("--category-mix", default=DEFAULT_MIX, metavar="CAT=W,...",
+                   help=f"share of generated prompts per category, of {', '.join(CATEGORIES)} "
+                        f"(magpie: unseeded; default {DEFAULT_MIX})")
+    g.add_argument("--eval-only-prompts", nargs="*", default=[], metavar="JSONL",
+                   help="evaluation prompt sets kept out of the data, besides MT-bench (always): "
+                        "exact and near duplicates of their prompts are dropped")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=float, default=4.0)
     t.add_argument("--batch-size", type=int, default=32, help="sequences per batch, at most")
@@ -552,9 +559,11 @@ def main(argv: list[str] | None = None) -> dict:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     from actors.models.loader import build_model, default_model_path
     from configs.schema import ConfigError, load_config
-    from training.data import generate_dataset, join_samples, load_jsonl, save_jsonl
+    from training.data import (category_coverage, format_coverage, generate_dataset, join_samples,
+                               load_jsonl, save_jsonl)
 
     try:
+        mix = parse_mix(args.category_mix)
         cfg = load_config(args.config, list(args.set or []))
         if args.target:
             cfg.model.path = args.target
@@ -593,14 +602,17 @@ def main(argv: list[str] | None = None) -> dict:
             rng.shuffle(train)
             n_eval = min(len(train) - 1, max(1, round(len(train) * args.eval_fraction))) if len(train) > 1 else 0
             held, train = train[:n_eval], train[n_eval:]
-        report["data"] = {"source": args.data, "train": len(train), "eval": len(held)}
+        report["data"] = {"source": args.data, "train": len(train), "eval": len(held),
+                          "categories": category_coverage(train, held)}
+        log.info("coverage by category:\n%s", format_coverage(report["data"]["categories"]))
     elif args.resume and (data_dir / "train.jsonl").exists():
         train, held = load_jsonl(data_dir / "train.jsonl"), load_jsonl(data_dir / "eval.jsonl")
         report["data"] = json.loads((data_dir / "stats.json").read_text()) if (data_dir / "stats.json").exists() else {}
         log.info("reusing %s (%d train, %d held-out samples)", data_dir, len(train), len(held))
     else:
         from serve_app.engine.llm_engine import LLMEngine
-        from training.data import read_user_prompts
+        from training.contamination import ContaminationFilter, build_index
+        from training.data import read_prompt_rows
         gen_cfg = cfg.model_copy(deep=True)
         gen_cfg.draft.enabled = False
         gen_cfg.scheduler.max_running_requests = args.gen_batch or (
@@ -610,9 +622,11 @@ def main(argv: list[str] | None = None) -> dict:
         gen_cfg.scheduler.prefill_min_batch = max(gen_cfg.scheduler.prefill_min_batch,
                                                   gen_cfg.scheduler.max_running_requests // 8)
         engine = LLMEngine(gen_cfg, tokenizer=get_tokenizer())
-        users = read_user_prompts(args.user_prompts) if args.user_prompts else None
+        rows = read_prompt_rows(args.user_prompts) if args.user_prompts else []
         ds = generate_dataset(engine, tokenizer, args.samples, args.max_prompt_tokens,
-                              args.max_response_tokens, user_prompts=users,
+                              args.max_response_tokens, user_prompts=[p for p, _ in rows],
+                              user_categories=[c for _, c in rows], category_mix=mix,
+                              contamination=ContaminationFilter(build_index(args.eval_only_prompts)),
                               greedy_fraction=args.greedy_fraction,
                               prompt_temperature=args.prompt_temperature,
                               response_temperature=args.response_temperature,

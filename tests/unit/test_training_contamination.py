@@ -57,3 +57,6 @@ def test_short_prompts_match_only_exactly():
     index.add("Tell a joke.", "tiny")
     assert index.match("tell a JOKE!") == ("exact", "tiny")
     assert index.match("Tell a story.") is None
+    index.add("Name a color that you like.", "tiny")
+    assert index.match("name a colour that you like") == ("near", "tiny")  # one word in six
+    assert index.match("Name a city that you visited.") is None
