@@ -700,14 +700,16 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = [s["input_ids"][:s["prompt_len"]] for s in held[:args.eval_samples]]
         report["acceptance"] = {}
         if prompts:
+            cats = [s.get("category") or s.get("source") for s in held[:args.eval_samples]]
             report["acceptance"]["heldout"] = eval_acceptance(
-                ev_cfg, str(out), prompts, tokenizer=tokenizer, max_tokens=args.eval_max_tokens)
+                ev_cfg, str(out), prompts, tokenizer=tokenizer, categories=cats,
+                max_tokens=args.eval_max_tokens)
         if args.eval_prompts:
-            from training.data import read_user_prompts, render_prompt
+            from training.evaluate import read_eval_prompts
             tok = get_tokenizer()
-            extra = [render_prompt(tok, p) for p in read_user_prompts(args.eval_prompts)]
+            extra, cats = read_eval_prompts(args.eval_prompts, tok)
             report["acceptance"][Path(args.eval_prompts).stem] = eval_acceptance(
-                ev_cfg, str(out), extra, tokenizer=tok, max_tokens=args.eval_max_tokens)
+                ev_cfg, str(out), extra, tokenizer=tok, categories=cats, max_tokens=args.eval_max_tokens)
         report["seconds"]["eval"] = round(time.monotonic() - t0, 1)
     report["seconds"]["total"] = round(time.monotonic() - t_all, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -731,11 +733,15 @@ def _print_summary(report: dict, out: Path) -> None:
     after = report.get("train", {}).get("heldout_after")
     if after:
         lines.append("held-out top-1 per step: " + " ".join(f"{a:.3f}" for a in after["acc"]))
+    from training.evaluate import category_table
     for split, res in report.get("acceptance", {}).items():
         for name, row in res["settings"].items():
             if "mean_accept_length" in row:
                 lines.append(f"{split} {name}: accept length {row['mean_accept_length']}, "
                              f"{row['tokens_per_s']} tok/s (x{row.get('speedup_vs_no_spec', '?')})")
+        table = category_table(res)
+        if table:
+            lines.append(f"{split}: mean accept length per category\n{table}")
     lines.append("seconds: " + json.dumps(report["seconds"]))
     print("\n".join(lines), file=sys.stderr)
 

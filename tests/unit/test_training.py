@@ -356,7 +356,7 @@ def test_cli_train_export_eval(tiny_llama_dir, synthetic, tmp_path):
     saved = json.loads((out / "report.json").read_text())
     assert saved["draft_vocab"]["size"] == 64 and 0 < saved["draft_vocab"]["train_coverage"] <= 1
     settings = saved["acceptance"]["heldout"]["settings"]
-    assert set(settings) == {"no_spec", "chain_k1_s3", "chain_k1_s5", "tree_k4_s5_n8"}
+    assert set(settings) == {"no_spec", "chain_k1_s3", "chain_k1_s5", "tree_k4_s5_n8", "tree_k8_s8_n32"}
     for name, row in settings.items():
         if name != "no_spec":
             assert row["mean_accept_length"] >= 1.0
