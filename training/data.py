@@ -7,9 +7,14 @@ JSONL) are rendered back into the template and answered by the target, greedily 
 sampling. The head then learns on the target's own outputs, which is what it must predict
 at serving time.
 
+Each prompt request may start the user turn with seed words of a category (chat, code,
+math, multi-turn, long and short answers; training/categories.py), so the data covers
+what users send rather than only the short chat unseeded Magpie gives.
+
 A sample is one JSON line: {"input_ids": [...], "loss_mask": [0/1 ...], "prompt_len": n,
-"source": "magpie"|"user", "greedy": bool}; loss_mask is 1 on assistant tokens only
-(the response, its end-of-turn token included).
+"source": "magpie"|"user", "greedy": bool, "category": str, "kind": str}; loss_mask is 1 on
+assistant tokens only (every assistant turn, its end-of-turn token included), and
+input_ids[:prompt_len] ends with the header of the last assistant turn.
 """
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
+
+from training.categories import MULTITURN, Task, draw_task, follow_up_task
+from training.contamination import ContaminationFilter
 
 log = logging.getLogger("kestrel.training.data")
 
@@ -66,24 +74,57 @@ def render_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
     return apply_chat_template(tokenizer, msgs)
 
 
-def read_user_prompts(path: str) -> list[str | list[dict]]:
-    """Prompts from a JSONL file: {"prompt": str}, {"messages": [...]} or {"turns": [str, ...]}
-    (MT-Bench; the first turn is used)."""
-    out: list[str | list[dict]] = []
+def follow_up_prefix(tokenizer, turns: list[dict]) -> list[int]:
+    """Ids of a conversation `turns` (ending with an assistant turn) up to the start of the
+    next user message, as the template writes it: where the target writes a follow-up."""
+    text = tokenizer.apply_chat_template(turns + [{"role": "user", "content": _PLACEHOLDER}],
+                                         tokenize=False, add_generation_prompt=False)
+    return [int(t) for t in tokenizer.encode(text.split(_PLACEHOLDER, 1)[0], add_special_tokens=False)]
+
+
+def assistant_mask(tokenizer, messages: list[dict], prompt_ids: list[int], eot: int) -> list[int]:
+    """Loss mask over prompt_ids (a conversation rendered up to its last assistant header):
+    1 on each earlier assistant turn's tokens and its end-of-turn token. A turn whose
+    rendering is not a prefix of prompt_ids (a template that rewrites history) stays 0."""
+    mask = [0] * len(prompt_ids)
+    for j, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        start = len(render_prompt(tokenizer, messages[:j]))
+        text = tokenizer.apply_chat_template(messages[:j + 1], tokenize=False, add_generation_prompt=False)
+        upto = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+        if upto != prompt_ids[:len(upto)] or eot not in upto[start:]:
+            continue
+        end = len(upto) - upto[::-1].index(eot)  # just past the turn's end-of-turn token
+        mask[start:end] = [1] * (end - start)
+    return mask
+
+
+def read_prompt_rows(path: str) -> list[tuple[str | list[dict], str | None]]:
+    """(prompt, category or None) per line of a JSONL file: {"prompt": str},
+    {"messages": [...]} or {"turns": [str, ...]} (MT-Bench; the first turn is used), with an
+    optional "category"."""
+    out: list[tuple[str | list[dict], str | None]] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             row = json.loads(line)
             if "messages" in row:
-                out.append(list(row["messages"]))
+                p = list(row["messages"])
             elif "prompt" in row:
-                out.append(str(row["prompt"]))
+                p = str(row["prompt"])
             elif row.get("turns"):
-                out.append(str(row["turns"][0]))
+                p = str(row["turns"][0])
             else:
                 raise ValueError(f"{path}:{n}: each line needs a \"prompt\", \"messages\" or \"turns\" field")
+            out.append((p, row.get("category")))
     return out
+
+
+def read_user_prompts(path: str) -> list[str | list[dict]]:
+    """Prompts from a JSONL file (read_prompt_rows without the categories)."""
+    return [p for p, _ in read_prompt_rows(path)]
 
 
 # ---- filters --------------------------------------------------------------------------------
@@ -128,6 +169,9 @@ class Dataset:
 
 def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int = 128,
                      max_response_tokens: int = 384, *, user_prompts: Iterable | None = None,
+                     user_categories: list[str | None] | None = None,
+                     category_mix: dict[str, float] | None = None,
+                     contamination: ContaminationFilter | None = None,
                      greedy_fraction: float = 0.5, prompt_temperature: float = 1.0,
                      response_temperature: float = 0.8, eval_fraction: float = 0.05,
                      min_eval: int = 1, require_prompt_end: bool = True, min_prompt_chars: int = 8,
@@ -138,36 +182,63 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
     One pipeline keeps the engine full: the user's prompts (if any) are answered first;
     Magpie prompt requests are kept queued while samples are still missing, and each
     prompt that survives the filters is answered as soon as it is written (greedy with
-    probability greedy_fraction, else sampled at response_temperature). At most
-    max_prompt_factor * n_samples prompts are asked for. time_budget_s bounds the whole
-    generation; what is unfinished at the deadline is dropped.
+    probability greedy_fraction, else sampled at response_temperature). Each prompt
+    request draws a category from `category_mix` (default: unseeded Magpie only) and
+    starts the user turn with that category's seed words (training/categories.py); a
+    multi-turn one is answered, then the target writes a follow-up user turn, which is
+    answered too. Prompts that duplicate an evaluation prompt (`contamination`) are
+    dropped. At most max_prompt_factor * n_samples first-turn prompts are asked for.
+    time_budget_s bounds the whole generation; what is unfinished at the deadline is
+    dropped.
     """
     from tqdm import tqdm
 
     from serve_app.engine.request import SamplingParams
 
     rng = random.Random(seed)
+    mix = category_mix or {"magpie": 1.0}
     t_start = time.monotonic()
     deadline = None if time_budget_s is None else t_start + time_budget_s
     prefix, eot = user_turn_prefix(tokenizer)
     limit = engine.cfg.model.max_model_len - 1  # the scheduler refuses longer prompts
     stats: dict[str, Any] = {"user_prefix_len": len(prefix), "end_of_turn_id": eot,
+                             "category_mix": mix,
                              "prompts_generated": 0, "prompts_unfinished": 0, "prompts_short": 0,
                              "prompts_degenerate": 0, "prompts_duplicate": 0, "prompts_too_long": 0,
+                             "prompts_contaminated": 0,
                              "responses_degenerate": 0, "responses_empty": 0,
                              "responses_aborted": 0, "prompts_aborted": 0, "samples_duplicate": 0}
+    asked_by_category: dict[str, int] = {}
     seen_prompts: set[str] = set()
     seen_samples: set[tuple[int, ...]] = set()
     samples: list[dict] = []
     sub_seed = iter(range(seed * 1_000_003 + 1, 1 << 62))  # distinct per-request seeds
-    # rid -> ("prompt", None, req) or ("response", (source, prompt ids, greedy), req)
+    # rid -> ("prompt", (task, seed ids), req) or ("response", (source, messages, ids, greedy, task), req)
     pending: dict[str, tuple] = {}
     asked_prompts = 0
     responses_pending = 0
 
-    def ask_response(source: str, prompt) -> None:
+    def clean(text: str) -> bool:
+        if contamination is None or contamination.keep(text):
+            return True
+        stats["prompts_contaminated"] += 1
+        return False
+
+    def ask_prompt(task: Task) -> None:
+        head = prefix if not task.follow_up else follow_up_prefix(tokenizer, task.turns)
+        seed_ids = tokenizer.encode(task.seed, add_special_tokens=False) if task.seed else []
+        ids = head + seed_ids
+        if len(ids) + max_prompt_tokens > limit:
+            stats["prompts_too_long"] += 1
+            return
+        sp = SamplingParams(max_tokens=max_prompt_tokens, temperature=prompt_temperature,
+                            stop_token_ids=[eot], seed=next(sub_seed))
+        req = engine.add_request(ids, sp)
+        pending[req.rid] = ("prompt", (task, seed_ids), req)
+
+    def ask_response(source: str, messages: list[dict], task: Task | None, category: str | None) -> None:
         nonlocal responses_pending
-        ids = render_prompt(tokenizer, prompt)
+        ids = render_prompt(tokenizer, messages)
         if len(ids) > limit:
             stats["prompts_too_long"] += 1
             return
@@ -176,60 +247,76 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
                             temperature=0.0 if greedy else response_temperature,
                             seed=None if greedy else next(sub_seed))
         req = engine.add_request(ids, sp)
-        pending[req.rid] = ("response", (source, ids, greedy), req)
+        pending[req.rid] = ("response", (source, messages, ids, greedy, task, category), req)
         responses_pending += 1
 
-    def on_prompt(req) -> None:
+    def on_prompt(meta, req) -> None:
+        task, seed_ids = meta
         stats["prompts_generated"] += 1
         out = list(req.output_ids)
         ended = req.finish_reason == "stop" and bool(out)  # at end-of-turn (or EOS)
         if require_prompt_end and not ended:
             stats["prompts_unfinished"] += 1  # ran into max_prompt_tokens: cut mid-thought
             return
-        text = tokenizer.decode(out[:-1] if ended else out, skip_special_tokens=True).strip()
+        text = tokenizer.decode(seed_ids + (out[:-1] if ended else out), skip_special_tokens=True).strip()
         if len(text) < min_prompt_chars:
             stats["prompts_short"] += 1
             return
         if is_degenerate(out):
             stats["prompts_degenerate"] += 1
             return
-        key = normalize_text(text)
+        key = normalize_text(json.dumps(task.turns) + text)
         if key in seen_prompts:
             stats["prompts_duplicate"] += 1
             return
+        if not clean(text):
+            return
         seen_prompts.add(key)
-        ask_response("magpie", text)
+        ask_response("magpie", task.turns + [{"role": "user", "content": text}], task, task.category)
 
     def on_response(meta, req) -> None:
-        source, p, greedy = meta
+        source, messages, p, greedy, task, category = meta
         out = list(req.output_ids)
         body = out[:-1] if out and out[-1] == eot else out
-        if not tokenizer.decode(body, skip_special_tokens=True).strip():
+        answer = tokenizer.decode(body, skip_special_tokens=True).strip()
+        if not answer:
             stats["responses_empty"] += 1
             return
         if is_degenerate(out):
             stats["responses_degenerate"] += 1
+            return
+        if task is not None and task.category == MULTITURN and not task.follow_up:
+            # the first exchange of a conversation: the target now writes the user's next turn
+            ask_prompt(follow_up_task(task, messages + [{"role": "assistant", "content": answer}], rng))
             return
         key = tuple(p + out)
         if key in seen_samples:
             stats["samples_duplicate"] += 1
             return
         seen_samples.add(key)
-        samples.append({"input_ids": p + out, "loss_mask": [0] * len(p) + [1] * len(out),
-                        "prompt_len": len(p), "source": source, "greedy": greedy})
+        earlier = assistant_mask(tokenizer, messages, p, eot)
+        samples.append({"input_ids": p + out, "loss_mask": earlier + [1] * len(out),
+                        "prompt_len": len(p), "source": source, "greedy": greedy,
+                        "category": category or source,
+                        "kind": task.kind if task is not None else (category or source)})
 
-    # 1. the user's prompts, deduped like generated ones
+    # 1. the user's prompts, deduped like generated ones and checked against evaluation sets
     users = []
-    for p in user_prompts or []:
+    cats = list(user_categories or [])
+    for i, p in enumerate(user_prompts or []):
         key = normalize_text(p if isinstance(p, str) else json.dumps(p, sort_keys=True))
         if key in seen_prompts:
             stats["prompts_duplicate"] += 1
             continue
+        texts = [p] if isinstance(p, str) else [m.get("content", "") for m in p if m.get("role") == "user"]
+        if not all(clean(t) for t in texts):
+            continue
         seen_prompts.add(key)
-        users.append(p)
+        users.append((p, cats[i] if i < len(cats) else None))
     rng.shuffle(users)
-    for p in users[:n_samples]:
-        ask_response("user", p)
+    for p, cat in users[:n_samples]:
+        msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
+        ask_response("user", msgs, None, cat or "user")
 
     # 2. Magpie prompts keep the queue one batch deep until the samples are there
     batch = engine.cfg.scheduler.max_running_requests
@@ -241,10 +328,9 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
         want = min(math.ceil(1.25 * missing) - prompts_pending, batch - prompts_pending,
                    int(max_prompt_factor * n_samples) - asked_prompts)
         for _ in range(max(want, 0)):
-            sp = SamplingParams(max_tokens=max_prompt_tokens, temperature=prompt_temperature,
-                                stop_token_ids=[eot], seed=next(sub_seed))
-            req = engine.add_request(prefix, sp)
-            pending[req.rid] = ("prompt", None, req)
+            task = draw_task(mix, rng)
+            asked_by_category[task.category] = asked_by_category.get(task.category, 0) + 1
+            ask_prompt(task)
             asked_prompts += 1
         if not engine.has_work:
             break
@@ -261,7 +347,7 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
             kind, meta, req = pending.pop(ev.rid)
             toks += ev.num_output_tokens
             if kind == "prompt":
-                on_prompt(req)
+                on_prompt(meta, req)
             else:
                 responses_pending -= 1
                 before = len(samples)
@@ -284,10 +370,42 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
                  assistant_tokens=sum(sum(s["loss_mask"]) for s in samples),
                  total_tokens=sum(len(s["input_ids"]) for s in samples),
                  generated_tokens=toks, generated_tokens_per_s=round(toks / max(elapsed, 1e-6)),
-                 seconds=round(elapsed, 1), engine_steps=engine_step_summary(engine))
+                 seconds=round(elapsed, 1), engine_steps=engine_step_summary(engine),
+                 prompts_asked_by_category=asked_by_category,
+                 categories=category_coverage(train, held))
+    if contamination is not None:
+        stats["contamination"] = contamination.report()
+    log.info("coverage by category:\n%s", format_coverage(stats["categories"]))
     if len(samples) < n_samples:
         log.warning("generated %d of %d samples requested", len(samples), n_samples)
     return Dataset(train, held, stats)
+
+
+def category_coverage(train: list[dict], held: list[dict]) -> dict[str, dict]:
+    """Per category (a sample without one counts under its source): samples in the
+    training and held-out splits, assistant tokens, and the share of all assistant tokens."""
+    out: dict[str, dict] = {}
+    for split, rows in (("train", train), ("eval", held)):
+        for r in rows:
+            c = out.setdefault(r.get("category") or r.get("source") or "unknown",
+                               {"train": 0, "eval": 0, "assistant_tokens": 0, "kinds": {}})
+            c[split] += 1
+            c["assistant_tokens"] += sum(r["loss_mask"])
+            kind = r.get("kind")
+            if kind:
+                c["kinds"][kind] = c["kinds"].get(kind, 0) + 1
+    total = sum(c["assistant_tokens"] for c in out.values()) or 1
+    for c in out.values():
+        c["token_share"] = round(c["assistant_tokens"] / total, 4)
+    return dict(sorted(out.items()))
+
+
+def format_coverage(cov: dict[str, dict]) -> str:
+    lines = [f"{'category':<12} {'train':>8} {'eval':>6} {'asst tokens':>12} {'share':>6}"]
+    for name, c in cov.items():
+        lines.append(f"{name:<12} {c['train']:>8} {c['eval']:>6} {c['assistant_tokens']:>12} "
+                     f"{c['token_share']:>6.3f}")
+    return "\n".join(lines)
 
 
 # ---- files ----------------------------------------------------------------------------------

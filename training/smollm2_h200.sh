@@ -19,12 +19,14 @@ engine=(--config configs/h200.yaml --set attention.backend=triton --set attentio
         --set kv_cache.memory_utilization=0.45
         --set "attention.cuda_graph_batch_sizes=[1,2,4,8,16,32,64,128,256,512]" "${@:4}")
 
-# 1. data: one generator per GPU; greedy responses are 70% because acceptance is measured
+# 1. data: one generator per GPU, unseeded Magpie prompts as in that run (the default mix of
+#    categories came later); greedy responses are 70% because acceptance is measured
 #    on greedy decoding.
 pids=()
 for g in $(seq 0 $((ngpu - 1))); do
   CUDA_VISIBLE_DEVICES=$g python -m training.train "${engine[@]}" --out "$out/data$g" --data-only \
     --seed "$g" --samples 200000 --gen-batch 512 --gen-time-budget "$gen_s" --greedy-fraction 0.7 \
+    --category-mix magpie=1 \
     > "$out/data$g.log" 2>&1 & pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done

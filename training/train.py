@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from actors.models.eagle import EagleHead, EagleSpec
 from actors.models.llama import LlamaForCausalLM
+from training.categories import CATEGORIES, DEFAULT_MIX, parse_mix
 from training.vocab import DraftVocab
 
 log = logging.getLogger("kestrel.training")
@@ -144,6 +145,7 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 200  # optimizer steps between checkpoints (0: only at the end)
     time_budget_s: float | None = None  # cut the schedule to fit (measured after a few steps)
+    max_steps: int | None = None  # the schedule's length at most (epochs permitting)
 
     def steps_unrolled(self) -> int:
         return self.ttt_steps if self.ttt_steps else (7 if self.arch == "eagle3" else 3)
@@ -387,21 +389,32 @@ class Trainer:
                 "acc": [round(cr / max(n, 1), 4) for cr, n in zip(correct, count)]}
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def save(self, path: Path, epoch: int, batch: int, history: list[dict]) -> None:
+    def save(self, path: Path, epoch: int, batch: int, history: list[dict], data_key: str = "") -> None:
+        """The checkpoint (head, optimizer, step and schedule length, data position) and,
+        beside it, progress.json: what a driver of training legs reads without torch."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                     "total_steps": self.total_steps, "epoch": epoch, "batch": batch,
                     "arch": self.head.spec.arch, "cfg": asdict(self.cfg), "history": history,
+                    "data_key": data_key,
                     "draft_ids": self.draft_ids.cpu() if self.eagle3 else None}, tmp)
         tmp.replace(path)  # never a torn checkpoint
+        prog = path.parent / "progress.json"
+        prog.with_suffix(".tmp").write_text(json.dumps(
+            {"step": self.step, "total_steps": self.total_steps, "epoch": epoch, "batch": batch,
+             "done": self.step >= self.total_steps, "loss": history[-1]["loss"] if history else None}))
+        prog.with_suffix(".tmp").replace(prog)
 
-    def load(self, path: Path) -> dict:
+    def load(self, path: Path, data_key: str = "") -> dict:
         st = torch.load(path, map_location=self.device, weights_only=False)
         if st["arch"] != self.head.spec.arch:
             raise ValueError(f"{path}: checkpoint is {st['arch']}, this run trains {self.head.spec.arch}")
         if self.eagle3 and not torch.equal(st["draft_ids"].to(self.device), self.draft_ids):
             raise ValueError(f"{path}: checkpoint has another draft vocabulary (different data or --draft-vocab)")
+        if data_key and st.get("data_key") and st["data_key"] != data_key:
+            raise ValueError(f"{path}: checkpoint was trained on other data (resume needs the same "
+                             "--data files, or OUT/data, and the same --max-len)")
         self.head.load_state_dict(st["head"])
         self.opt.load_state_dict(st["opt"])
         self.step, self.total_steps = st["step"], st["total_steps"]
@@ -409,11 +422,15 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self, samples: list[dict], state_path: Path | None = None, resume: bool = False,
-            progress: bool = True, stop_at: int | None = None) -> TrainResult:
-        """Train over `samples` for cfg.epochs. With state_path, checkpoints every
-        cfg.save_every steps and at the end; `resume` continues from it (same data and
-        settings: the batch order of every epoch is fixed by the seed). stop_at ends the
-        run early after that many steps, checkpointed, as an interruption would."""
+            progress: bool = True, stop_at: int | None = None, leg_steps: int | None = None,
+            leg_seconds: float | None = None) -> TrainResult:
+        """Train over `samples` for cfg.epochs (at most cfg.max_steps). With state_path,
+        checkpoints every cfg.save_every steps and at the end; `resume` continues from it
+        (same data and settings: the batch order of every epoch is fixed by the seed, and
+        the checkpoint holds the position in it). stop_at ends the run early after that
+        many steps, checkpointed, as an interruption would. A leg ends after leg_steps
+        steps, or before leg_seconds would be passed, checkpointed; the schedule stays the
+        whole run's, so the next leg (resume) continues it."""
         from tqdm import tqdm
         c = self.cfg
         if not samples:
@@ -421,10 +438,13 @@ class Trainer:
         lengths = [min(len(s["input_ids"]), c.max_len) for s in samples]
         per_epoch = len(make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed)))
         planned = max(1, int(math.ceil(per_epoch * c.epochs)))
+        if c.max_steps:
+            planned = min(planned, c.max_steps)
+        data_key = _data_key(lengths, c.seed)
         history: list[dict] = []
         epoch, next_batch = 0, 0  # where the batch stream continues
         if resume and state_path is not None and state_path.exists():
-            st = self.load(state_path)
+            st = self.load(state_path, data_key)
             epoch, next_batch, history = st["epoch"], st["batch"], st["history"]
             log.info("resumed from %s at step %d (epoch %d, batch %d)", state_path, self.step,
                      epoch, next_batch)
@@ -436,7 +456,15 @@ class Trainer:
         budget = StepBudget(c.time_budget_s) if c.time_budget_s is not None else None
         window: list[tuple[float, list]] = []
         batches = make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed + epoch))
+        leg_end = None if leg_steps is None else self.step + leg_steps
         while self.step < self.total_steps and (stop_at is None or self.step < stop_at):
+            done = self.step - first_step
+            if leg_end is not None and self.step >= leg_end:
+                break
+            # stop while one more step (at the mean rate, 1.5x for a long batch) still fits
+            if leg_seconds is not None and done and \
+                    (time.monotonic() - t0) * (done + 1.5) / done > leg_seconds:
+                break
             if next_batch >= len(batches):
                 epoch, next_batch = epoch + 1, 0
                 batches = make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed + epoch))
@@ -455,13 +483,23 @@ class Trainer:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}",
                                 acc="/".join(f"{a * 100:.0f}" for a in rec["acc"]), refresh=False)
             if state_path is not None and c.save_every and self.step % c.save_every == 0:
-                self.save(state_path, epoch, next_batch, history)
+                self.save(state_path, epoch, next_batch, history, data_key)
         bar.close()
         if window:
             history.append(_summarise(window, self.step, self.lr_at(self.step - 1)))
         if state_path is not None:
-            self.save(state_path, epoch, next_batch, history)
+            self.save(state_path, epoch, next_batch, history, data_key)
+        if self.step < self.total_steps:
+            log.info("leg ends at step %d of %d (epoch %d, batch %d)", self.step, self.total_steps,
+                     epoch, next_batch)
         return TrainResult(self.head, self.step, time.monotonic() - t0, history)
+
+
+def _data_key(lengths: list[int], seed: int) -> str:
+    """Identifies the training set as the batch order sees it: a resumed run's data
+    position means nothing on other data."""
+    import hashlib
+    return hashlib.sha1(json.dumps([seed, lengths]).encode()).hexdigest()[:16]
 
 
 def _summarise(window: list[tuple[float, list]], step: int, lr: float) -> dict:
@@ -511,6 +549,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gen-time-budget", type=float, default=None, help="seconds for data generation, at most")
     g.add_argument("--data-only", action="store_true",
                    help="stop after writing OUT/data (train several heads on it with --data/--eval-data)")
+    g.add_argument("--category-mix", default=DEFAULT_MIX, metavar="CAT=W,...",
+                   help=f"share of generated prompts per category, of {', '.join(CATEGORIES)} "
+                        f"(magpie: unseeded; default {DEFAULT_MIX})")
+    g.add_argument("--eval-only-prompts", nargs="*", default=[], metavar="JSONL",
+                   help="evaluation prompt sets kept out of the data, besides MT-bench (always): "
+                        "exact and near duplicates of their prompts are dropped")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=float, default=4.0)
     t.add_argument("--batch-size", type=int, default=32, help="sequences per batch, at most")
@@ -532,7 +576,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-3: start the LM head and norm at random (default) or from the target's")
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--resume", action="store_true", help="continue from OUT/train_state (and reuse OUT/data)")
-    t.add_argument("--train-time-budget", type=float, default=None, help="seconds for training, at most")
+    t.add_argument("--train-time-budget", type=float, default=None,
+                   help="seconds for training, at most: the schedule is cut to fit (one-leg runs)")
+    t.add_argument("--max-steps", type=int, default=None, help="optimizer steps of the whole run, at most")
+    t.add_argument("--leg-time-budget", type=float, default=None,
+                   help="end this leg before this many seconds of training, checkpointed, without "
+                        "shortening the schedule; --resume continues it (python -m training.legs)")
+    t.add_argument("--leg-steps", type=int, default=None, help="end this leg after this many steps")
     t.add_argument("--export-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     e = p.add_argument_group("evaluation")
     e.add_argument("--no-eval", action="store_true")
@@ -552,9 +602,11 @@ def main(argv: list[str] | None = None) -> dict:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     from actors.models.loader import build_model, default_model_path
     from configs.schema import ConfigError, load_config
-    from training.data import generate_dataset, join_samples, load_jsonl, save_jsonl
+    from training.data import (category_coverage, format_coverage, generate_dataset, join_samples,
+                               load_jsonl, save_jsonl)
 
     try:
+        mix = parse_mix(args.category_mix)
         cfg = load_config(args.config, list(args.set or []))
         if args.target:
             cfg.model.path = args.target
@@ -593,14 +645,17 @@ def main(argv: list[str] | None = None) -> dict:
             rng.shuffle(train)
             n_eval = min(len(train) - 1, max(1, round(len(train) * args.eval_fraction))) if len(train) > 1 else 0
             held, train = train[:n_eval], train[n_eval:]
-        report["data"] = {"source": args.data, "train": len(train), "eval": len(held)}
+        report["data"] = {"source": args.data, "train": len(train), "eval": len(held),
+                          "categories": category_coverage(train, held)}
+        log.info("coverage by category:\n%s", format_coverage(report["data"]["categories"]))
     elif args.resume and (data_dir / "train.jsonl").exists():
         train, held = load_jsonl(data_dir / "train.jsonl"), load_jsonl(data_dir / "eval.jsonl")
         report["data"] = json.loads((data_dir / "stats.json").read_text()) if (data_dir / "stats.json").exists() else {}
         log.info("reusing %s (%d train, %d held-out samples)", data_dir, len(train), len(held))
     else:
         from serve_app.engine.llm_engine import LLMEngine
-        from training.data import read_user_prompts
+        from training.contamination import ContaminationFilter, build_index
+        from training.data import read_prompt_rows
         gen_cfg = cfg.model_copy(deep=True)
         gen_cfg.draft.enabled = False
         gen_cfg.scheduler.max_running_requests = args.gen_batch or (
@@ -610,9 +665,11 @@ def main(argv: list[str] | None = None) -> dict:
         gen_cfg.scheduler.prefill_min_batch = max(gen_cfg.scheduler.prefill_min_batch,
                                                   gen_cfg.scheduler.max_running_requests // 8)
         engine = LLMEngine(gen_cfg, tokenizer=get_tokenizer())
-        users = read_user_prompts(args.user_prompts) if args.user_prompts else None
+        rows = read_prompt_rows(args.user_prompts) if args.user_prompts else []
         ds = generate_dataset(engine, tokenizer, args.samples, args.max_prompt_tokens,
-                              args.max_response_tokens, user_prompts=users,
+                              args.max_response_tokens, user_prompts=[p for p, _ in rows],
+                              user_categories=[c for _, c in rows], category_mix=mix,
+                              contamination=ContaminationFilter(build_index(args.eval_only_prompts)),
                               greedy_fraction=args.greedy_fraction,
                               prompt_temperature=args.prompt_temperature,
                               response_temperature=args.response_temperature,
@@ -651,18 +708,35 @@ def main(argv: list[str] | None = None) -> dict:
                      grad_clip=args.grad_clip, ttt_steps=args.ttt_steps, step_decay=args.step_decay,
                      feature_weight=args.feature_weight, token_weight=args.token_weight,
                      hard_targets=args.hard_targets, seed=args.seed, save_every=args.save_every,
-                     time_budget_s=args.train_time_budget)
+                     time_budget_s=args.train_time_budget, max_steps=args.max_steps)
     head = init_head(make_spec(tarch, args.arch, vocab), target, vocab, seed=args.seed,
                      lm_head_from_target=args.lm_head_init == "target")
     trainer = Trainer(target, head, tc, vocab)
-    before = trainer.evaluate(held)
+    # measured once, by the first leg: later legs start from a trained head
+    before_path = state_path.parent / "heldout_before.json"
+    if args.resume and before_path.exists():
+        before = json.loads(before_path.read_text())
+    else:
+        before = trainer.evaluate(held)
+        before_path.parent.mkdir(parents=True, exist_ok=True)
+        before_path.write_text(json.dumps(before))
 
     # 3. train ------------------------------------------------------------------------------
-    res = trainer.fit(train, state_path, resume=args.resume)
+    res = trainer.fit(train, state_path, resume=args.resume, leg_steps=args.leg_steps,
+                      leg_seconds=args.leg_time_budget)
+    finished = trainer.step >= trainer.total_steps
+    report["train"] = {"config": asdict(tc), "steps": res.steps, "total_steps": trainer.total_steps,
+                       "finished": finished, "seconds": round(res.seconds, 1),
+                       "heldout_before": before, "history": res.history}
+    if not finished:
+        # a leg: the checkpoint is what counts; the head and its measures come with the last leg
+        report["seconds"]["train"] = round(time.monotonic() - t0, 1)
+        report["seconds"]["total"] = round(time.monotonic() - t_all, 1)
+        (out / "leg_report.json").write_text(json.dumps(report, indent=2))
+        log.info("leg done: step %d of %d; continue with --resume", trainer.step, trainer.total_steps)
+        return report
     after = trainer.evaluate(held)
-    report["train"] = {"config": asdict(tc), "steps": res.steps, "seconds": round(res.seconds, 1),
-                       "heldout_before": before, "heldout_after": after,
-                       "history": res.history}
+    report["train"]["heldout_after"] = after
     log.info("held-out: before %s, after %s", before, after)
     report["seconds"]["train"] = round(time.monotonic() - t0, 1)
 
@@ -686,14 +760,16 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = [s["input_ids"][:s["prompt_len"]] for s in held[:args.eval_samples]]
         report["acceptance"] = {}
         if prompts:
+            cats = [s.get("category") or s.get("source") for s in held[:args.eval_samples]]
             report["acceptance"]["heldout"] = eval_acceptance(
-                ev_cfg, str(out), prompts, tokenizer=tokenizer, max_tokens=args.eval_max_tokens)
+                ev_cfg, str(out), prompts, tokenizer=tokenizer, categories=cats,
+                max_tokens=args.eval_max_tokens)
         if args.eval_prompts:
-            from training.data import read_user_prompts, render_prompt
+            from training.evaluate import read_eval_prompts
             tok = get_tokenizer()
-            extra = [render_prompt(tok, p) for p in read_user_prompts(args.eval_prompts)]
+            extra, cats = read_eval_prompts(args.eval_prompts, tok)
             report["acceptance"][Path(args.eval_prompts).stem] = eval_acceptance(
-                ev_cfg, str(out), extra, tokenizer=tok, max_tokens=args.eval_max_tokens)
+                ev_cfg, str(out), extra, tokenizer=tok, categories=cats, max_tokens=args.eval_max_tokens)
         report["seconds"]["eval"] = round(time.monotonic() - t0, 1)
     report["seconds"]["total"] = round(time.monotonic() - t_all, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -717,11 +793,15 @@ def _print_summary(report: dict, out: Path) -> None:
     after = report.get("train", {}).get("heldout_after")
     if after:
         lines.append("held-out top-1 per step: " + " ".join(f"{a:.3f}" for a in after["acc"]))
+    from training.evaluate import category_table
     for split, res in report.get("acceptance", {}).items():
         for name, row in res["settings"].items():
             if "mean_accept_length" in row:
                 lines.append(f"{split} {name}: accept length {row['mean_accept_length']}, "
                              f"{row['tokens_per_s']} tok/s (x{row.get('speedup_vs_no_spec', '?')})")
+        table = category_table(res)
+        if table:
+            lines.append(f"{split}: mean accept length per category\n{table}")
     lines.append("seconds: " + json.dumps(report["seconds"]))
     print("\n".join(lines), file=sys.stderr)
 

@@ -262,6 +262,68 @@ def test_generate_dataset_with_engine(wide_vocab_target, tokenizer):
         assert tokenizer.decode(r["input_ids"][:P]).endswith("<|im_start|>assistant\n")
 
 
+def test_assistant_mask_marks_earlier_answers(tokenizer):
+    from training.data import assistant_mask, render_prompt, user_turn_prefix
+    _, eot = user_turn_prefix(tokenizer)
+    msgs = [{"role": "user", "content": "Write a haiku."}, {"role": "assistant", "content": "Leaves fall slowly."},
+            {"role": "user", "content": "Now make it rhyme."}]
+    ids = render_prompt(tokenizer, msgs)
+    mask = assistant_mask(tokenizer, msgs, ids, eot)
+    assert len(mask) == len(ids)
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "Leaves fall slowly.<|im_end|>"
+    assert assistant_mask(tokenizer, msgs[:1], render_prompt(tokenizer, msgs[:1]), eot) == \
+        [0] * len(render_prompt(tokenizer, msgs[:1]))
+
+
+def test_category_mix_parsing():
+    from training.categories import DEFAULT_MIX, parse_mix
+    assert parse_mix("chat=3,code=1") == {"chat": 0.75, "code": 0.25}
+    assert abs(sum(parse_mix(DEFAULT_MIX).values()) - 1) < 1e-9
+    for bad in ("chat", "poetry=1", "chat=0", "chat=-1,code=2"):
+        with pytest.raises(ValueError):
+            parse_mix(bad)
+
+
+def test_generate_dataset_categories(wide_vocab_target, tokenizer):
+    """Seeded prompts carry their category and seed words, multi-turn samples hold two
+    answered exchanges with both answers in the loss, contaminated prompts are dropped,
+    and the coverage report adds up."""
+    from training.categories import SEEDS
+    from training.contamination import ContaminationFilter, EvalPromptIndex
+    from training.data import generate_dataset
+    cfg = tiny_cfg(wide_vocab_target, "kv_cache.prefix_caching=true")
+    eng = LLMEngine(cfg, tokenizer=tokenizer)
+    index = EvalPromptIndex()
+    index.add("Name a color that you like.", "evalset")
+    flt = ContaminationFilter(index)
+    users = ["name a colour that you like", "Name a fruit you like."]  # the first is an evaluation prompt
+    ds = generate_dataset(eng, tokenizer, n_samples=10, max_prompt_tokens=8, max_response_tokens=8,
+                          user_prompts=users, user_categories=[None, "chat"],
+                          category_mix={"code": 0.5, "multiturn": 0.5}, contamination=flt,
+                          require_prompt_end=False, eval_fraction=0.2, seed=5, progress=False)
+    rows = ds.train + ds.eval
+    assert ds.stats["prompts_contaminated"] >= 1 and ds.stats["contamination"]["dropped_by"]["near:evalset"] == 1
+    assert {r["category"] for r in rows} == {"code", "multiturn", "chat"}
+    assert sum(r["source"] == "user" for r in rows) == 1
+    for r in rows:
+        P, mask = r["prompt_len"], r["loss_mask"]
+        prompt = tokenizer.decode(r["input_ids"][:P])
+        assert prompt.endswith("<|im_start|>assistant\n") and all(mask[P:])
+        runs = sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+        if r["category"] == "multiturn":
+            assert prompt.count("<|im_start|>user\n") == 2 and runs == 2
+            assert r["kind"] in {k for c in ("chat", "code", "math") for k in SEEDS[c]}
+        else:
+            assert prompt.count("<|im_start|>user\n") == 1 and runs == 1
+        if r["category"] == "code":
+            assert r["kind"].startswith("code/")
+            assert any(prompt.split("<|im_start|>user\n", 1)[1].startswith(s) for s in SEEDS["code"][r["kind"]])
+    cov = ds.stats["categories"]
+    assert sum(c["train"] + c["eval"] for c in cov.values()) == len(rows)
+    assert sum(c["assistant_tokens"] for c in cov.values()) == ds.stats["assistant_tokens"]
+    assert cov["multiturn"]["train"] + cov["multiturn"]["eval"] >= 1
+
+
 def test_join_samples_drops_repeats_and_held_out_prompts():
     from training.data import join_samples
 
@@ -294,7 +356,7 @@ def test_cli_train_export_eval(tiny_llama_dir, synthetic, tmp_path):
     saved = json.loads((out / "report.json").read_text())
     assert saved["draft_vocab"]["size"] == 64 and 0 < saved["draft_vocab"]["train_coverage"] <= 1
     settings = saved["acceptance"]["heldout"]["settings"]
-    assert set(settings) == {"no_spec", "chain_k1_s3", "chain_k1_s5", "tree_k4_s5_n8"}
+    assert set(settings) == {"no_spec", "chain_k1_s3", "chain_k1_s5", "tree_k4_s5_n8", "tree_k8_s8_n32"}
     for name, row in settings.items():
         if name != "no_spec":
             assert row["mean_accept_length"] >= 1.0
