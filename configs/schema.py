@@ -199,6 +199,11 @@ class AttentionConfig(_Strict):
     # and sampling and the per-phase speculative path.
     # Not under parallel.dp_attention, whose group replays the plain graphs only.
     feature_graphs: bool = True
+    # Triton backend: the most key splits one attention launch divides a request's keys
+    # into (flash-decoding), when too few requests and kv heads fill the GPU. Up to 16 split
+    # any context evenly; past 16, splits are used only where each keeps 512 keys, so raising
+    # it speeds a few streams over long contexts without changing short ones.
+    max_kv_splits: int = Field(16, ge=1, le=64)
 
     @model_validator(mode="after")
     def _sizes(self) -> "AttentionConfig":

@@ -19,6 +19,9 @@ tile is loaded once per kv head, not per query head; decode fills GROUP of the r
 Keys are visited in BLOCK_N tiles with an fp32 online softmax (exp2 domain). With
 num_splits > 1 (flash-decoding, for batches too small to fill the GPU) each split covers
 a slice of the keys and writes a partial output + log-sum-exp; a second kernel merges them.
+Up to BASE_KV_SPLITS splits divide any context evenly; a launch with more (a few streams
+over a long context, `attention.max_kv_splits`) uses the extra ones only where each still
+gets SPLIT_MIN_KEYS keys, so a short context splits as it would at BASE_KV_SPLITS.
 The split count is a run-time argument, not a compile-time constant: it follows the
 batch's shape, and as a constant every new prefill shape compiled a new kernel (0.5-1 s
 on the H200, in front of the first token of every request in that batch).
@@ -35,9 +38,15 @@ from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
 __all__ = ["HAS_TRITON", "paged_attention", "paged_attention_ref", "default_num_kv_splits",
            "MAX_KV_SPLITS"]
 
-MAX_KV_SPLITS = 16
-_BLOCK_S = 16  # the merge kernel's split lanes: one compiled kernel for any split count
-assert _BLOCK_S >= MAX_KV_SPLITS
+MAX_KV_SPLITS = 64
+# The split count a launch takes by default (attention.max_kv_splits); any split count up to
+# it keeps every key range as it was, and splits beyond it are used only where the context
+# is long enough that each still covers SPLIT_MIN_KEYS keys.
+BASE_KV_SPLITS = 16
+SPLIT_MIN_KEYS = 512
+# The merge kernel's split lanes: one compiled kernel for any count up to BASE_KV_SPLITS,
+# a second for more.
+assert BASE_KV_SPLITS <= MAX_KV_SPLITS and MAX_KV_SPLITS & (MAX_KV_SPLITS - 1) == 0
 _LOG2E = 1.4426950408889634
 
 
@@ -58,10 +67,12 @@ def paged_attention_ref(
     causal: bool = True,
     scale: float | None = None,
     num_kv_splits: int | None = None,
+    max_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch paged attention, per request, softmax in fp32 (same signature as
-    :func:`paged_attention`; ``max_q_len`` and ``num_kv_splits`` are accepted and unused).
+    :func:`paged_attention`; ``max_q_len``, ``num_kv_splits`` and ``max_kv_splits`` are
+    accepted and unused).
 
     Args:
         q: [T, H, D] queries, requests concatenated.
@@ -165,6 +176,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+        BASE_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
     ):
         qblk = tl.program_id(0)
         pid = tl.program_id(1)
@@ -198,7 +210,10 @@ if HAS_TRITON:
             kv_end = tl.minimum(kv_end, prefix + last_q + (n_new - q_len) + 1)
         kv_end = tl.where(q0 < q_len, kv_end, 0)  # query block past this request: no work
         if SPLIT:
-            chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+            # Past BASE_SPLITS splits only while each keeps SPLIT_MIN: a short context
+            # splits as it would at BASE_SPLITS, the launch's other splits stay empty.
+            active = tl.minimum(num_splits, tl.maximum(BASE_SPLITS, tl.cdiv(kv_end, SPLIT_MIN)))
+            chunk = tl.cdiv(tl.cdiv(kv_end, active), BLOCK_N) * BLOCK_N
             lo = split * chunk
             hi = tl.minimum(lo + chunk, kv_end)
         else:
@@ -291,8 +306,9 @@ def _launch_config(max_q_len: int, group: int, head_dim: int) -> dict:
 
 
 def default_num_kv_splits(num_programs: int, num_tokens: int, num_heads: int, head_dim: int,
-                          device: torch.device) -> int:
-    """Key splits so that about 4 programs per SM run (flash-decoding; measured on H200).
+                          device: torch.device, max_splits: int = BASE_KV_SPLITS) -> int:
+    """Key splits so that about 4 programs per SM run (flash-decoding; measured on H200),
+    at most `max_splits`.
 
     Depends on shapes only, never on device data (the context length is unknown on the
     host): a captured graph and its eager twin pick the same value. Splits over a short
@@ -301,7 +317,7 @@ def default_num_kv_splits(num_programs: int, num_tokens: int, num_heads: int, he
     if device.type != "cuda":
         return 1  # the CPU interpreter gains nothing from splits
     want = -(-4 * _sm_count(device) // max(1, num_programs))
-    splits = max(1, min(MAX_KV_SPLITS, want))
+    splits = max(1, min(max_splits, MAX_KV_SPLITS, want))
     # Bound the fp32 partial buffer ([T, H, splits, D]) at 64 MiB.
     cap = max(1, (16 << 20) // max(1, num_tokens * num_heads * head_dim))
     return max(1, min(splits, cap))
@@ -323,13 +339,14 @@ def paged_attention(
     causal: bool = True,
     scale: float | None = None,
     num_kv_splits: int | None = None,
+    max_kv_splits: int = BASE_KV_SPLITS,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; arguments as :func:`paged_attention_ref`.
 
     ``max_q_len`` (host int) bounds q_b for the launch grid; ``num_kv_splits`` forces the
-    number of key splits (default :func:`default_num_kv_splits`). No device value is read
-    on the host, so the call can be captured in a CUDA graph.
+    number of key splits (default :func:`default_num_kv_splits`, at most ``max_kv_splits``).
+    No device value is read on the host, so the call can be captured in a CUDA graph.
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; use paged_attention_ref")
@@ -352,7 +369,7 @@ def paged_attention(
     q_per_block = cfg["BLOCK_M"] // G
     n_qblk = max(1, -(-max_q_len // q_per_block))
     if num_kv_splits is None:
-        num_kv_splits = default_num_kv_splits(n_qblk * B * Hkv, T, H, D, q.device)
+        num_kv_splits = default_num_kv_splits(n_qblk * B * Hkv, T, H, D, q.device, max_kv_splits)
     splits = max(1, int(num_kv_splits))
     if splits > MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits={splits} exceeds MAX_KV_SPLITS={MAX_KV_SPLITS}")
@@ -382,11 +399,13 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0), sp[0], sp[1], sp[2], splits,
         NUM_KV_HEADS=Hkv, GROUP=G, Q_PER_BLOCK=q_per_block, HEAD_DIM=D,
-        SPLIT=splits > 1, HAS_MASK=has_mask, CAUSAL=bool(causal), PRECISION=precision, **cfg,
+        SPLIT=splits > 1, HAS_MASK=has_mask, CAUSAL=bool(causal), PRECISION=precision,
+        BASE_SPLITS=BASE_KV_SPLITS, SPLIT_MIN=SPLIT_MIN_KEYS, **cfg,
     )
     if splits > 1:
+        lanes = BASE_KV_SPLITS if splits <= BASE_KV_SPLITS else MAX_KV_SPLITS
         _merge_splits_kernel[(T, H)](
             part_o, part_lse, out, sp[0], sp[1], sp[2], out.stride(0), out.stride(1), splits,
-            HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=_BLOCK_S, num_warps=1,
+            HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=lanes, num_warps=lanes // BASE_KV_SPLITS,
         )
     return out

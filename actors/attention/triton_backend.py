@@ -19,7 +19,7 @@ import torch
 from actors.attention.base import AttentionBackend
 from actors.worker.forward_batch import ForwardBatch
 from actors.worker.host_copy import to_device
-from kestrel_kernels.triton_attention import paged_attention
+from kestrel_kernels.triton_attention import BASE_KV_SPLITS, paged_attention
 
 
 @dataclass
@@ -36,9 +36,11 @@ class TritonMeta:
 class TritonBackend(AttentionBackend):
     plans_on_device = True
 
-    def __init__(self, kv_pool, req_to_token, scale: float, num_kv_splits: int | None = None):
+    def __init__(self, kv_pool, req_to_token, scale: float, num_kv_splits: int | None = None,
+                 max_kv_splits: int = BASE_KV_SPLITS):
         super().__init__(kv_pool, req_to_token, scale)
         self.num_kv_splits = num_kv_splits  # None: pick from the launch shape
+        self.max_kv_splits = max_kv_splits  # attention.max_kv_splits
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         dev = fb.req_pool_indices.device
@@ -79,7 +81,8 @@ class TritonBackend(AttentionBackend):
             q, self.kv_pool.k[layer], self.kv_pool.v[layer], self.req_to_token.req_to_token,
             m.req_pool_indices, m.prefix_lens, m.new_kv_lens, m.qo_indptr, m.max_q_len,
             custom_mask=m.custom_mask, mask_indptr=m.mask_indptr, causal=True,
-            scale=self.scale, num_kv_splits=self.num_kv_splits)  # [T, H, D]
+            scale=self.scale, num_kv_splits=self.num_kv_splits,
+            max_kv_splits=self.max_kv_splits)  # [T, H, D]
 
     # ---- CUDA-graph hooks (actors/cuda_graph_runner.GraphBackend) -------------------------
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens,

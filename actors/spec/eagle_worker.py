@@ -99,9 +99,11 @@ class EagleWorker:
         scale = s.head_dim ** -0.5
         # C11: the runner's backend is the draft-extend backend; draft decode has its own.
         self.extend_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token,
-                                           scale, page_size=cfg.kv_cache.page_size)
+                                           scale, page_size=cfg.kv_cache.page_size,
+                                           max_kv_splits=cfg.attention.max_kv_splits)
         self.decode_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token,
-                                           scale, page_size=cfg.kv_cache.page_size)
+                                           scale, page_size=cfg.kv_cache.page_size,
+                                           max_kv_splits=cfg.attention.max_kv_splits)
         self.runner = ModelRunner(self.head, self.extend_backend)
         self.decode_runner = ModelRunner(self.head, self.decode_backend)
         # What draft extend reads per token: the target's final hidden, or EAGLE-3's layers.

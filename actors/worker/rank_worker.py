@@ -59,14 +59,18 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.float32
 
 
-def make_backend(name: str, kv_pool, req_to_token, scale: float, page_size: int = 1):
+def make_backend(name: str, kv_pool, req_to_token, scale: float, page_size: int = 1,
+                 max_kv_splits: int | None = None):
     """The attention backend `attention.backend` names. page_size is the KV allocator's;
-    1 is valid for any pool (FlashInfer then reads slots as one-token pages)."""
+    1 is valid for any pool (FlashInfer then reads slots as one-token pages).
+    max_kv_splits: attention.max_kv_splits (Triton; None: the kernel's default)."""
     if name == "torch_native":
         return TorchNativeBackend(kv_pool, req_to_token, scale)
     if name == "triton":
         from actors.attention.triton_backend import TritonBackend
-        return TritonBackend(kv_pool, req_to_token, scale)
+        if max_kv_splits is None:
+            return TritonBackend(kv_pool, req_to_token, scale)
+        return TritonBackend(kv_pool, req_to_token, scale, max_kv_splits=max_kv_splits)
     if name == "flashinfer":
         # Raises, naming the setting and the alternatives, without CUDA or flashinfer.
         from actors.attention.flashinfer_backend import FlashInferBackend
@@ -113,7 +117,8 @@ class RankWorker:
                                      self.dtype, self.device)
         scale = a.head_dim ** -0.5
         backend = make_backend(cfg.attention.backend, self.kv_pool, self.req_to_token, scale,
-                               page_size=cfg.kv_cache.page_size)
+                               page_size=cfg.kv_cache.page_size,
+                               max_kv_splits=cfg.attention.max_kv_splits)
         self.target = ModelRunner(self.model, backend)
         self.eagle = None
         if spec:

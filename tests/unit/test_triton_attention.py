@@ -36,13 +36,13 @@ CONFIGS = {"smollm": (9, 3, 64), "gqa2_d24": (4, 2, 24), "mha_d16": (2, 2, 16)} 
 
 # ---------------------------------------------------------------------------- cases
 def make_case(mode: str, page: int, cfg: str = "smollm", seed: int = 0, B: int | None = None,
-              dtype: torch.dtype = torch.float32, max_prefix: int = 200) -> dict:
+              dtype: torch.dtype = torch.float32, max_prefix: int = 200, min_prefix: int = 0) -> dict:
     """A random batch in ``mode``: lengths, paged req_to_token, K/V pool, q/k/v, masks."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     H, Hkv, D = CONFIGS[cfg]
     B = B or rng.randint(1, 8)
-    prefix = [rng.randint(0, max_prefix) for _ in range(B)]
+    prefix = [rng.randint(min_prefix, max_prefix) for _ in range(B)]
     masks = None
     if mode == "decode":
         qlens, E = [1] * B, [1] * B
@@ -189,6 +189,20 @@ def test_kernel_split_kv_matches_ref(mode):
 
 
 @needs_triton
+@pytest.mark.parametrize("prefix", [(0, 150), (9000, 9500)])
+def test_kernel_more_splits_than_base_matches_ref(prefix):
+    """Past BASE_KV_SPLITS a launch splits a long context further (each split keeping
+    SPLIT_MIN_KEYS keys) and a short one as at BASE_KV_SPLITS, the rest empty; both merge
+    (in the wider merge kernel) to the reference."""
+    c = make_case("decode", 16, cfg="mha_d16", seed=21, B=1, min_prefix=prefix[0], max_prefix=prefix[1])
+    assert (c["prefix"][0] > ta.BASE_KV_SPLITS * ta.SPLIT_MIN_KEYS) == (prefix[0] > 0)
+    store_new_kv(c)
+    args, kw = kernel_args(c)
+    torch.testing.assert_close(ta.paged_attention(*args, **kw, num_kv_splits=ta.MAX_KV_SPLITS),
+                               ta.paged_attention_ref(*args, **kw), **tol(c["dtype"]))
+
+
+@needs_triton
 def test_kernel_fp16_and_page4():
     c = make_case("verify", 4, seed=30, dtype=torch.float16)
     store_new_kv(c)
@@ -288,7 +302,9 @@ def test_default_num_kv_splits():
     assert ta.default_num_kv_splits(3, 1, 9, 64, cpu) == 1  # interpreter: no splits
     ta._SM_COUNT[99] = 132  # pretend device 99 is an H200
     dev = torch.device("cuda", 99)
-    assert ta.default_num_kv_splits(3, 1, 9, 64, dev) == ta.MAX_KV_SPLITS  # B=1 decode
+    assert ta.default_num_kv_splits(3, 1, 9, 64, dev) == ta.BASE_KV_SPLITS  # B=1 decode
+    assert ta.default_num_kv_splits(3, 1, 9, 64, dev, max_splits=64) == 64  # attention.max_kv_splits
+    assert ta.default_num_kv_splits(3, 1, 9, 64, dev, max_splits=100) == ta.MAX_KV_SPLITS
     assert ta.default_num_kv_splits(64 * 3, 64, 9, 64, dev) == 3  # B=64 decode
     assert ta.default_num_kv_splits(4 * 132, 4096, 9, 64, dev) == 1  # batch fills the GPU
     assert ta.default_num_kv_splits(1, 1 << 20, 32, 128, dev) == 1  # partial buffer cap
