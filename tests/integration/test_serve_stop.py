@@ -8,7 +8,7 @@ the server (Ray's, Serve's, HAProxy) and a free port.
 - SIGKILL of the command: the server gets its parent-death signal and stops.
 - SIGTERM to the command alone, and SIGINT (Ctrl-C): the command forwards them, the same
   path as the group's SIGTERM (serve_app/server_process.py), so they are marked `long`
-  and left to `make test-long`.
+  and left to `make test-long`, with SIGKILL of the command and of the server process.
 
 Each case starts its own server (Ray included, ~30 s on 2 cores) with the tiny model,
 independent of the session's Ray cluster.
@@ -117,6 +117,9 @@ def long_stream(port: int, max_tokens: int, started: threading.Event, result: li
     "sigkill_cli",
     pytest.param("sigterm_cli", marks=pytest.mark.long),
     pytest.param("sigint_cli", marks=pytest.mark.long),
+    # The server's process itself killed (the OOM killer): Ray's processes die with it,
+    # and HAProxy with the Serve actor that started it (serve_app/haproxy_with_parent.sh).
+    pytest.param("sigkill_server", marks=pytest.mark.long),
 ])
 def test_stopped_server_leaves_no_process_and_a_free_port(tiny_model, tmp_path, how):
     log = tmp_path / "serve.log"
@@ -137,6 +140,8 @@ def test_stopped_server_leaves_no_process_and_a_free_port(tiny_model, tmp_path, 
             cli.kill()
         elif how == "sigterm_cli":
             cli.terminate()
+        elif how == "sigkill_server":
+            os.kill(server, signal.SIGKILL)
         else:
             cli.send_signal(signal.SIGINT)
         cli.wait(timeout=120)
@@ -148,7 +153,7 @@ def test_stopped_server_leaves_no_process_and_a_free_port(tiny_model, tmp_path, 
         left = sessions_alive(sids)
         assert not left, "left behind:\n" + "\n".join(left)
         assert port_free(port), f"port {port} still taken"
-        if how != "sigkill_cli":
+        if how not in ("sigkill_cli", "sigkill_server"):
             assert cli.returncode == 0, log.read_text()[-3000:]
         if how == "sigterm_group":
             t.join(30)
