@@ -7,8 +7,11 @@ the server (Ray's, Serve's, HAProxy) and a free port.
   running at the stop finishes whole: the server drains as on Ctrl-C.
 - SIGKILL of the command: the server gets its parent-death signal and stops.
 - SIGTERM to the command alone, and SIGINT (Ctrl-C): the command forwards them, the same
-  path as the group's SIGTERM (serve_app/server_process.py), so they are marked `long`
-  and left to `make test-long`, with SIGKILL of the command and of the server process.
+  path as the group's SIGTERM (serve_app/server_process.py).
+- SIGKILL of the server's process: HAProxy goes with its Serve actor.
+
+Only the first is part of `make test` (each case costs a server start); the others are
+marked `long` (`make test-long`).
 
 Each case starts its own server (Ray included, ~30 s on 2 cores) with the tiny model,
 independent of the session's Ray cluster.
@@ -114,7 +117,7 @@ def long_stream(port: int, max_tokens: int, started: threading.Event, result: li
 
 @pytest.mark.parametrize("how", [
     "sigterm_group",
-    "sigkill_cli",
+    pytest.param("sigkill_cli", marks=pytest.mark.long),
     pytest.param("sigterm_cli", marks=pytest.mark.long),
     pytest.param("sigint_cli", marks=pytest.mark.long),
     # The server's process itself killed (the OOM killer): Ray's processes die with it,
