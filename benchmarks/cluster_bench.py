@@ -2,7 +2,7 @@
 timeline through the loss of a node.
 
     python -m benchmarks.cluster_bench [--nodes 1 2 3] [--rate 6] [--seconds 30] \
-        [--max-tokens 64] [--loss-seconds 60] [--out docs/cluster_bench.json] \
+        [--max-tokens 64] [--loss-seconds 60] [--loss-rate R] [--out FILE.json] \
         [--plot docs/cluster_node_loss.png] [--model PATH] [--set k=v ...]
 
 The cluster is `ray.cluster_utils.Cluster` on this machine (as tests/integration/
@@ -108,6 +108,9 @@ def node_loss(cluster, nodes: dict, url: str, model: str, args) -> dict:
         time.sleep(max(0.0, at - time.time()))
         events["lost"] = time.time()
         cluster.remove_node(nodes.pop(victim), allow_graceful=False)
+        while _replica_states() == {"RUNNING": 2}:  # until Serve sees the replica gone
+            time.sleep(0.2)
+        events["noticed"] = time.time()
         while _replica_states() != {"RUNNING": 2}:
             time.sleep(0.2)
         events["replaced"] = time.time()
@@ -116,14 +119,17 @@ def node_loss(cluster, nodes: dict, url: str, model: str, args) -> dict:
     # placed from this estimate and reported against the schedule's real start.
     loser = threading.Thread(target=lose_node, args=(time.time() + 5 + args.loss_seconds / 3,), daemon=True)
     loser.start()
-    rows, wall, start = asyncio.run(_open_loop(url, model, args.rate, args.loss_seconds, args.max_tokens, 1))
+    rows, wall, start = asyncio.run(_open_loop(url, model, args.loss_rate or args.rate, args.loss_seconds,
+                                               args.max_tokens, 1))
     loser.join(timeout=300)
     timeline = [{"sent_s": r["offset"] + r["lag"], "ttft_ms": None if "error" in r else 1000 * r["ttft"],
                  "e2e_s": r.get("e2e"), "error": r.get("error")} for r in rows]
     lost_s = events["lost"] - start
     after = [t for t in timeline if t["sent_s"] > lost_s]
     first_ok = min((t["sent_s"] + t["e2e_s"] for t in after if t["error"] is None), default=None)
-    return {**_summary(rows, wall), "lost_s": lost_s, "replaced_s": events.get("replaced", float("nan")) - start,
+    return {**_summary(rows, wall), "rate": args.loss_rate or args.rate, "lost_s": lost_s,
+            "noticed_s": events.get("noticed", float("nan")) - start,
+            "replaced_s": events.get("replaced", float("nan")) - start,
             "in_flight_at_loss": sum(1 for t in timeline
                                      if t["sent_s"] <= lost_s <= t["sent_s"] + (t["e2e_s"] or 1e9)),
             "failed_sent_after_loss": sum(1 for t in after if t["error"]),
@@ -148,7 +154,8 @@ def plot(result: dict, path: str) -> None:
     ax.axvline(loss["replaced_s"], color="green", linestyle=":", label="replacement replica running")
     ax.set_xlabel("request sent at (s)")
     ax.set_ylabel("TTFT (ms)")
-    ax.set_title(f"Kestrel, 2 replicas on 3 worker nodes, {result['rate']} req/s open loop: a node lost "
+    ax.axvline(loss["noticed_s"], color="orange", linestyle="-.", label="Serve sees the replica gone")
+    ax.set_title(f"Kestrel, 2 replicas on 3 worker nodes, {loss['rate']:g} req/s open loop: a node lost "
                  f"({result['machine']})", fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
@@ -157,11 +164,12 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--nodes", type=int, nargs="*", default=[1, 2, 3])
     ap.add_argument("--rate", type=float, default=6.0, help="requests per second (Poisson)")
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--loss-seconds", type=float, default=60.0, help="the node-loss run; 0 skips it")
+    ap.add_argument("--loss-rate", type=float, default=None, help="its rate (default: --rate)")
     ap.add_argument("--model", default=None, help="model.path (default: the tiny random model)")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--machine", default="2-core CPU dev machine")
@@ -219,8 +227,8 @@ def main(argv: list[str] | None = None) -> None:
             result["node_loss"] = loss
             print(f"node loss: {loss['requests']} requests, {loss['failed']} failed "
                   f"({loss['in_flight_at_loss']} in flight at the loss, {loss['failed_sent_after_loss']} "
-                  f"failed of those sent after it); replacement running {loss['replaced_s'] - loss['lost_s']:.1f}s "
-                  f"after the loss", flush=True)
+                  f"failed of those sent after it); Serve saw it {loss['noticed_s'] - loss['lost_s']:.1f}s and "
+                  f"ran a replacement {loss['replaced_s'] - loss['lost_s']:.1f}s after the loss", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
