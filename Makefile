@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kestrel-setup
 
-.PHONY: setup serve chat test test-gpu bench clean
+.PHONY: setup serve chat test test-long test-gpu bench clean
 
 setup: $(STAMP)
 
@@ -29,7 +29,11 @@ chat: $(STAMP)
 	$(VENV)/bin/kestrel chat $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit tests/integration $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not long" tests/unit tests/integration $(ARGS)
+
+# Tests that repeat a path `make test` already covers, at a cost its budget cannot take.
+test-long: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m long tests/unit tests/integration $(ARGS)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q tests/gpu $(ARGS)

@@ -42,6 +42,11 @@ class ModelConfig(_Strict):
     def _absolute_path(self) -> "ModelConfig":
         """A relative path, made absolute where it exists: from the working directory, else
         from the repository (a preset's models/...): the rank actors run elsewhere."""
+        if self.path and "://" in self.path:
+            # Nothing downloads it: each node reads the path from its own disk.
+            raise ValueError(f"model.path {self.path!r} is a URI; it must be a path on every "
+                             "node that runs replicas (copy the model there first: docs/serve.md, "
+                             "\"Models on a cluster\")")
         if self.path and not os.path.isabs(self.path):
             for base in (Path.cwd(), CONFIG_DIR.parent):
                 if (base / self.path).exists():
@@ -305,6 +310,11 @@ class ServeConfig(_Strict):
     # (its tokens go out together after): the inter-token gap a burst of arrivals can add.
     admission_defer_ms: float = Field(250.0, ge=0)
     engine_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    # Ray resources an Engine replica asks for on top of its CPUs and GPUs (in its
+    # placement group's first bundle, so the whole replica lands on a node that has them):
+    # a custom resource that a cluster's GPU node type declares, e.g. {"h200_node": 1},
+    # keeps replicas off other node types, and at 1 per node spreads them one per node.
+    replica_resources: dict[str, float] = Field(default_factory=dict)
 
 
 class KestrelConfig(_Strict):

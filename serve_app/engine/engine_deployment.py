@@ -25,6 +25,7 @@ from actors.worker.rank_actor import RankActor
 from configs.schema import KestrelConfig
 from serve_app.engine.engine_client import EngineClient
 from serve_app.engine.engine_core import EngineCoreActor
+from serve_app.engine.model_files import check_model_files
 from serve_app.api.metrics import EngineGauges
 from serve_app.api.openai_server import OpenAIServer, build_api
 from serve_app.text.tokenizer import stop_token_ids
@@ -71,6 +72,9 @@ class EngineDeployment:
         cfg_obj = KestrelConfig.model_validate(cfg)
         self._shutdown_started = False
         self._replica = _replica_id()
+        self._node = ray.get_runtime_context().get_node_id()
+        # Before any actor starts: a node without the model fails this replica now, by name.
+        model_path = check_model_files(cfg_obj, f"{ray.util.get_node_ip_address()} ({self._node})")
         dp = cfg_obj.parallel.dp_size
         gpu = cfg_obj.resolved_device() == "cuda"
         pg = ray.util.get_current_placement_group()
@@ -93,12 +97,11 @@ class EngineDeployment:
                                                  **opts, **in_bundle(1 + rank))
                                .remote(cfg, rank, core_ip))
         # Load the tokenizer, and xgrammar's view of it, while the actors load their models.
-        from actors.models.loader import default_model_path
         from serve_app.text.grammar import compiler_for
         from serve_app.text.tokenizer import load_tokenizer
 
         def tokenizer_and_vocab():
-            tok = load_tokenizer(cfg_obj.model.path or default_model_path())
+            tok = load_tokenizer(model_path)
             return tok, compiler_for(tok).vocab_json
 
         infos, (tokenizer, vocab) = await asyncio.gather(
@@ -166,7 +169,7 @@ class EngineDeployment:
         return self.engine.num_requests()
 
     async def stats(self) -> dict[str, Any]:
-        return {**(await self.engine.stats()), "http": _http_path()}
+        return {**(await self.engine.stats()), "http": _http_path(), "node": self._node}
 
     # ---- shutdown ------------------------------------------------------------------------
     def __del__(self):

@@ -68,8 +68,12 @@ class Server:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
+    """The session's Ray cluster: a head node alone, as one machine's `ray.init` would be,
+    but a `ray.cluster_utils.Cluster`, so test_serve_cluster.py can add worker nodes (more
+    raylets on this machine) and take them away again."""
     import ray
     from ray import serve
+    from ray.cluster_utils import Cluster
 
     from configs.schema import load_config
     from serve_app.app import local_ray_env
@@ -82,11 +86,13 @@ def ray_cluster():
     os.environ.update(local_ray_env(load_config(overrides=SERVER_OVERRIDES)))
     # Logical CPUs: this app (engine bundles 2) and the other tests' apps (up to 2 more
     # engines at once) fit, on a 2-core machine too.
-    ray.init(num_cpus=10, include_dashboard=False, log_to_driver=False,
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 10, "include_dashboard": False})
+    ray.init(address=cluster.address, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield
+    yield cluster
     serve.shutdown()
     ray.shutdown()
+    cluster.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +103,9 @@ def server(ray_cluster) -> Server:
     from configs.schema import load_config
     from serve_app.app import build_app
     port = find_free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # HAProxy on the head alone: worker nodes that test_serve_cluster.py adds share this
+    # machine, where a proxy of theirs could not bind the same port.
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     cfg = load_config(overrides=SERVER_OVERRIDES)
     t0 = time.monotonic()
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")

@@ -68,3 +68,11 @@ def test_build_app_deployment_options():
     gpu = app_builder({"config": "h200.yaml", "set": {"parallel.dp_size": 2}})
     engine = gpu._bound_deployment
     assert engine._replica_config.placement_group_bundles == [{"CPU": 2.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+
+
+def test_replica_resources_go_to_the_replicas_first_bundle():
+    from configs.schema import load_config
+    from serve_app.app import build_app
+    cfg = load_config("default.yaml", ["device=cpu", "serve.replica_resources={h200_node: 1}"])
+    engine = build_app(cfg)._bound_deployment
+    assert engine._replica_config.placement_group_bundles == [{"CPU": 2.0, "h200_node": 1.0}, {"CPU": 1.0}]

@@ -1,0 +1,169 @@
+"""Stopping `kestrel serve` the ways users and their supervisors do leaves no process of
+the server (Ray's, Serve's, HAProxy) and a free port.
+
+- SIGTERM to the whole process group (a shell job's `kill -TERM -PGID`, a supervisor
+  stopping a group): the case that left an HAProxy under init holding the port, because
+  Ray's head processes died with the command in the middle of Serve's shutdown. A stream
+  running at the stop finishes whole: the server drains as on Ctrl-C.
+- SIGKILL of the command: the server gets its parent-death signal and stops.
+- SIGTERM to the command alone, and SIGINT (Ctrl-C): the command forwards them, the same
+  path as the group's SIGTERM (serve_app/server_process.py).
+- SIGKILL of the server's process: HAProxy goes with its Serve actor.
+
+Only the first is part of `make test` (each case costs a server start); the others are
+marked `long` (`make test-long`).
+
+Each case starts its own server (Ray included, ~30 s on 2 cores) with the tiny model,
+independent of the session's Ray cluster.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sessions_alive(sids: set[int]) -> list[str]:
+    """'pid command' of every live process in one of these sessions (Ray's workers and
+    HAProxy change their process group, never their session)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] == "Z" or int(fields[3]) not in sids:  # state, ..., session
+                continue
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        out.append(f"{d.name} {cmd[:160]}")
+    return out
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def start_server(tiny_model: str, log: Path) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Its own Ray instance: nothing of the session's cluster in its environment.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "serve_app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--set", "device=cpu", "--set", "draft.enabled=false", "--set", f"model.path={tiny_model}",
+           "--set", "kv_cache.num_slots=4096", "--set", "serve.engine_autoscaling.max_replicas=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # a process group of its own, as a shell job's
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the server did not come up:\n" + log.read_text()[-3000:])
+
+
+def server_pid(cli: subprocess.Popen) -> int:
+    children = Path(f"/proc/{cli.pid}/task/{cli.pid}/children").read_text().split()
+    assert len(children) == 1, children  # the server, in a session of its own
+    return int(children[0])
+
+
+def long_stream(port: int, max_tokens: int, started: threading.Event, result: list):
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    finish, tokens = None, 0
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    started.set()
+                    for ch in chunk.get("choices", []):
+                        finish = ch["finish_reason"] or finish
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+        result.append((tokens, finish))
+    except httpx.HTTPError as e:
+        result.append(e)
+    started.set()
+
+
+@pytest.mark.parametrize("how", [
+    "sigterm_group",
+    pytest.param("sigkill_cli", marks=pytest.mark.long),
+    pytest.param("sigterm_cli", marks=pytest.mark.long),
+    pytest.param("sigint_cli", marks=pytest.mark.long),
+    # The server's process itself killed (the OOM killer): Ray's processes die with it,
+    # and HAProxy with the Serve actor that started it (serve_app/haproxy_with_parent.sh).
+    pytest.param("sigkill_server", marks=pytest.mark.long),
+])
+def test_stopped_server_leaves_no_process_and_a_free_port(tiny_model, tmp_path, how):
+    log = tmp_path / "serve.log"
+    cli, port = start_server(tiny_model, log)
+    server = server_pid(cli)
+    sids = {cli.pid, server}
+    assert any("haproxy" in p for p in sessions_alive(sids)), sessions_alive(sids)
+    drained: list = []
+    if how == "sigterm_group":
+        started = threading.Event()
+        t = threading.Thread(target=long_stream, args=(port, 1500, started, drained), daemon=True)
+        t.start()
+        assert started.wait(60), "the stream never started"
+    try:
+        if how == "sigterm_group":
+            os.killpg(cli.pid, signal.SIGTERM)
+        elif how == "sigkill_cli":
+            cli.kill()
+        elif how == "sigterm_cli":
+            cli.terminate()
+        elif how == "sigkill_server":
+            os.kill(server, signal.SIGKILL)
+        else:
+            cli.send_signal(signal.SIGINT)
+        cli.wait(timeout=120)
+        # The server, and everything it started, goes too (after a SIGKILL of the command,
+        # on its own: nobody waits for it).
+        deadline = time.monotonic() + 120
+        while (sessions_alive(sids) or not port_free(port)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = sessions_alive(sids)
+        assert not left, "left behind:\n" + "\n".join(left)
+        assert port_free(port), f"port {port} still taken"
+        if how not in ("sigkill_cli", "sigkill_server"):
+            assert cli.returncode == 0, log.read_text()[-3000:]
+        if how == "sigterm_group":
+            t.join(30)
+            assert drained == [(1500, "length")], drained  # drained, not cut
+    finally:
+        for pid in [int(p.split()[0]) for p in sessions_alive(sids)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
