@@ -210,7 +210,9 @@ def run_server(cfg: KestrelConfig, host: str | None = None, port: int | None = N
         else:
             cfg_local = cfg.model_copy(deep=True)
             cfg_local.device = resolve_device(cfg_local)
-            ray.init(num_cpus=_local_num_cpus(cfg_local))
+            # "local": a new instance even where another one of this machine is running
+            # (Ray would otherwise join the one it last started, whose CPUs it cannot set).
+            ray.init(address="local", num_cpus=_local_num_cpus(cfg_local))
     # SIGTERM (docker stop, systemd) shuts down as Ctrl-C does, from here on: replicas
     # drain first, and no Serve process outlives this one.
     signal.signal(signal.SIGTERM, _interrupt)
