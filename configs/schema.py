@@ -33,6 +33,20 @@ class ModelConfig(_Strict):
     # bfloat16 (auto); the CPU runs the fp32 reference. A compressed-tensors FP8_DYNAMIC
     # checkpoint is served in FP8 whatever this says (docs/serve.md, "FP8").
     quantization: Literal["none", "fp8"] = "none"
+    # On a CPU: float computes every layer in dtype from the weights as loaded (a GGUF's
+    # dequantized). packed: the decoder's linear layers as 4-bit groups of 32 inputs (a
+    # scale and an offset each: a Q4_1 GGUF's own blocks, exactly; other weights are
+    # quantized to them, which changes the model) and the LM head (the tied embedding) as
+    # int8 rows, multiplied with bfloat16 activations by torch's weight-only kernels in
+    # decode steps of at most cpu_packed_max_batch requests (a decode step then reads a
+    # quarter of the bytes), by a float32 GEMM on the same values with the same roundings
+    # in prefill and larger steps, where it is faster (docs/benchmarks.md, "The CPU step").
+    # It applies on a CPU with dtype auto (float32 around the kernels), without
+    # model.quantization or parallel.dp_attention; elsewhere (a GPU, an explicit dtype,
+    # which asks for float weights in it) the weights stay float, and the rank logs why:
+    # one preset serves CPUs and GPUs.
+    cpu_weights: Literal["float", "packed"] = "float"
+    cpu_packed_max_batch: int = Field(4, ge=0)
     max_model_len: int = Field(2048, ge=16)
     # On CUDA, RMSNorm (+ residual add), RoPE and SiLU-mul run as fused Triton kernels
     # (kestrel_kernels/layer_ops.py); false runs their torch references (to compare the two).

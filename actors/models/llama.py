@@ -191,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.load_stats: dict[str, float] | None = None  # what loading cost (loader.build_model)
+        self.kernel_switch = None  # model.cpu_weights=packed: packed_cpu_weights.KernelSwitch
         self.model = LlamaModel(arch)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         if arch.tie_word_embeddings:

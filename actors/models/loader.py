@@ -74,13 +74,22 @@ def read_arch(path: str) -> LlamaArch:
 def build_model(
     path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     load_format: str = "auto", seed: int = 0, quantization: str = "none",
+    cpu_weights: str = "float",
 ) -> tuple[LlamaForCausalLM, LlamaArch]:
     """The target on ``device`` in ``dtype``: its weights streamed from the checkpoint
     (load_format "auto"), or random from ``seed`` ("dummy": the shape only, for speed).
     quantization "fp8" (model.quantization), or an FP8 checkpoint whatever it says: the
-    decoder's linear layers in FP8 (fp8_linear.py)."""
+    decoder's linear layers in FP8 (fp8_linear.py). cpu_weights "packed"
+    (model.cpu_weights): int4 linear layers and an int8 LM head (packed_cpu_weights.py)."""
     if quantization not in ("none", "fp8"):
         raise ValueError(f"model.quantization={quantization!r} is not supported (none, fp8)")
+    if cpu_weights not in ("float", "packed"):
+        raise ValueError(f"model.cpu_weights={cpu_weights!r} is not supported (float, packed)")
+    if cpu_weights == "packed" and (torch.device(device).type != "cpu" or dtype != torch.float32
+                                    or quantization != "none"):
+        raise ValueError(f"model.cpu_weights=packed runs on the CPU in float32 without "
+                         f"model.quantization (here: {torch.device(device).type}, {dtype}, "
+                         f"{quantization}): set model.cpu_weights=float")
     if load_format == "dummy":
         arch, state = read_arch(path), None
     elif load_format == "auto":
@@ -88,6 +97,9 @@ def build_model(
     else:
         raise ValueError(f"model.load_format={load_format!r} is not supported (auto, dummy)")
     fp8 = quantization == "fp8" or arch.quantization == "fp8"
+    if fp8 and cpu_weights == "packed":
+        raise ValueError(f"{path} stores FP8 weights: model.cpu_weights=packed takes float "
+                         "or GGUF checkpoints")
     if arch.quantization == "fp8" and quantization == "none":
         # As vLLM does: the checkpoint's own quantization wins (dequantizing it would only
         # cost memory and speed for the same values).
@@ -127,4 +139,8 @@ def build_model(
         model.load_weights(state, copy)
         staging.finish()
         model.load_stats = meter.close()  # seconds, GB, GB/s, host peak: for benchmarks
+    if cpu_weights == "packed":
+        from actors.models.packed_cpu_weights import pack_cpu_weights
+
+        pack_cpu_weights(model)
     return model.eval(), arch

@@ -94,7 +94,9 @@ class RankWorker:
         self.gc = watch()  # the collector's passes, a step's `gc` phase
         self.eager = EagerSteps(rank)  # steps that leave the captured graphs, and why
         self.device = torch.device(cfg.resolved_device())
-        self.dtype = resolve_dtype(cfg.model.dtype, self.device.type)
+        self.cpu_weights = self._cpu_weights(cfg)
+        self.dtype = (torch.float32 if self.cpu_weights == "packed"
+                      else resolve_dtype(cfg.model.dtype, self.device.type))
         torch.set_num_threads(cfg.resolved_cpu_threads(self.device.type, os.cpu_count() or 1))
         torch.manual_seed(cfg.seed)
         layer_ops.set_fused(cfg.model.fused_layer_ops)
@@ -151,6 +153,23 @@ class RankWorker:
             warm_up_sampled_decode(self)
             warm_up_processing(self)
             self.compiles.arm()
+
+    def _cpu_weights(self, cfg: KestrelConfig) -> str:
+        """model.cpu_weights where it applies (on the CPU with model.dtype auto, no
+        model.quantization or dp_attention), else float."""
+        m = cfg.model
+        if m.cpu_weights == "float":
+            return "float"
+        why = ("the device is not a CPU" if self.device.type != "cpu"
+               else f"model.dtype={m.dtype} asks for float weights" if m.dtype != "auto"
+               else f"model.quantization={m.quantization}" if m.quantization != "none"
+               else "parallel.dp_attention shards float weights" if cfg.parallel.dp_attention
+               else "")
+        if why:
+            log.info("rank %d: model.cpu_weights=%s does not apply (%s): float weights",
+                     self.rank, m.cpu_weights, why)
+            return "float"
+        return m.cpu_weights
 
     def _capture_graphs(self) -> None:
         """Every graph serving replays, for every batch size the scheduler can form, with
@@ -297,7 +316,8 @@ class RankWorker:
         read_arch(path).check_context(cfg.model.max_model_len)  # before reading any weight
         log.info("rank %d: loading %s (%s, %s)", rank, path, self.device, self.dtype)
         model, arch = build_model(path, self.dtype, self.device, cfg.model.load_format, cfg.seed,
-                                  quantization=cfg.model.quantization)
+                                  quantization=cfg.model.quantization,
+                                  cpu_weights=self.cpu_weights)
         log.info("rank %d: model loaded in %.1fs", rank, time.time() - t0)
         head = None
         if spec:
@@ -383,6 +403,9 @@ class RankWorker:
         if plan.mode == "idle" or not plan.rows:
             return LaunchedStep(plan, None, None, 0.0)
         self.last_prompt_logprobs = None
+        if self.model.kernel_switch is not None:  # model.cpu_weights=packed
+            self.model.kernel_switch.on = (plan.mode == "decode" and len(plan.rows)
+                                           <= self.cfg.model.cpu_packed_max_batch)
         if plan.mode == "extend":
             emitted = self._extend(plan)
         elif self.eagle is not None and plan.use_spec:
