@@ -1,4 +1,4 @@
-"""The default CPU model (model.cpu_weights=packed): greedy speculative output equals its
+"""The packed CPU model (model.cpu_weights=packed): greedy speculative output equals its
 own plain output, at batch 1 and at the largest batch whose decode steps run the kernels
 (cpu_packed_max_batch). The kernels compute each row alone, but attention over a verify's
 tree and a decode step's one query may differ in the last float32 bit, and the kernels'
@@ -13,7 +13,8 @@ from configs.schema import load_config
 from serve_app.engine.llm_engine import LLMEngine
 from spec_helpers import CHAIN, greedy
 
-BASE = ["kv_cache.num_slots=8192", "scheduler.max_running_requests=16", "device=cpu"]
+BASE = ["kv_cache.num_slots=8192", "scheduler.max_running_requests=16", "device=cpu",
+        "model.cpu_weights=packed"]
 MAX = 24
 TIE = 0.1  # logits: a few bfloat16 steps of the kernels' rounding
 
@@ -40,7 +41,7 @@ def top2_gap(model, ids: list[int]) -> float:
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_packed_default_speculates_losslessly(tokenizer, chat_prompts, batch):
+def test_packed_model_speculates_losslessly_but_for_near_ties(tokenizer, chat_prompts, batch):
     cfg = load_config(overrides=BASE + ["draft.enabled=true", *CHAIN])
     assert cfg.model.cpu_packed_max_batch >= batch
     plain, model = run(load_config(overrides=BASE + ["draft.enabled=false"]), tokenizer,
