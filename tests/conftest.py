@@ -68,6 +68,18 @@ def gguf_parsed_once():
     gguf.GGUFReader = real
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module (`pytestmark = pytest.mark.usefixtures(...)`): on
+    the 2 shared cores, two OpenMP threads fighting other processes made a tiny training
+    step 30x slower than one thread does."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
     from actors.models.loader import default_model_path

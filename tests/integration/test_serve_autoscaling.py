@@ -10,6 +10,7 @@ burst). Slow all the same: each replica starts three processes on a small CPU bo
 from __future__ import annotations
 
 import json
+from functools import partial
 import re
 import threading
 import time
@@ -18,18 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+import serve_replicas
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.filterwarnings("ignore:The `metrics_interval_s`:DeprecationWarning")]
 
 APP = "autoscale"
-
-
-def replica_states(app: str = APP) -> dict[str, int]:
-    from ray import serve
-    status = serve.status().applications.get(app)
-    if status is None or "EngineDeployment" not in status.deployments:
-        return {}
-    return {str(k): v for k, v in status.deployments["EngineDeployment"].replica_states.items()}
+replica_states = partial(serve_replicas.replica_states, APP)
+wait_for = partial(serve_replicas.wait_for, app=APP)
 
 
 def stream(url: str, prompt: str, max_tokens: int, stop: threading.Event | None = None,
@@ -56,16 +53,6 @@ def stream(url: str, prompt: str, max_tokens: int, stop: threading.Event | None 
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     return tokens, finish
-
-
-def wait_for(pred, timeout: float, what: str, period: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(period)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}: {replica_states()}")
 
 
 def serving_replica(base_url: str) -> str:

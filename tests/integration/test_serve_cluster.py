@@ -18,6 +18,7 @@ figures they measure are printed (docs/reliability.md records them).
 from __future__ import annotations
 
 import json
+from functools import partial
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +28,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+import serve_replicas
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.filterwarnings("ignore:The `metrics_interval_s`:DeprecationWarning")]
 
 APP = "cluster"
+replica_states = partial(serve_replicas.replica_states, APP)
+wait_for = partial(serve_replicas.wait_for, app=APP)
 ROOT = Path(__file__).resolve().parents[2]
 NODE_RESOURCE = "kestrel_node"
 MAX_MODEL_LEN = 16384
@@ -76,29 +81,11 @@ def serve_deploy(config: dict) -> None:
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
 
 
-def replica_states(app: str = APP) -> dict[str, int]:
-    from ray import serve
-    status = serve.status().applications.get(app)
-    if status is None or "EngineDeployment" not in status.deployments:
-        return {}
-    return {str(k): v for k, v in status.deployments["EngineDeployment"].replica_states.items()}
-
-
 def app_status(app: str = APP) -> str:
     """RUNNING, DEPLOYING, DEPLOY_FAILED... (a str enum), or NONE."""
     from ray import serve
     status = serve.status().applications.get(app)
     return status.status if status else "NONE"
-
-
-def wait_for(pred, timeout: float, what: str, period: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(period)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}: {replica_states()}")
 
 
 def replicas_by_node(engine, replicas: int) -> dict[str, dict]:

@@ -19,14 +19,7 @@ from training.vocab import build_draft_vocab, count_assistant_tokens, coverage, 
 ARCHS = ["eagle", "eagle3"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # On the 2 shared cores, two OpenMP threads fighting other processes made a tiny
-    # training step 30x slower than one thread does.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_cfg(path: str, *extra: str):

@@ -14,12 +14,7 @@ from training.export import export_head
 from training.train import init_head, make_spec
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # two shared cores: OpenMP threads only fight
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_default_settings_include_chain_tree_and_wide_tree():

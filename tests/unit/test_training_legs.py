@@ -13,12 +13,7 @@ from training.legs import MORE_LEGS, run_legs, stage
 from training.train import main as train_main
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # two shared cores: OpenMP threads only fight
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
