@@ -23,3 +23,19 @@ def wait_for(pred, timeout: float, what: str, app: str, period: float = 0.5):
             return value
         time.sleep(period)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}: {replica_states(app)}")
+
+
+def scale_in_while_running(app: str, replicas: int, work: list, timeout: float = 300) -> bool:
+    """Wait for the app to be back to `replicas` running replicas; whether a replica was
+    seen stopping while none of `work` (futures of streams) had finished, i.e. it drained."""
+    seen_stopping = False
+
+    def scaled_in() -> bool:
+        nonlocal seen_stopping
+        states = replica_states(app)
+        if states.get("STOPPING") and not any(f.done() for f in work):
+            seen_stopping = True
+        return states == {"RUNNING": replicas}
+    wait_for(scaled_in, timeout, f"scale-in to {replicas} replica{'s' if replicas > 1 else ''}", app,
+             period=0.25)
+    return seen_stopping

@@ -157,18 +157,11 @@ def test_engine_scales_out_under_burst_and_back_without_cutting_requests(server,
         hang_up.set()
         assert set(f.result(timeout=60) for f in burst) <= {"left", "done"}
 
-        seen_stopping = threading.Event()
-
-        def scaled_in():
-            states = replica_states()
-            # Neither probe done yet: the one on the stopping replica (alone there, so the
-            # faster of the two) still runs.
-            if states.get("STOPPING") and not any(p.done() for p in probes):
-                seen_stopping.set()
-            return states == {"RUNNING": 1}
-        wait_for(scaled_in, 300, "scale-in to 1 replica", period=0.25)
+        # Seen stopping with neither probe done yet: the one on the stopping replica (alone
+        # there, so the faster of the two) still runs.
+        seen_stopping = serve_replicas.scale_in_while_running(APP, 1, probes)
         log.append(f"back to 1 replica {time.monotonic() - t1:.0f}s after the burst")
-        assert seen_stopping.is_set(), "no replica was stopping while both probes ran"
+        assert seen_stopping, "no replica was stopping while both probes ran"
         assert [f.result(timeout=300) for f in probes] == [(probe_tokens, "length")] * 2
         log.append(f"probes whole after {time.monotonic() - t1:.0f}s ({time.monotonic() - t2:.1f}s)")
         assert running_by_replica(engine, 1) == {first: 0}  # the new one, with a probe, went

@@ -237,15 +237,8 @@ def test_node_joined_under_load_takes_the_new_replica_and_scale_in_cuts_no_strea
         wait_for(lambda: all(e.is_set() for e in started), 60, "the probes' first tokens", period=0.05)
         held = replicas_by_node(engine, 3)
         assert all(r["held"] >= 1 for r in held.values()), held
-        seen_stopping = threading.Event()
-
-        def scaled_in():
-            states = replica_states()
-            if states.get("STOPPING") and not any(p.done() for p in probes):
-                seen_stopping.set()
-            return states == {"RUNNING": 2}
-        wait_for(scaled_in, 300, "scale-in to 2 replicas", period=0.25)
-        assert seen_stopping.is_set(), "no replica was stopping while the probes ran"
+        seen_stopping = serve_replicas.scale_in_while_running(APP, 2, probes)
+        assert seen_stopping, "no replica was stopping while the probes ran"
         assert [p.result(timeout=300) for p in probes] == [("whole", probe_tokens, "length")] * 3
         app.log.append(f"node joined: {len(burst_outcomes)} burst streams, 3 probes, 0 cut; "
                        f"back to 2 replicas {time.monotonic() - t1:.0f}s after the node")
