@@ -5,7 +5,9 @@ qo_indptr[b]..qo_indptr[b+1] of q) and attends to
   * its first prefix_lens[b] tokens, fully visible, then
   * E_b = new_kv_lens[b] new keys, visible through a custom mask ([q_b, E_b] row-major,
     flattened at mask_indptr[b]), or causal (query i sees new key j iff j <= i + E_b - q_b),
-    or all of them (causal=False).
+    or all of them (causal=False). A request whose mask block is empty (mask_indptr[b+1]
+    == mask_indptr[b]) is causal (or full): a mixed step's tree-verify requests carry
+    masks and its prefill chunks do not.
 In every mode the new keys sit right after the prefix in the request's row of
 req_to_token (extend / verify / draft extend write out_cache_loc there; draft decode's
 scratch slots are req_to_token[row, seq + 0..E)), so key position p of request b lives in
@@ -83,7 +85,8 @@ def paged_attention_ref(
         new_kv_lens: [B] integer, E_b keys after the prefix (E_b >= q_b).
         qo_indptr: [B+1] integer, query rows of request b are qo_indptr[b]..qo_indptr[b+1].
         custom_mask: [sum_b q_b*E_b] bool/uint8, request b's [q_b, E_b] row-major block
-            starting at mask_indptr[b] ([B+1] integer); None = causal / full per ``causal``.
+            starting at mask_indptr[b] ([B+1] integer); None = causal / full per ``causal``,
+            as is a request whose block is empty.
         scale: softmax scale, default D ** -0.5.
         out: optional [T, H, D] output buffer.
 
@@ -108,7 +111,7 @@ def paged_attention_ref(
         v = v_cache[slots].float().repeat_interleave(G, dim=1)  # [kv, H, D] fp32
         s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale  # [H, ql, kv] fp32
         vis = torch.ones(ql, p + e, dtype=torch.bool, device=q.device)  # [ql, kv] bool
-        if custom_mask is not None:
+        if custom_mask is not None and mi[b + 1] > mi[b]:
             vis[:, p:] = custom_mask[mi[b]:mi[b] + ql * e].view(ql, e).bool()
         elif causal:
             vis[:, p:] = torch.ones(ql, e, dtype=torch.bool, device=q.device).tril(e - ql)
@@ -125,7 +128,7 @@ if HAS_TRITON:
     def _attend_keys(
         acc, m_i, l_i, q, lo, hi, K, V, ReqToToken, row, kvh,
         stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_ok, row_ok, q_idx,
-        prefix, n_new, q_len, Mask, mask_base, qk_scale,
+        prefix, n_new, q_len, Mask, mask_base, masked, qk_scale,
         BLOCK_N: tl.constexpr, NEW_KEYS: tl.constexpr, HAS_MASK: tl.constexpr,
         CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -143,10 +146,14 @@ if HAS_TRITON:
             vis = n_ok[None, :]
             if NEW_KEYS:
                 j = pos - prefix  # index among the new keys
-                if HAS_MASK:
+                if HAS_MASK:  # this request's bits, or causal where it has none (`masked`)
                     bits = tl.load(Mask + mask_base[:, None] + j[None, :],
-                                   mask=vis & row_ok[:, None], other=0)
-                    vis = vis & (bits != 0)
+                                   mask=vis & row_ok[:, None] & masked, other=0)
+                    if CAUSAL:
+                        seen = j[None, :] <= (q_idx + n_new - q_len)[:, None]
+                    else:
+                        seen = j[None, :] >= 0
+                    vis = vis & tl.where(masked, bits != 0, seen)
                 elif CAUSAL:
                     vis = vis & (j[None, :] <= (q_idx + n_new - q_len)[:, None])
             qk = tl.where(vis, qk, float("-inf"))
@@ -220,8 +227,11 @@ if HAS_TRITON:
             lo = 0
             hi = kv_end
         if HAS_MASK:  # row r's mask bits start at mask_base[r]
-            mask_base = tl.load(MaskIndptr + b).to(tl.int64) + q_idx.to(tl.int64) * n_new
+            mask_start = tl.load(MaskIndptr + b).to(tl.int64)
+            masked = tl.load(MaskIndptr + b + 1).to(tl.int64) > mask_start
+            mask_base = mask_start + q_idx.to(tl.int64) * n_new
         else:
+            masked = False  # unused
             mask_base = q_idx.to(tl.int64)  # unused
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -231,13 +241,13 @@ if HAS_TRITON:
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, lo, tl.minimum(hi, prefix), K, V, ReqToToken, row, kvh,
             stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_ok, row_ok, q_idx,
-            prefix, n_new, q_len, Mask, mask_base, qk_scale,
+            prefix, n_new, q_len, Mask, mask_base, masked, qk_scale,
             BLOCK_N=BLOCK_N, NEW_KEYS=False, HAS_MASK=HAS_MASK, CAUSAL=CAUSAL,
             PRECISION=PRECISION)
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, tl.maximum(lo, prefix), hi, K, V, ReqToToken, row, kvh,
             stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_ok, row_ok, q_idx,
-            prefix, n_new, q_len, Mask, mask_base, qk_scale,
+            prefix, n_new, q_len, Mask, mask_base, masked, qk_scale,
             BLOCK_N=BLOCK_N, NEW_KEYS=True, HAS_MASK=HAS_MASK, CAUSAL=CAUSAL,
             PRECISION=PRECISION)
 

@@ -40,7 +40,7 @@ class TorchNativeBackend(AttentionBackend):
             kv_index[b, :p] = table[rows[b], :p]
             kv_index[b, p:p + e] = new_slots[b]
             mask[b, :q, :p] = True
-            if fb.custom_mask is not None:
+            if fb.custom_mask is not None and b < fb.custom_mask.shape[0]:
                 mask[b, :q, p:p + e] = fb.custom_mask[b, :q, :e]
             else:
                 mask[b, :q, p:p + e] = torch.ones(q, e, dtype=torch.bool, device=dev).tril(e - q)

@@ -62,14 +62,21 @@ class TritonBackend(AttentionBackend):
             elist = qlens
         custom_mask = mask_indptr = None
         if fb.custom_mask is not None:
-            cm = fb.custom_mask  # [B, Qm, Em] bool
+            cm = fb.custom_mask  # [Bm, Qm, Em] bool, Bm <= B
+            Bm = cm.shape[0]
             if uniform and tuple(cm.shape) == (B, n, elist[0] if B else 0):
                 custom_mask = cm.reshape(-1)  # [B*n*E] bool, a view when contiguous
                 mask_indptr = torch.arange(B + 1, dtype=torch.int64, device=dev) * (n * cm.shape[2])
+            elif Bm < B and len(set(qlens[:Bm])) == 1 and tuple(cm.shape[1:]) == (qlens[0], elist[0]):
+                # A mixed step: Bm uniform verify trees, then causal chunks (empty blocks).
+                block = cm.shape[1] * cm.shape[2]
+                custom_mask = cm.reshape(-1)  # [Bm*q*E] bool
+                mask_indptr = torch.minimum(torch.arange(B + 1, dtype=torch.int64, device=dev),
+                                            torch.tensor(Bm, device=dev)) * block  # [B+1] int64
             else:  # wider mask than the batch needs, or ragged: cut each request's block
                 custom_mask = torch.cat([cm[b, :qlens[b], :elist[b]].reshape(-1)
-                                         for b in range(B)])  # [sum q_b*E_b] bool
-                sizes = [q * e for q, e in zip(qlens, elist)]
+                                         for b in range(Bm)])  # [sum q_b*E_b] bool
+                sizes = [q * e for q, e in zip(qlens[:Bm], elist[:Bm])] + [0] * (B - Bm)
                 mask_indptr = to_device(np.cumsum([0] + sizes), torch.int64, dev)  # [B+1] int64
         fb.attn_meta = TritonMeta(fb.req_pool_indices, fb.prefix_lens, new_kv_lens, qo_indptr,
                                   max(qlens) if qlens else 0, custom_mask, mask_indptr)

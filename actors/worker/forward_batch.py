@@ -6,7 +6,8 @@ a ForwardBatch is built fresh for each forward and may be padded or changed free
 Attention layout, the same for every mode: request b attends to
   * its first `prefix_lens[b]` tokens through req_to_token (fully visible), then
   * `new_kv_slots[b]` (default: the slots this forward writes, `out_cache_loc`),
-    visible through `custom_mask[b]` (default: causal among the new tokens).
+    visible through `custom_mask[b]` (default, and past the mask's requests: causal
+    among the new tokens).
 Extend, decode, target verify (tree mask), draft extend and draft decode (ancestor mask
 over the draft scratch slots) are all this one shape.
 """
@@ -41,7 +42,8 @@ class ForwardBatch:
     extend_lens: list[int]  # queries per request (sum = T)
     # Keys beyond the prefix: [B, E] int64 slots; None = out_cache_loc reshaped per request.
     new_kv_slots: torch.Tensor | None = None
-    # [B, q, E] bool visibility of the new keys; None = causal among the new tokens.
+    # [Bm, q, E] bool visibility of the new keys of the first Bm <= B requests; None, and
+    # requests past Bm (a mixed step's prefill chunks after its verify trees) = causal.
     custom_mask: torch.Tensor | None = None
     hidden_in: torch.Tensor | None = None  # [T, H'] target features fed to a draft head
     # Backend metadata (built by init_forward_metadata, never by the model).

@@ -308,3 +308,92 @@ def test_default_num_kv_splits():
     assert ta.default_num_kv_splits(64 * 3, 64, 9, 64, dev) == 3  # B=64 decode
     assert ta.default_num_kv_splits(4 * 132, 4096, 9, 64, dev) == 1  # batch fills the GPU
     assert ta.default_num_kv_splits(1, 1 << 20, 32, 128, dev) == 1  # partial buffer cap
+
+
+def mixed_case(page: int, seed: int) -> tuple[dict, dict, int]:
+    """A mixed step's batch: the first Bm requests verify a tree each (masked), the rest
+    extend causally; built as one case whose masks cover the first Bm requests."""
+    tree = make_case("verify", page, seed=seed, B=3)
+    chunks = make_case("extend", page, seed=seed + 1, B=3)
+    Bm = tree["B"]
+    c = make_case("extend", page, seed=seed + 2, B=Bm + chunks["B"], min_prefix=150)  # one table and pool
+    n = tree["qlens"][0]
+    c["qlens"] = [n] * Bm + chunks["qlens"]
+    c["E"] = list(c["qlens"])
+    L_pad = c["rt"].req_to_token.shape[1]  # the prefixes shrink to fit the case's table
+    c["prefix"] = [min(p, L_pad - e) for p, e in zip(tree["prefix"] + chunks["prefix"], c["E"])]
+    assert min(c["prefix"]) >= 0 and sum(c["prefix"]) > 0
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(c["qlens"])
+    c["q"] = torch.randn(T, c["H"], c["D"], generator=gen).to(DEV)  # [T, H, D]
+    c["k"] = torch.randn(T, c["Hkv"], c["D"], generator=gen).to(DEV)  # [T, Hkv, D]
+    c["v"] = torch.randn(T, c["Hkv"], c["D"], generator=gen).to(DEV)  # [T, Hkv, D]
+    table = c["rt"].req_to_token
+    c["out_loc"] = torch.cat([table[r, p:p + e] for r, p, e in zip(c["rows"], c["prefix"], c["E"])])
+    c["masks"] = tree["masks"]  # the first Bm requests' only
+    return c, tree, Bm
+
+
+def mixed_kernel_args(c: dict, Bm: int) -> tuple[tuple, dict]:
+    args, kw = kernel_args(dict(c, masks=None))
+    blocks = [m.reshape(-1) for m in c["masks"]]
+    kw["custom_mask"] = torch.cat(blocks).to(DEV)
+    sizes = [m.numel() for m in blocks] + [0] * (c["B"] - Bm)  # chunks: empty blocks
+    kw["mask_indptr"] = torch.tensor([0] + np.cumsum(sizes).tolist(), device=DEV)
+    return args, kw
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_empty_mask_blocks_are_causal_in_the_reference(page):
+    """A request with an empty mask block attends causally: the mixed batch's answer is
+    each part's answer computed alone (trees with their masks, chunks causal)."""
+    c, _, Bm = mixed_case(page, seed=80)
+    store_new_kv(c)
+    args, kw = mixed_kernel_args(c, Bm)
+    got = ta.paged_attention_ref(*args, **kw)
+    alone, _ = kernel_args(dict(c, masks=None))
+    causal = ta.paged_attention_ref(*alone, causal=True, scale=kw["scale"])
+    T_tree = sum(c["qlens"][:Bm])
+    torch.testing.assert_close(got[T_tree:], causal[T_tree:])
+    tree_only, _ = kernel_args(dict(c, masks=None))
+    blocks = torch.cat([m.reshape(-1) for m in c["masks"]] +
+                       [torch.ones(n * n, dtype=torch.bool) for n in c["qlens"][Bm:]]).to(DEV)
+    sizes = [n * n for n in c["qlens"]]
+    full = ta.paged_attention_ref(*tree_only, custom_mask=blocks, scale=kw["scale"],
+                                  mask_indptr=torch.tensor([0] + np.cumsum(sizes).tolist(), device=DEV))
+    torch.testing.assert_close(got[:T_tree], full[:T_tree])
+    assert not torch.allclose(got[:T_tree], causal[:T_tree])  # the trees' masks mattered
+
+
+@needs_triton
+@pytest.mark.parametrize("page", [1, 16])
+def test_kernel_mixed_masked_and_causal_matches_ref(page):
+    c, _, Bm = mixed_case(page, seed=90 + page)
+    store_new_kv(c)
+    args, kw = mixed_kernel_args(c, Bm)
+    want = ta.paged_attention_ref(*args, **kw)
+    for splits in (1, 3):
+        torch.testing.assert_close(ta.paged_attention(*args, **kw, num_kv_splits=splits), want,
+                                   **tol(c["dtype"]))
+
+
+@needs_triton
+def test_backends_take_a_mask_over_the_first_requests():
+    """ForwardBatch.custom_mask for the first Bm requests only (a mixed step): the Triton
+    backend and the torch oracle agree, and both equal the reference."""
+    from actors.attention.triton_backend import TritonBackend
+
+    c, _, Bm = mixed_case(4, seed=95)
+    fb = forward_batch(dict(c, masks=None))
+    fb.custom_mask = torch.stack(c["masks"]).to(DEV)  # [Bm, n, n] bool
+    pool_t = TokenToKVPool(c["pool"].k[0].shape[0], 1, c["Hkv"], c["D"], c["dtype"], DEV)
+    pool_t.k[0].copy_(c["pool"].k[0])
+    pool_t.v[0].copy_(c["pool"].v[0])
+    native = TorchNativeBackend(c["pool"], c["rt"], c["D"] ** -0.5)
+    native.init_forward_metadata(fb)
+    want = native.forward(c["q"], c["k"], c["v"], 0, fb)
+    args, kw = mixed_kernel_args(c, Bm)
+    torch.testing.assert_close(ta.paged_attention_ref(*args, **kw), want, **tol(c["dtype"]))
+    backend = TritonBackend(pool_t, c["rt"], c["D"] ** -0.5)
+    backend.init_forward_metadata(fb)
+    torch.testing.assert_close(backend.forward(c["q"], c["k"], c["v"], 0, fb), want, **tol(c["dtype"]))
