@@ -155,6 +155,12 @@ class SchedulerConfig(_Strict):
     # first): alternating them with decodes while a burst arrives cost throughput and first
     # tokens (docs/benchmarks.md). False: a long prompt's chunks run back to back too.
     decode_between_chunks: bool = True
+    # Prefill chunks ride in the running requests' decode steps (one target forward holds
+    # the decode rows, or their verify trees, and up to chunked_prefill_size prompt tokens),
+    # so an arriving prompt does not pause the streams. Steps where a request asks for
+    # logprobs or a grammar alternate as above. Does not apply under parallel.dp_attention,
+    # nor with attention.backend=flashinfer and speculation (the rank logs why).
+    mixed_steps: bool = True
     # Plan and launch step N+1 before step N has finished, so the device goes from one step
     # to the next without waiting for the host to read N's tokens. None: the served engine
     # always does (its ranks run apart from its planning); the in-process engine does on a

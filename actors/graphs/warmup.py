@@ -77,6 +77,44 @@ def _run_prefill_shapes(worker) -> None:
              ", ".join(f"{b}x{n}" for b, n in shapes), time.time() - t0)
 
 
+def warm_up_mixed(worker) -> None:
+    """Mixed steps (scheduler.mixed_steps) at the prefill shapes: row 1 decodes (its
+    verify tree, under speculation) in the forward of each shape's chunks, so the
+    attention kernel's tilings for trees beside chunks compile at start-up. Row 1 gets a
+    one-token prompt first, and room for every step's accepted tokens."""
+    import torch
+    cfg = worker.cfg
+    if not cfg.scheduler.mixed_steps or cfg.parallel.dp_attention:
+        return
+    page, coins = cfg.kv_cache.page_size, coins_per_request(cfg)
+    spec = worker.eagle is not None
+    # Row 1's slots: its prompt token and a window per step (at most 2 shapes a length).
+    room = -(-(1 + worker.window * (2 * len(CHUNK_LENS) + 1)) // page) * page
+    shapes = prefill_shapes(worker.num_rows - 1, cfg.scheduler.chunked_prefill_size,
+                            worker.num_slots - room, page)
+    first = page + np.arange(room, dtype=np.int64)  # after the reserved page 0
+    sampling = lambda b: dict(temperature=[0.0] * b, top_p=[1.0] * b, top_k=[-1] * b,
+                              coins=np.zeros((b, coins), dtype=np.float32))
+    t0 = time.time()
+    worker.execute(StepPlan(-2000, "extend", [1], kv_writes=[(1, 0, first)], input_ids=[0],
+                            prefix_lens=[0], extend_lens=[1], last_chunk=[True], next_ids=[-1],
+                            **sampling(1)))
+    for step, (batch, n) in enumerate(shapes):
+        rows = list(range(2, batch + 2))
+        stride = -(-n // page) * page
+        starts = page + room + stride * np.arange(batch, dtype=np.int64)
+        ids = (np.arange(batch * n, dtype=np.int64) * 7919 % worker.arch.vocab_size).tolist()
+        worker.execute(StepPlan(
+            -2001 - step, "mixed", [1] + rows, num_decode=1, use_spec=spec,
+            kv_writes=[(r, 0, starts[i] + np.arange(n, dtype=np.int64)) for i, r in enumerate(rows)],
+            input_ids=ids, prefix_lens=[0] * batch, extend_lens=[n] * batch,
+            last_chunk=[True] * batch, next_ids=[-1] * batch, **sampling(batch + 1)))
+    if worker.device.type == "cuda":
+        torch.cuda.synchronize(worker.device)
+    log.info("rank %d: mixed steps warmed up at %d shapes in %.1fs", worker.rank, len(shapes),
+             time.time() - t0)
+
+
 def warm_up_sampled_decode(worker) -> None:
     """One sampled speculative iteration on row 1 (a one-token prompt, its window's slots
     after the reserved page), so tree rejection sampling is compiled before a client's

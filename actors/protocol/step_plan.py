@@ -41,7 +41,9 @@ class RowProcessing:
 @dataclass
 class StepPlan:
     step_id: int
-    mode: str  # "extend" | "decode" | "idle"
+    # "extend" | "decode" | "idle" | "mixed": the first num_decode rows decode (plain or
+    # speculative, per use_spec) in the same target forward as the rest's prefill chunks.
+    mode: str
     rows: list[int]  # req_to_token rows, one per request
     # New KV slots to record: (row, first position, slots [n] int64), in order.
     kv_writes: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
@@ -49,7 +51,8 @@ class StepPlan:
     top_p: list[float] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
     coins: np.ndarray | None = None  # [B, C] float32 uniforms from each request's seeded generator
-    # extend only
+    num_decode: int = 0  # mixed only
+    # extend (and a mixed plan's chunk rows, after its decode rows)
     input_ids: list[int] = field(default_factory=list)  # chunk tokens, requests concatenated
     prefix_lens: list[int] = field(default_factory=list)  # tokens already in KV before the chunk
     extend_lens: list[int] = field(default_factory=list)
@@ -83,6 +86,27 @@ class StepPlan:
     @property
     def batch_size(self) -> int:
         return len(self.rows)
+
+    def parts(self) -> tuple[StepPlan, StepPlan]:
+        """A mixed plan as (its decode plan, its extend plan): each with its own rows'
+        sampling fields, and none of the row updates, which the worker applied already."""
+        d = self.num_decode
+
+        def cut(lo: int, hi: int | None, mode: str) -> StepPlan:
+            pick = lambda x: None if x is None else x[lo:hi]
+            part = StepPlan(self.step_id, mode, self.rows[lo:hi], temperature=self.temperature[lo:hi],
+                            top_p=self.top_p[lo:hi], top_k=self.top_k[lo:hi], coins=pick(self.coins),
+                            processing=self.processing, min_p=pick(self.min_p),
+                            logprobs=pick(self.logprobs))
+            if mode == "extend":
+                part.input_ids, part.prefix_lens, part.extend_lens = \
+                    self.input_ids, self.prefix_lens, self.extend_lens
+                part.last_chunk, part.next_ids = self.last_chunk, self.next_ids
+            else:
+                part.use_spec, part.draft_shape = self.use_spec, self.draft_shape
+            return part
+
+        return cut(0, d, "decode"), cut(d, None, "extend")
 
 
 @dataclass

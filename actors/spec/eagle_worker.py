@@ -33,7 +33,7 @@ from actors.graphs.cuda_graph_runner import GraphBatch, VerifyPath
 from actors.dp.sync import draft_extend_ids
 from actors.worker.forward_batch import ForwardBatch, ForwardMode
 from actors.worker.host_copy import to_device
-from actors.worker.launched_step import Emitted, accepted_tokens
+from actors.worker.launched_step import Emitted, accepted_tokens, mixed_tokens
 from actors.sampling.logprobs import MAX_TOP, asked_top, node_logprobs
 from actors.worker.kv_cache import TokenToKVPool
 from actors.worker.model_runner import ModelRunner
@@ -243,19 +243,29 @@ class EagleWorker:
         self.last_timings = clock.times
         return accepted_tokens(plan, out, tuple(lps) or None)  # the iteration's one copy to the host
 
-    def _decode(self, plan: StepPlan, clock: PhaseClock) -> Emitted:
+    def decode_mixed(self, plan: StepPlan) -> Emitted:
+        """A mixed step (StepPlan.parts): the decode rows' iteration at the configured shape,
+        whose verify forward also runs the prefill chunks (their rows after the trees,
+        attending causally), then the chunks' first tokens and draft extend."""
+        decode, chunks = plan.parts()
+        self.last_shape = 0
+        return self._decode(decode, PhaseClock(self.cfg.profile_steps, self.w.device), chunks)
+
+    def _decode(self, plan: StepPlan, clock: PhaseClock, chunks: StepPlan | None = None) -> Emitted:
         """The configured shape's iteration: its step graph where it holds the step, else
-        per phase (graphs per forward where captured)."""
+        per phase (graphs per forward where captured). With `chunks` (a mixed step's extend
+        part) per phase, verify fused with the chunks' forward."""
         w, K, S, N = self.w, self.K, self.S, self.N
         dev = w.device
-        g = self.step_graph
-        variant = Variant(plan.processing, plan.logprobs is not None, *sampling_flags(plan))
-        g_bs = w.graph_size(g, len(plan.rows))  # None: too large (or an eager dp_attention step)
-        leaves = self._leaves_step_graph(plan, g, g_bs, variant) if g_bs is not None else "batch_size"
-        if not leaves:
-            return self._replay_step(plan, g, g_bs, variant, clock)
-        if g is not None and leaves != "batch_size":  # graph_size counted a batch too large
-            w.eager.note(leaves)
+        if chunks is None:
+            g = self.step_graph
+            variant = Variant(plan.processing, plan.logprobs is not None, *sampling_flags(plan))
+            g_bs = w.graph_size(g, len(plan.rows))  # None: too large (or an eager dp_attention step)
+            leaves = self._leaves_step_graph(plan, g, g_bs, variant) if g_bs is not None else "batch_size"
+            if not leaves:
+                return self._replay_step(plan, g, g_bs, variant, clock)
+            if g is not None and leaves != "batch_size":  # graph_size counted a batch too large
+                w.eager.note(leaves)
         rows = to_device(plan.rows, torch.int64, dev)  # [B] int64
         B = rows.numel()
         c = w.future.resolve(rows)
@@ -271,13 +281,18 @@ class EagleWorker:
         # -- verify: the batch moves from draft decode to verify on the plan stream (C16/C17)
         verify = VerifyInputs(tree.tokens.reshape(-1), tree.tree_mask, tree.positions.reshape(-1),
                               tree.retrieve_index, tree.first_child, tree.next_sibling)
-        verify_bs = w.graph_size(self.verify_path.runner, B)
-        prepared = self.verify_path.prepare_verify(batch, verify_bs is not None, verify,
-                                                   build=self._verify_inputs, graph_bs=verify_bs)
+        if chunks is not None:
+            batch = dataclasses.replace(batch, **self._verify_inputs(batch, verify))
+            logits, feats, finish_chunks = self._verify_with_chunks(batch, chunks)
+        else:
+            verify_bs = w.graph_size(self.verify_path.runner, B)
+            prepared = self.verify_path.prepare_verify(batch, verify_bs is not None, verify,
+                                                       build=self._verify_inputs, graph_bs=verify_bs)
         # Rows with a grammar: the tree goes to the host behind the draft, and is walked
         # there while verify runs (the masks apply to verify's logits, not its inputs).
         tree_copy = w.grammars.copy_tree(plan.rows, tree.tokens, tree.first_child, tree.next_sibling)
-        logits, feats = self.verify_path.forward_verify(prepared, verify_bs)
+        if chunks is None:
+            logits, feats = self.verify_path.forward_verify(prepared, verify_bs)
         grammar_masks = w.grammars.tree_masks(tree_copy)  # [B, N, W] int32 or None
         logits = logits.view(B, N, -1)  # [B, N, V] fp32
         loc = batch.out_cache_loc.view(B, N)  # [B, N] int64 verify slots
@@ -293,8 +308,46 @@ class EagleWorker:
                                                       predict, feats)
         self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
         clock.mark("accept_and_draft_extend")
+        out = torch.cat([accept_length[:, None], predict], 1)  # [B, S+2] int64
+        if chunks is not None:
+            tokens, emits = finish_chunks()
+            clock.mark("chunks")
+            self.last_timings = clock.times
+            return mixed_tokens(out, tokens, emits)
         self.last_timings = clock.times
-        return accepted_tokens(plan, torch.cat([accept_length[:, None], predict], 1), lps)
+        return accepted_tokens(plan, out, lps)
+
+    def _verify_with_chunks(self, verify: GraphBatch, chunks: StepPlan):
+        """One target forward over the trees of `verify` (a verify batch) and the prefill
+        chunks of `chunks` after them -> (verify's logits [B*N, V] fp32 and draft features
+        [B*N, F], and a function that completes the chunks: their first tokens where a
+        prompt ends, their draft extend and future-map entries -> (tokens [Bc] int64, which
+        of them are emitted))."""
+        w = self.w
+        efb = w.extend_batch(chunks)
+        B, N = verify.batch_size, verify.width
+        BN = B * N
+        fb = ForwardBatch(ForwardMode.EXTEND, torch.cat([verify.input_ids, efb.input_ids]),
+                          torch.cat([verify.positions, efb.positions]),
+                          torch.cat([verify.out_cache_loc, efb.out_cache_loc]),
+                          torch.cat([verify.req_pool_indices, efb.req_pool_indices]),
+                          torch.cat([verify.seq_lens, efb.prefix_lens]),
+                          [N] * B + efb.extend_lens,
+                          custom_mask=verify.custom_mask.reshape(B, N, N))  # the trees only
+        hidden, aux = w.target.forward(fb, aux_layers=self.aux_layers)  # [B*N + T, H]
+        logits = w.model.compute_logits(hidden[:BN])  # [B*N, V] fp32
+        feats = self._features(hidden[:BN], [a[:BN] for a in aux])
+
+        def finish() -> tuple[torch.Tensor, list[bool]]:
+            hid, hid_aux = hidden[BN:], [a[BN:] for a in aux]
+            ends = torch.cumsum(efb.seq_lens - efb.prefix_lens, 0) - 1  # [Bc] int64 last row per chunk
+            tokens, _ = w.sample(chunks, efb.req_pool_indices, w.model.compute_logits(hid[ends]))
+            done = to_device([i for i, e in enumerate(chunks.last_chunk) if e], torch.int64, w.device)
+            w.record(chunks, efb.req_pool_indices[done], tokens[done])
+            self.extend_after_prefill(chunks, efb, hid, hid_aux, tokens, done, ends)
+            return tokens, list(chunks.last_chunk)
+
+        return logits, feats, finish
 
     def _leaves_step_graph(self, plan: StepPlan, g: StepGraph, g_bs: int, variant: Variant) -> str:
         """Why this iteration cannot replay as the one step graph at size g_bs (an

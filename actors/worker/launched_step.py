@@ -52,6 +52,14 @@ def accepted_tokens(plan: StepPlan, out: torch.Tensor, logprobs: tuple[torch.Ten
                    lambda host, toks: logprob_lists(asked, *host[1:4], [len(t) for t in toks]))
 
 
+def mixed_tokens(out: torch.Tensor, tokens: torch.Tensor, emitted: list[bool]) -> Emitted:
+    """A mixed speculative step (no logprobs): its decode rows' iteration out [Bd, S+2] as
+    in accepted_tokens, then its chunks' tokens [Bc] as in one_token_each."""
+    lists = lambda host: ([r[1:1 + r[0]] for r in host[0].tolist()]
+                          + [[t] if e else [] for t, e in zip(host[1].tolist(), emitted)])
+    return Emitted(HostCopy(out, tokens), lists)
+
+
 @dataclass
 class LaunchedStep:
     plan: StepPlan

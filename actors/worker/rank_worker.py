@@ -148,8 +148,10 @@ class RankWorker:
             if self.memory is not None:
                 self.memory.graphs = int(self.graph_capture["gib"] * 2 ** 30)
         if self.device.type == "cuda":  # compile eager paths' kernels now, not at a first request
-            from actors.graphs.warmup import warm_up_prefill, warm_up_processing, warm_up_sampled_decode
+            from actors.graphs.warmup import (warm_up_mixed, warm_up_prefill, warm_up_processing,
+                                              warm_up_sampled_decode)
             warm_up_prefill(self)
+            warm_up_mixed(self)
             warm_up_sampled_decode(self)
             warm_up_processing(self)
             self.compiles.arm()
@@ -406,7 +408,9 @@ class RankWorker:
         if self.model.kernel_switch is not None:  # model.cpu_weights=packed
             self.model.kernel_switch.on = (plan.mode == "decode" and len(plan.rows)
                                            <= self.cfg.model.cpu_packed_max_batch)
-        if plan.mode == "extend":
+        if plan.mode == "mixed" and plan.use_spec:
+            emitted = self.eagle.decode_mixed(plan)
+        elif plan.mode in ("extend", "mixed"):
             emitted = self._extend(plan)
         elif self.eagle is not None and plan.use_spec:
             emitted = self.eagle.decode(plan)
@@ -483,18 +487,31 @@ class RankWorker:
         return to_device(values, torch.int64, self.device)
 
     def extend_batch(self, plan: StepPlan) -> ForwardBatch:
-        rows = self._tensor(plan.rows)
+        """The forward of a plan's prefill chunks; a mixed plain plan's decode rows first,
+        one token each (their bonus at their length, from the future map)."""
+        d = plan.num_decode if plan.mode == "mixed" else 0
+        rows = self._tensor(plan.rows[d:])
         prefix = self._tensor(plan.prefix_lens)
         lens = self._tensor(plan.extend_lens)
         offs = torch.arange(sum(plan.extend_lens), device=self.device) - torch.repeat_interleave(
             torch.cumsum(lens, 0) - lens, lens)  # [T] int64 offset inside each chunk
         positions = torch.repeat_interleave(prefix, lens) + offs
         loc = self.req_to_token.req_to_token[torch.repeat_interleave(rows, lens), positions]
-        return ForwardBatch(ForwardMode.EXTEND, self._tensor(plan.input_ids), positions, loc,
-                            rows, prefix, list(plan.extend_lens))
+        ids = self._tensor(plan.input_ids)
+        if d:
+            decode_rows = self._tensor(plan.rows[:d])  # [d] int64
+            c = self.future.resolve(decode_rows)
+            seq = c.seq_lens  # [d] int64
+            loc = torch.cat([self.req_to_token.req_to_token[decode_rows, seq], loc])
+            ids, positions = torch.cat([c.bonus, ids]), torch.cat([seq, positions])
+            rows, prefix = torch.cat([decode_rows, rows]), torch.cat([seq, prefix])
+        return ForwardBatch(ForwardMode.EXTEND, ids, positions, loc, rows, prefix,
+                            [1] * d + list(plan.extend_lens))
 
     def _extend(self, plan: StepPlan) -> Emitted:
-        graphs = self.prefill_graphs
+        """A prefill step, or a mixed step without speculation: its decode rows are
+        one-token chunks of the same forward."""
+        graphs = self.prefill_graphs if plan.mode == "extend" else None
         shape = graphs.shape_for(plan) if graphs is not None and plan.prompt_logprobs is None else None
         if shape is not None:
             return graphs.run(plan, shape)
@@ -507,15 +524,17 @@ class RankWorker:
         last = torch.cumsum(fb.seq_lens - fb.prefix_lens, 0) - 1  # [B] int64 last row per chunk
         logits = self.model.compute_logits(hidden[last])
         tokens, lps = self.sample(plan, fb.req_pool_indices, logits)
-        # [D] int64 positions in the plan of the prompts this chunk finishes (an index, not
-        # a mask: a mask's result size would wait for the device)
-        done = self._tensor([i for i, last in enumerate(plan.last_chunk) if last])
+        # Rows that emit: a mixed plan's decode rows, and the chunks that end their prompt.
+        emits = [True] * (fb.batch_size - len(plan.last_chunk)) + list(plan.last_chunk)
+        # [D] int64 their positions in the plan (an index, not a mask: a mask's result size
+        # would wait for the device)
+        done = self._tensor([i for i, e in enumerate(emits) if e])
         self.record(plan, fb.req_pool_indices[done], tokens[done])
         if self.eagle is not None:
             self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done, last)
         else:
             self.future.store(fb.req_pool_indices[done], fb.seq_lens[done], tokens[done])
-        return one_token_each(plan, tokens, plan.last_chunk, lps)
+        return one_token_each(plan, tokens, emits, lps)
 
     def _decode_logits(self, ids, prefix_lens, loc, rows) -> torch.Tensor:
         """One token per request at position prefix_len -> logits [B, V] fp32 (eager, and

@@ -134,8 +134,9 @@ class _StepCollector:
         rep = str(stats.get("replica", "engine"))
         # (metric, help, label, the stats() entry whose label -> value it exports)
         families = (
-            ("kestrel_engine_steps", "Engine steps by mode ('pipelined': sent while another step "
-             "was in flight)", "mode", "steps"),
+            ("kestrel_engine_steps", "Engine steps by mode ('mixed': decode rows and prefill "
+             "chunks in one forward; 'pipelined': sent while another step was in flight)", "mode",
+             "steps"),
             ("kestrel_engine_step_seconds", "Seconds per step phase: schedule, process (engine "
              "loop); execute, recv, compile (rank worker); gc (the collector's passes, rank and "
              "engine loop); wait (the worker idle before a pipelined step), gpu_idle (the GPU "

@@ -86,7 +86,7 @@ class EngineCore:
         self.gc = gc_pauses.watch()
         # (rank, mode) and (rank, mode, size bucket) -> a step's moving mean, s (_note_slow)
         self._usual_step: dict[tuple, float] = {}
-        self.step_counts = [{"extend": 0, "decode": 0, "pipelined": 0} for _ in infos]
+        self.step_counts = [{"extend": 0, "decode": 0, "mixed": 0, "pipelined": 0} for _ in infos]
         self.eager_steps = [Counter() for _ in infos]  # per rank: reason -> steps (eager_steps.py)
         self.shape_steps = [Counter() for _ in infos]  # per rank: draft shape label -> speculative steps
         self.shape_names = [shape_name(s) for s in cfg.draft.shapes()]
@@ -191,7 +191,7 @@ class EngineCore:
                 "eager_steps": dict(sum(self.eager_steps, Counter())),
                 "draft_shape_steps": dict(sum(self.shape_steps, Counter())),
                 "steps": {k: sum(c[k] for c in self.step_counts)
-                          for k in ("extend", "decode", "pipelined")}}
+                          for k in ("extend", "decode", "mixed", "pipelined")}}
 
     def check(self) -> None:
         """Raises if a rank failed or a step loop stopped."""
@@ -257,7 +257,7 @@ class EngineCore:
         decode, prompt tokens of an extend, by powers of two; a size not met before is
         held to its mode's usual), with the parts the rank timed."""
         took = timings.get(plan.mode, 0.0)
-        extend = plan.mode == "extend"
+        extend = plan.mode != "decode"  # sized by its prompt tokens (a mixed step's too)
         size = sum(plan.extend_lens) if extend else len(plan.rows)
         by_mode, by_size = (rank, plan.mode), (rank, plan.mode, size.bit_length())
         usual = self._usual_step.get(by_size, self._usual_step.get(by_mode, took))

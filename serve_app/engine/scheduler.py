@@ -11,6 +11,7 @@ Ownership (contract C10): `kv_allocated_len` is written only by `_grow_kv` and
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -107,9 +108,20 @@ class Scheduler:
         # The draft shape per decode step, where the rank measured its shapes' costs.
         self.draft_policy = DraftPolicy.from_worker(cfg.draft.shapes(), worker_info) if self.spec else None
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
+        self.mix = cfg.scheduler.mixed_steps and not self._why_not_mixed(cfg)
         if self.slots.capacity < max_request_slots(self.max_model_len, self.window, self.page):
             raise ValueError(f"kv_cache.num_slots={worker_info['num_slots']} cannot hold one "
                              f"request of model.max_model_len={self.max_model_len}")
+
+    @staticmethod
+    def _why_not_mixed(cfg: KestrelConfig) -> str:
+        """Why scheduler.mixed_steps does not apply to this config, logged; "" where it does."""
+        why = ("parallel.dp_attention steps its ranks' phases in lockstep" if cfg.parallel.dp_attention
+               else "attention.backend=flashinfer has no verify tree beside causal chunks"
+               if cfg.attention.backend == "flashinfer" and cfg.draft.enabled else "")
+        if why and cfg.scheduler.mixed_steps:
+            log.info("scheduler.mixed_steps does not apply (%s): prefill and decode steps alternate", why)
+        return why
 
     # ---- requests in and out ------------------------------------------------------------
     def set_grammar_vocab(self, vocab_json: str | None) -> None:
@@ -236,7 +248,9 @@ class Scheduler:
             return None
         self.step_id += 1
         plan = None
-        if not (self._chunks_left and self.running and self.cfg.scheduler.decode_between_chunks):
+        if self._can_mix():
+            plan = self._schedule_mixed()
+        elif not (self._chunks_left and self.running and self.cfg.scheduler.decode_between_chunks):
             plan = self._schedule_extend()
         plan = plan or self._schedule_decode()
         if plan is None and self.waiting:
@@ -252,6 +266,46 @@ class Scheduler:
             self._chunks_left = plan.mode == "extend" and any(
                 r.scheduled < len(r.fill_ids) for r in self.prefilling)
         return plan
+
+    def _can_mix(self) -> bool:
+        """Whether this step may carry prefill chunks beside the running decodes
+        (scheduler.mixed_steps): requests decode and prompts wait, and no request involved
+        asks for logprobs or a grammar (those steps alternate, as without mixing)."""
+        if not (self.mix and self.running) or self._grammar_rows:
+            return False
+        if not self.waiting and all(r.scheduled >= len(r.fill_ids) for r in self.prefilling):
+            return False
+        if any(r.params.logprobs is not None for r in self.running):
+            return False
+        return not any(r.params.logprobs is not None or r.params.grammar is not None
+                       or r.params.prompt_logprobs is not None
+                       for r in itertools.chain(self.prefilling, self.waiting))
+
+    def _schedule_mixed(self) -> StepPlan | None:
+        """The running requests' decode, and prefill chunks for the waiting ones in the same
+        step (its target forward): a prompt arriving no longer pauses the streams. The chunks
+        take up to chunked_prefill_size tokens beside the decode rows."""
+        decode = self._schedule_decode()
+        if decode is None:  # the decode preempted everyone
+            return None
+        decoding = self._inflight.pop(self.step_id)
+        extend = self._schedule_extend()
+        if extend is None:
+            self._inflight[self.step_id] = decoding
+            return decode
+        chunks = self._inflight.pop(self.step_id)
+        self._inflight[self.step_id] = decoding + chunks
+        d, e = decode, extend
+        min_p = None
+        if d.min_p is not None or e.min_p is not None:
+            zeros = lambda p: np.zeros(len(p.rows), dtype=np.float32) if p.min_p is None else p.min_p
+            min_p = np.concatenate([zeros(d), zeros(e)])  # [B] float32
+        return StepPlan(self.step_id, "mixed", d.rows + e.rows, num_decode=len(d.rows),
+                        use_spec=d.use_spec, temperature=d.temperature + e.temperature,
+                        top_p=d.top_p + e.top_p, top_k=d.top_k + e.top_k,
+                        coins=np.concatenate([d.coins, e.coins]), processing=d.processing or e.processing,
+                        min_p=min_p, input_ids=e.input_ids, prefix_lens=e.prefix_lens,
+                        extend_lens=e.extend_lens, last_chunk=e.last_chunk, next_ids=e.next_ids)
 
     def _admit(self, req: Request) -> bool:
         row = self.rows.alloc()
@@ -444,25 +498,27 @@ class Scheduler:
     def process_output(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
         reqs = self._inflight.pop(plan.step_id)
         events: list[RequestOutput] = []
-        extend = plan.mode == "extend"
-        if not extend and self.draft_policy is not None:
-            self.draft_policy.observe(out.draft_shape, [len(t) for t in out.tokens])
+        # Rows before `first_chunk` decoded, the rest ran prefill chunks (chunk i - first_chunk).
+        first_chunk = {"extend": 0, "mixed": plan.num_decode}.get(plan.mode, len(plan.rows))
+        if first_chunk and self.draft_policy is not None:
+            self.draft_policy.observe(out.draft_shape, [len(t) for t in out.tokens[:first_chunk]])
         lps = out.logprobs
         for i, ((req, admission), toks) in enumerate(zip(reqs, out.tokens)):
             if req.finished or req.admissions != admission or req.row != plan.rows[i]:
                 continue  # aborted, preempted or requeued since the plan was made
-            if extend:
-                if out.prompt_logprobs is not None and out.prompt_logprobs[i] is not None:
+            if i >= first_chunk:
+                c = i - first_chunk
+                if out.prompt_logprobs is not None and out.prompt_logprobs[c] is not None:
                     # Entry j is prompt token j + 1's; a chunk from position p predicts
                     # tokens p + 1 on (a recomputed prefill rewrites what it covers).
-                    p = plan.prefix_lens[i]
-                    req.prompt_logprobs[p:] = out.prompt_logprobs[i][:max(0, len(req.prompt_ids) - 1 - p)]
-                req.prefilled += plan.extend_lens[i]
+                    p = plan.prefix_lens[c]
+                    req.prompt_logprobs[p:] = out.prompt_logprobs[c][:max(0, len(req.prompt_ids) - 1 - p)]
+                req.prefilled += plan.extend_lens[c]
                 req.kv_committed_len = req.prefilled
-                computed = plan.extend_lens[i]
+                computed = plan.extend_lens[c]
                 req.computed_prompt_tokens += computed
                 self.stats["prompt_tokens_computed"] += computed
-                if not plan.last_chunk[i]:
+                if not plan.last_chunk[c]:
                     continue
                 self.prefilling.remove(req)
                 self.running.append(req)

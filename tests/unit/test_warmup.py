@@ -50,3 +50,29 @@ def test_warm_up_leaves_a_speculative_worker_serving_the_same_tokens(tokenizer, 
     warm_up_sampled_decode(worker)
     warm_up_processing(worker)  # the plain row's and the tree's shapes, on row 0
     assert run() == before
+
+
+def test_mixed_warm_up_leaves_a_speculative_worker_serving_the_same_tokens(tokenizer, chat_prompts):
+    """warm_up_mixed runs every prefill shape as a mixed step beside a decoding row 1 (its
+    tree, under speculation) and leaves the worker's output unchanged."""
+    from actors.graphs.warmup import warm_up_mixed
+    from actors.worker.rank_worker import RankWorker
+    cfg = load_config(overrides=["model.dtype=float32", "kv_cache.num_slots=4096", "device=cpu",
+                                 "scheduler.max_running_requests=4", "scheduler.chunked_prefill_size=64",
+                                 "draft.path=random", "draft.topk=2", "draft.num_steps=3",
+                                 "draft.num_draft_tokens=4"])
+    worker = RankWorker(cfg)
+    params = SamplingParams(max_tokens=12)
+
+    def run():
+        eng = LLMEngine(cfg, tokenizer=tokenizer, workers=[worker])
+        return [r.output_ids for r in eng.generate(chat_prompts[:2], params)]
+
+    before = run()
+    steps = []
+    execute = worker.execute
+    worker.execute = lambda plan: steps.append(plan.mode) or execute(plan)
+    warm_up_mixed(worker)
+    del worker.execute
+    assert steps.count("mixed") == len(set(prefill_shapes(worker.num_rows - 1, 64, 4096, 16)))
+    assert run() == before
