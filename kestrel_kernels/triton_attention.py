@@ -210,11 +210,23 @@ if HAS_TRITON:
         q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
+        if HAS_MASK:  # row r's mask bits start at mask_base[r]; none: causal (`masked` False)
+            mask_start = tl.load(MaskIndptr + b).to(tl.int64)
+            masked = tl.load(MaskIndptr + b + 1).to(tl.int64) > mask_start
+            mask_base = mask_start + q_idx.to(tl.int64) * n_new
+        else:
+            masked = False  # unused
+            mask_base = q_idx.to(tl.int64)  # unused
+
         # Keys this block can see: causal blocks stop after their last query's diagonal.
         kv_end = prefix + n_new
-        if CAUSAL and not HAS_MASK:
+        if CAUSAL:
             last_q = tl.minimum(q0 + Q_PER_BLOCK, q_len) - 1
-            kv_end = tl.minimum(kv_end, prefix + last_q + (n_new - q_len) + 1)
+            diagonal = tl.minimum(kv_end, prefix + last_q + (n_new - q_len) + 1)
+            if HAS_MASK:
+                kv_end = tl.where(masked, kv_end, diagonal)
+            else:
+                kv_end = diagonal
         kv_end = tl.where(q0 < q_len, kv_end, 0)  # query block past this request: no work
         if SPLIT:
             # Past BASE_SPLITS splits only while each keeps SPLIT_MIN: a short context
@@ -226,14 +238,6 @@ if HAS_TRITON:
         else:
             lo = 0
             hi = kv_end
-        if HAS_MASK:  # row r's mask bits start at mask_base[r]
-            mask_start = tl.load(MaskIndptr + b).to(tl.int64)
-            masked = tl.load(MaskIndptr + b + 1).to(tl.int64) > mask_start
-            mask_base = mask_start + q_idx.to(tl.int64) * n_new
-        else:
-            masked = False  # unused
-            mask_base = q_idx.to(tl.int64)  # unused
-
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
