@@ -159,8 +159,10 @@ class SchedulerConfig(_Strict):
     # the decode rows, or their verify trees, and up to chunked_prefill_size prompt tokens),
     # so an arriving prompt does not pause the streams. Steps where a request asks for
     # logprobs or a grammar alternate as above. Does not apply under parallel.dp_attention,
-    # nor with attention.backend=flashinfer and speculation (the rank logs why).
-    mixed_steps: bool = True
+    # nor with attention.backend=flashinfer and speculation (the rank logs why). Off by
+    # default: a mixed step runs its decode rows per phase, not as the one-graph iteration,
+    # and on the H200 preset that cost more than the pauses it saves (docs/benchmarks.md).
+    mixed_steps: bool = False
     # Plan and launch step N+1 before step N has finished, so the device goes from one step
     # to the next without waiting for the host to read N's tokens. None: the served engine
     # always does (its ranks run apart from its planning); the in-process engine does on a

@@ -172,19 +172,15 @@ class EngineDeployment:
         return {**(await self.engine.stats()), "http": _http_path(), "node": self._node}
 
     # ---- shutdown ------------------------------------------------------------------------
-    def __del__(self):
-        # Serve calls this on the replica's event loop during graceful shutdown (after it
-        # has drained the replica's ongoing calls) and awaits the coroutine returned. Any
-        # later call, e.g. from the garbage collector, has nothing left to do.
+    async def __del__(self):
+        # Serve awaits this on the replica's event loop during graceful shutdown, after it
+        # has drained the replica's ongoing calls. It must be a coroutine function: the
+        # ingress wrapper (serve.ingress) calls a plain __del__ without awaiting what it
+        # returns, so a drain returned from one never ran.
         if getattr(self, "_shutdown_started", True):
-            return None
+            return
         self._shutdown_started = True
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            self._stop()
-            return None
-        return self._drain_and_stop()
+        await self._drain_and_stop()
 
     async def _drain_and_stop(self) -> None:
         if hasattr(self, "engine"):

@@ -7,7 +7,7 @@ import pytest
 from test_gpu_engine import BASE, CHAIN, MAX, TREE, check_near_ties
 
 GRAPHS = ["attention.backend=triton", "attention.cuda_graphs=true", "attention.plan_stream=true",
-          "scheduler.chunked_prefill_size=32"]
+          "scheduler.chunked_prefill_size=32", "scheduler.mixed_steps=true"]
 
 
 def run(tokenizer, prompts, *overrides):

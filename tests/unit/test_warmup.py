@@ -60,7 +60,7 @@ def test_mixed_warm_up_leaves_a_speculative_worker_serving_the_same_tokens(token
     cfg = load_config(overrides=["model.dtype=float32", "kv_cache.num_slots=4096", "device=cpu",
                                  "scheduler.max_running_requests=4", "scheduler.chunked_prefill_size=64",
                                  "draft.path=random", "draft.topk=2", "draft.num_steps=3",
-                                 "draft.num_draft_tokens=4"])
+                                 "draft.num_draft_tokens=4", "scheduler.mixed_steps=true"])
     worker = RankWorker(cfg)
     params = SamplingParams(max_tokens=12)
 

@@ -15,7 +15,7 @@ from spec_helpers import CHAIN, TREE, greedy, random_prompts, tiny_config
 
 # Small chunks: prompts prefill over several steps while the first ones decode.
 BASE = ["model.dtype=float32", "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
-        "device=cpu", "scheduler.chunked_prefill_size=32"]
+        "device=cpu", "scheduler.chunked_prefill_size=32", "scheduler.mixed_steps=true"]
 MAX = 16
 
 
@@ -73,7 +73,8 @@ def test_logprobs_requests_keep_steps_apart(tiny_model):
     (its logprobs come from a decode forward); without it the same load mixes."""
     prompts = random_prompts(5, seed=4)
     for logprobs, mixes in ((None, True), (2, False)):
-        eng = LLMEngine(tiny_config(tiny_model, "scheduler.chunked_prefill_size=16", spec=False),
+        eng = LLMEngine(tiny_config(tiny_model, "scheduler.chunked_prefill_size=16",
+                                    "scheduler.mixed_steps=true", spec=False),
                         load_tokenizer=False)
         params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=logprobs)] + [greedy(10)] * 4
         reqs = eng.generate(prompts, params)
@@ -85,8 +86,9 @@ def test_logprobs_requests_keep_steps_apart(tiny_model):
 def test_mixed_steps_do_not_apply_under_dp_attention(tiny_model, caplog):
     from serve_app.engine.scheduler import Scheduler
     info = {"window": 1, "max_context": 600, "num_slots": 4096, "num_rows": 10}
-    cfg = tiny_config(tiny_model, spec=False)
+    cfg = tiny_config(tiny_model, "scheduler.mixed_steps=true", spec=False)
     assert Scheduler(cfg, info, [2]).mix
+    assert not Scheduler(tiny_config(tiny_model, spec=False), info, [2]).mix  # off by default
     dp = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"dp_attention": True})})
     with caplog.at_level("INFO", logger="kestrel.scheduler"):
         assert not Scheduler(dp, info, [2]).mix
