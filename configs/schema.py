@@ -332,6 +332,15 @@ class ServeConfig(_Strict):
     # the environment of its processes: `kestrel serve` sets it when it starts Ray, a
     # cluster must be started with serve_app.app.ray_env(cfg) (ray_cluster.yaml does).
     http_proxy: Literal["haproxy", "serve"] = "haproxy"
+    # With http_proxy=haproxy, HAProxy's `timeout server`: how long a replica may send
+    # nothing while HAProxy waits on it before it ends the request (a stream cut short; an
+    # error status if nothing was answered yet). A machine that vanishes sends no FIN, so
+    # without it a stream from there stayed open, silent, as long as its client waited.
+    # It must exceed the longest silence of a healthy request: a non-streamed completion
+    # sends nothing until it is done, a stream nothing while it waits in the queue. 3600:
+    # the `timeout client` Serve sets (HAProxy's advice: the two alike). A cluster
+    # setting, like http_proxy.
+    haproxy_timeout_server_s: int = Field(3600, ge=1)
     # The CPU priority (nice value) of the cluster's worker processes: the RankActors that
     # drive the GPUs, the engine cores, the replicas serving HTTP, HAProxy. Ray's own
     # default is 15, which yields a shared core to any ordinary process (a load client, a
