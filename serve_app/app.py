@@ -35,6 +35,19 @@ def ray_env(cfg: KestrelConfig) -> dict[str, str]:
       refuses new connections (HAProxy then retries another replica). HAProxy runs in
       the cluster and is reconfigured within a second, so 2 s instead of 30 s (a default
       meant for external load balancers), which would hold every scale-in that long.
+    - RAY_SERVE_HAPROXY_TIMEOUT_SERVER_S (serve.haproxy_timeout_server_s): Serve's
+      config has no `timeout server`, so a replica whose machine vanished held its
+      streams open for as long as their clients waited.
+    - RAY_SERVE_HAPROXY_RETRY_ON="conn-failure empty-response": HAProxy sends a request
+      again, to another replica (Serve's `option redispatch 1`), when it could not connect
+      (Serve's default) and also when the replica closed the connection having answered
+      nothing (a replica that died, or that closed an idle kept-alive connection as it
+      stopped, under a request just sent on it), if HAProxy held the whole request when
+      it passed it on (Serve's config has no `option http-buffer-request`: a body that
+      came after its headers is not kept). Safe here: no Kestrel route changes anything
+      (a generation that was never answered only costs its compute). Not on 503: that is
+      also a replica's answer to a full queue, which a retry would only repeat (alone on
+      one replica, a second later each time).
     - RAY_worker_niceness (serve.ray_worker_niceness, 0): Ray starts its workers at nice
       15, below every ordinary process; the step loops and the GPU's launch thread live
       in workers.
@@ -42,7 +55,9 @@ def ray_env(cfg: KestrelConfig) -> dict[str, str]:
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
            "RAY_worker_niceness": str(cfg.serve.ray_worker_niceness)}
     if cfg.serve.http_proxy == "haproxy":
-        env.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2")
+        env.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2",
+                   RAY_SERVE_HAPROXY_TIMEOUT_SERVER_S=str(cfg.serve.haproxy_timeout_server_s),
+                   RAY_SERVE_HAPROXY_RETRY_ON="conn-failure empty-response")
     return env
 
 

@@ -173,9 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("train-draft", help="train an EAGLE head: `kestrel train-draft --help`")
 
     args = parser.parse_args(argv)
+    from serve_app.engine.model_files import ModelFilesMissing
     try:
         args.func(args)
-    except ValueError as e:
+    except (ValueError, ModelFilesMissing) as e:
         sys.exit(f"kestrel: {e}")
 
 

@@ -25,7 +25,7 @@ from actors.worker.rank_actor import RankActor
 from configs.schema import KestrelConfig
 from serve_app.engine.engine_client import EngineClient
 from serve_app.engine.engine_core import EngineCoreActor
-from serve_app.engine.model_files import check_model_files
+from serve_app.engine.model_files import local_model
 from serve_app.api.metrics import EngineGauges
 from serve_app.api.openai_server import OpenAIServer, build_api
 from serve_app.text.tokenizer import stop_token_ids
@@ -73,8 +73,12 @@ class EngineDeployment:
         self._shutdown_started = False
         self._replica = _replica_id()
         self._node = ray.get_runtime_context().get_node_id()
-        # Before any actor starts: a node without the model fails this replica now, by name.
-        model_path = check_model_files(cfg_obj, f"{ray.util.get_node_ip_address()} ({self._node})")
+        # Before any actor starts: a URI model.path is fetched to this node, and a node
+        # without the model fails this replica now, by name. The actors (on this node: the
+        # placement group is STRICT_PACK) get the local path.
+        cfg_obj, model_path = await asyncio.to_thread(
+            local_model, cfg_obj, f"{ray.util.get_node_ip_address()} ({self._node})")
+        cfg = cfg_obj.model_dump(mode="json")
         dp = cfg_obj.parallel.dp_size
         gpu = cfg_obj.resolved_device() == "cuda"
         pg = ray.util.get_current_placement_group()

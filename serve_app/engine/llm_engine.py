@@ -22,6 +22,7 @@ from actors.protocol.sampling_params import SamplingParams
 from actors.worker.rank_worker import RankWorker
 from configs.schema import KestrelConfig
 from serve_app.text.detokenizer import detokenizer_factory
+from serve_app.engine.model_files import local_model
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.step_pipeline import StepPipeline
@@ -35,6 +36,9 @@ class LLMEngine:
                  workers: list[RankWorker] | None = None, worker_info: dict | None = None):
         """`workers` reuses loaded ranks (tests: schedulers are cheap, weights are not);
         `worker_info` entries override what the workers report (e.g. fewer KV slots)."""
+        if workers is None:
+            # A URI model.path fetched and the files checked, as a Serve replica does.
+            cfg, _ = local_model(cfg)
         self.cfg = cfg
         if cfg.parallel.dp_attention:
             raise NotImplementedError("parallel.dp_attention runs a process per rank: serve it "

@@ -2,6 +2,7 @@
 schema and through our builder; the deployment options build_app derives. No cluster."""
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import yaml
@@ -32,7 +33,7 @@ def test_ray_cluster_yaml_is_valid_for_ray_up():
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         start = next(c for c in cfg[key] if "ray start" in c)
-        assert all(f"{k}={v}" in start for k, v in env.items()), (key, env)
+        assert all(f"{k}={shlex.quote(v)}" in start for k, v in env.items()), (key, env)
 
 
 def test_serve_yaml_is_a_valid_serve_config_and_builds():

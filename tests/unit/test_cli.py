@@ -82,3 +82,47 @@ def test_serve_refuses_a_taken_port_with_a_clear_message():
         with pytest.raises(SystemExit, match=f"cannot serve on 127.0.0.1:{port}.*--port"):
             check_port_free("127.0.0.1", port)
     check_port_free("127.0.0.1", port)  # free again once its holder closed
+
+
+def test_generate_fetches_a_uri_model_path(tmp_path, tiny_model, monkeypatch):
+    """`kestrel generate` with model.path an http:// URL of the model's tarball: fetched
+    into model.download_dir (as a Serve replica fetches it: serve_app/engine/model_files.py)
+    and generating what the local folder does; a URL that cannot be fetched is named."""
+    import functools
+    import logging
+    import tarfile
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    from serve_app.cli import main
+    from serve_app.engine.model_download import cache_folder
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
+    www = tmp_path / "www"
+    www.mkdir()
+    with tarfile.open(www / "tiny.tar.gz", "w:gz") as tar:
+        tar.add(tiny_model, arcname="tiny")
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(www))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/tiny.tar.gz"
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt": "Hello there"}) + "\n")
+    models = tmp_path / "models"
+
+    def generate(path: str, out: str) -> list[dict]:
+        main(["generate", "--input", str(inp), "--output", str(tmp_path / out), "--max-tokens", "5",
+              "--ignore-eos", "--no-spec", "--set", f"model.path={path}",
+              "--set", f"model.download_dir={models}", "--set", "kv_cache.num_slots=4096"])
+        return [json.loads(line) for line in (tmp_path / out).read_text().splitlines()]
+    try:
+        fetched = generate(url, "uri.jsonl")
+        assert (models / cache_folder(url, str(models)).rsplit("/", 1)[1] / "config.json").is_file()
+        assert fetched == generate(tiny_model, "local.jsonl")
+        assert len(fetched[0]["token_ids"]) == 5
+        absent = url.replace("tiny.tar.gz", "absent.tar.gz")
+        err = main_exits("generate", "--input", str(inp), "--output", str(tmp_path / "x.jsonl"),
+                         "--no-spec", "--set", f"model.path={absent}", "--set", f"model.download_dir={models}")
+        assert err == f"kestrel: model.path {absent!r}: the download failed: HTTP 404 File not found"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
