@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel_kernels.kv_fp8 import dequantize_kv
+from kestrel_kernels.kv_fp8 import dequantize_kv, gather_fp8
 from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
 
 __all__ = ["HAS_TRITON", "paged_attention", "paged_attention_ref", "default_num_kv_splits",
@@ -121,8 +121,8 @@ def paged_attention_ref(
         if k_scale is None:
             k, v = k_cache[slots].float(), v_cache[slots].float()  # [kv, Hkv, D] fp32
         else:
-            k = dequantize_kv(k_cache[slots], k_scale, torch.float32)  # [kv, Hkv, D] fp32
-            v = dequantize_kv(v_cache[slots], v_scale, torch.float32)  # [kv, Hkv, D] fp32
+            k = dequantize_kv(gather_fp8(k_cache, slots), k_scale, torch.float32)  # [kv, Hkv, D] fp32
+            v = dequantize_kv(gather_fp8(v_cache, slots), v_scale, torch.float32)  # [kv, Hkv, D] fp32
         k = k.repeat_interleave(G, dim=1)  # [kv, H, D] fp32, GQA expanded
         v = v.repeat_interleave(G, dim=1)  # [kv, H, D] fp32
         s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale  # [H, ql, kv] fp32

@@ -15,7 +15,7 @@ import torch
 from actors.worker.host_copy import to_device
 from configs.schema import MAX_STEPS_IN_FLIGHT
 from kestrel_kernels.fp8_format import FP8
-from kestrel_kernels.kv_fp8 import dequantize_kv, quantize_kv
+from kestrel_kernels.kv_fp8 import dequantize_kv, gather_fp8, quantize_kv, scatter_fp8, zeros_fp8
 
 
 def kv_ahead(window: int) -> int:
@@ -164,13 +164,17 @@ class TokenToKVPool:
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
-        self.v_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
+        self.quantized = dtype == FP8
+        if self.quantized:
+            self.k_all = zeros_fp8(shape, device)  # [L, slots, Hkv, D] float8_e4m3fn
+            self.v_all = zeros_fp8(shape, device)  # [L, slots, Hkv, D] float8_e4m3fn
+        else:
+            self.k_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
+            self.v_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
         # Views, one per layer (indexing, not unbind: unbind's views refuse in-place writes
         # outside no_grad/inference mode).
         self.k = [self.k_all[i] for i in range(num_layers)]  # k[layer]: [slots, Hkv, D]
         self.v = [self.v_all[i] for i in range(num_layers)]
-        self.quantized = dtype == FP8
         self.k_scale: list[torch.Tensor | None] = [None] * num_layers
         self.v_scale: list[torch.Tensor | None] = [None] * num_layers
         if self.quantized:
@@ -184,23 +188,22 @@ class TokenToKVPool:
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V ([T, Hkv, D]) at slots `loc` ([T] int64)."""
         if self.quantized:
-            self.k[layer][loc] = quantize_kv(k, self.k_scale[layer])
-            self.v[layer][loc] = quantize_kv(v, self.v_scale[layer])
+            scatter_fp8(self.k[layer], loc, quantize_kv(k, self.k_scale[layer]))
+            scatter_fp8(self.v[layer], loc, quantize_kv(v, self.v_scale[layer]))
             return
         self.k[layer][loc] = k.to(self.k[layer].dtype)
         self.v[layer][loc] = v.to(self.v[layer].dtype)
 
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `slots` (integer, any shape S) in `dtype`, dequantized: [*S, Hkv, D] each."""
-        k, v = self.k[layer][slots], self.v[layer][slots]
         if self.quantized:
-            return (dequantize_kv(k, self.k_scale[layer], dtype),
-                    dequantize_kv(v, self.v_scale[layer], dtype))
-        return k.to(dtype), v.to(dtype)
+            return (dequantize_kv(gather_fp8(self.k[layer], slots), self.k_scale[layer], dtype),
+                    dequantize_kv(gather_fp8(self.v[layer], slots), self.v_scale[layer], dtype))
+        return self.k[layer][slots].to(dtype), self.v[layer][slots].to(dtype)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from slots `src` to slots `dst` (accepted tree nodes);
-        every source is read before any destination is written. Stored values move as
-        they are: a layer's scale is the same for every slot."""
-        self.k_all[:, dst] = self.k_all[:, src]
-        self.v_all[:, dst] = self.v_all[:, src]
+        every source is read before any destination is written. Slots move as bytes, in
+        any dtype (FP8 has no index kernels everywhere; a layer's scale is every slot's)."""
+        for buf in (self.k_all.view(torch.uint8), self.v_all.view(torch.uint8)):  # [L, slots, Hkv, D * itemsize]
+            buf[:, dst] = buf[:, src]
