@@ -171,6 +171,12 @@ class KVCacheConfig(_Strict):
     # the rest is headroom for fragmentation, the CUDA context and other processes.
     memory_utilization: float = Field(0.9, gt=0.0, le=0.98)
     prefix_caching: bool = True
+    # What K and V are stored in, target and draft alike. auto: model.dtype. fp8_e4m3: one
+    # byte per value, each layer's K and V as round(x / scale) clamped to E4M3's range, the
+    # scales 1.0 (no calibration, as vLLM's --kv-cache-dtype fp8); every reader dequantizes.
+    # Half the bytes of bfloat16, so twice the slots in the same memory. Not with
+    # attention.backend=flashinfer (docs/serve.md, "FP8 KV cache").
+    dtype: Literal["auto", "fp8_e4m3"] = "auto"
 
 
 # Steps launched and not finished per rank at most: the running one and the next, queued

@@ -30,11 +30,18 @@ on the H200, in front of the first token of every request in that batch).
 
 Rows that see no key at all (only possible with an all-False custom mask row and no
 prefix) come out as zeros here and in the reference; SDPA would give NaN.
+
+An FP8 cache (kv_cache.dtype=fp8_e4m3, kestrel_kernels/kv_fp8.py) comes with k_scale and
+v_scale, [1] fp32 device tensors: a stored value times its scale is the value. The kernel
+converts each K/V tile to the query dtype (exact: E4M3 fits in fp16/bf16/fp32) and applies
+the scales in fp32 where they are per-layer constants, K's to the scores and V's to the
+normalised output, the same products as scaling every tile.
 """
 from __future__ import annotations
 
 import torch
 
+from kestrel_kernels.kv_fp8 import dequantize_kv, gather_fp8
 from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
 
 __all__ = ["HAS_TRITON", "paged_attention", "paged_attention_ref", "default_num_kv_splits",
@@ -71,6 +78,8 @@ def paged_attention_ref(
     num_kv_splits: int | None = None,
     max_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch paged attention, per request, softmax in fp32 (same signature as
     :func:`paged_attention`; ``max_q_len``, ``num_kv_splits`` and ``max_kv_splits`` are
@@ -89,6 +98,8 @@ def paged_attention_ref(
             as is a request whose block is empty.
         scale: softmax scale, default D ** -0.5.
         out: optional [T, H, D] output buffer.
+        k_scale, v_scale: [1] fp32 for an FP8 cache (float8_e4m3fn): stored value * scale
+            is the value; None for a cache in a float dtype.
 
     Returns:
         [T, H, D] in q's dtype.
@@ -107,8 +118,13 @@ def paged_attention_ref(
         if ql == 0:
             continue
         slots = req_to_token[rows[b], :p + e].long()  # [kv] int64
-        k = k_cache[slots].float().repeat_interleave(G, dim=1)  # [kv, H, D] fp32, GQA expanded
-        v = v_cache[slots].float().repeat_interleave(G, dim=1)  # [kv, H, D] fp32
+        if k_scale is None:
+            k, v = k_cache[slots].float(), v_cache[slots].float()  # [kv, Hkv, D] fp32
+        else:
+            k = dequantize_kv(gather_fp8(k_cache, slots), k_scale, torch.float32)  # [kv, Hkv, D] fp32
+            v = dequantize_kv(gather_fp8(v_cache, slots), v_scale, torch.float32)  # [kv, Hkv, D] fp32
+        k = k.repeat_interleave(G, dim=1)  # [kv, H, D] fp32, GQA expanded
+        v = v.repeat_interleave(G, dim=1)  # [kv, H, D] fp32
         s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale  # [H, ql, kv] fp32
         vis = torch.ones(ql, p + e, dtype=torch.bool, device=q.device)  # [ql, kv] bool
         if custom_mask is not None and mi[b + 1] > mi[b]:
@@ -174,6 +190,7 @@ if HAS_TRITON:
     def _paged_attn_kernel(
         Q, K, V, Out, PartO, PartLse,
         ReqToToken, ReqIdx, PrefixLens, NewLens, QoIndptr, MaskIndptr, Mask,
+        KScale, VScale,  # [1] fp32 each, read when KV_SCALED (an FP8 cache)
         qk_scale,  # softmax scale * log2(e): the softmax runs in the exp2 domain
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_rt,
@@ -183,7 +200,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-        BASE_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
+        BASE_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, KV_SCALED: tl.constexpr,
     ):
         qblk = tl.program_id(0)
         pid = tl.program_id(1)
@@ -238,6 +255,8 @@ if HAS_TRITON:
         else:
             lo = 0
             hi = kv_end
+        if KV_SCALED:  # dequantized K: every score carries K's scale
+            qk_scale = qk_scale * tl.load(KScale)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -256,6 +275,8 @@ if HAS_TRITON:
             PRECISION=PRECISION)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no visible key -> zeros
+        if KV_SCALED:  # dequantized V: the weighted sum carries V's scale
+            o = o * tl.load(VScale)
         out_ok = row_ok[:, None] & d_ok[None, :]
         if SPLIT:
             po = tok[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
@@ -355,6 +376,8 @@ def paged_attention(
     num_kv_splits: int | None = None,
     max_kv_splits: int = BASE_KV_SPLITS,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; arguments as :func:`paged_attention_ref`.
 
@@ -403,18 +426,23 @@ def paged_attention(
     else:
         part_o = part_lse = out  # never written (SPLIT=False)
         sp = (0, 0, 0)
+    scaled = k_scale is not None
+    if scaled != (v_scale is not None):
+        raise ValueError("an FP8 cache needs both k_scale and v_scale")
+    if not scaled:
+        k_scale = v_scale = qo_indptr  # never read (KV_SCALED=False): any valid pointer
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (n_qblk, B * Hkv, splits)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         req_to_token, req_pool_indices, prefix_lens, new_kv_lens, qo_indptr, mask_indptr, mask,
-        scale * _LOG2E,
+        k_scale, v_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0), sp[0], sp[1], sp[2], splits,
         NUM_KV_HEADS=Hkv, GROUP=G, Q_PER_BLOCK=q_per_block, HEAD_DIM=D,
         SPLIT=splits > 1, HAS_MASK=has_mask, CAUSAL=bool(causal), PRECISION=precision,
-        BASE_SPLITS=BASE_KV_SPLITS, SPLIT_MIN=SPLIT_MIN_KEYS, **cfg,
+        BASE_SPLITS=BASE_KV_SPLITS, SPLIT_MIN=SPLIT_MIN_KEYS, KV_SCALED=scaled, **cfg,
     )
     if splits > 1:
         lanes = BASE_KV_SPLITS if splits <= BASE_KV_SPLITS else MAX_KV_SPLITS

@@ -55,10 +55,10 @@ class TorchNativeBackend(AttentionBackend):
         m: _Meta = fb.attn_meta
         self.kv_pool.store(layer, fb.out_cache_loc, k, v)
         B, H, D = fb.batch_size, q.shape[1], q.shape[2]
-        kc = self.kv_pool.k[layer][m.kv_index].transpose(1, 2)  # [B, Hkv, L, D]
-        vc = self.kv_pool.v[layer][m.kv_index].transpose(1, 2)  # [B, Hkv, L, D]
+        kc, vc = self.kv_pool.read(layer, m.kv_index, q.dtype)  # [B, L, Hkv, D] q.dtype each
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hkv, L, D]
         qp = q.new_zeros(B, m.max_q, H, D)  # [B, Q, H, D]
         qp[m.q_batch, m.q_slot] = q
-        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kc.to(q.dtype), vc.to(q.dtype),
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kc, vc,
                                            attn_mask=m.mask, scale=self.scale, enable_gqa=True)
         return o.transpose(1, 2)[m.q_batch, m.q_slot]  # [T, H, D]

@@ -89,7 +89,8 @@ class TritonBackend(AttentionBackend):
             m.req_pool_indices, m.prefix_lens, m.new_kv_lens, m.qo_indptr, m.max_q_len,
             custom_mask=m.custom_mask, mask_indptr=m.mask_indptr, causal=True,
             scale=self.scale, num_kv_splits=self.num_kv_splits,
-            max_kv_splits=self.max_kv_splits)  # [T, H, D]
+            max_kv_splits=self.max_kv_splits, k_scale=self.kv_pool.k_scale[layer],
+            v_scale=self.kv_pool.v_scale[layer])  # [T, H, D]
 
     # ---- CUDA-graph hooks (actors/cuda_graph_runner.GraphBackend) -------------------------
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens,

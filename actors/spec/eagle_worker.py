@@ -95,7 +95,7 @@ class EagleWorker:
         self.hidden_size = s.hidden_size
         self.aux_layers = self.head.aux_layers
         self.kv_pool = TokenToKVPool(worker.num_slots, 1, s.num_kv_heads, s.head_dim,
-                                     worker.dtype, worker.device)
+                                     worker.kv_dtype, worker.device)  # kv_cache.dtype, as the target's
         scale = s.head_dim ** -0.5
         # C11: the runner's backend is the draft-extend backend; draft decode has its own.
         self.extend_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token,

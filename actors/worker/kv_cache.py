@@ -4,8 +4,8 @@ A *slot* holds the K and V of one token in every layer. Slots come in pages of
 `page_size` consecutive slots; page 0 is reserved, so slot 0 is a safe padding target
 for padded CUDA-graph lanes. The scheduler (CPU) owns the allocators; the rank worker owns
 the tensors (`ReqToTokenPool` maps request row -> slot per position, `TokenToKVPool`
-holds per-layer K/V buffers). Draft and target have separate KV pools that share slot
-indices.
+holds per-layer K/V buffers, in the model's dtype or FP8: kv_cache.dtype). Draft and
+target have separate KV pools that share slot indices.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 
 from actors.worker.host_copy import to_device
 from configs.schema import MAX_STEPS_IN_FLIGHT
+from kestrel_kernels.fp8_format import FP8
+from kestrel_kernels.kv_fp8 import dequantize_kv, gather_fp8, quantize_kv, scatter_fp8, zeros_fp8
 
 
 def kv_ahead(window: int) -> int:
@@ -142,31 +144,66 @@ class ReqToTokenPool:
         self.req_to_token.view(-1)[packed[0]] = packed[1]
 
 
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pools' dtype for kv_cache.dtype: the model's (auto), or E4M3 (fp8_e4m3)."""
+    return FP8 if setting == "fp8_e4m3" else model_dtype
+
+
 class TokenToKVPool:
     """Per-layer K and V buffers: k[layer] is [num_slots, num_kv_heads, head_dim].
 
     Each is a view of one [num_layers, num_slots, ...] tensor, so moving accepted tokens
     touches every layer in one gather and one scatter rather than two per layer (a
     30-layer target: 4 kernels instead of 120 per speculative iteration).
+
+    With dtype float8_e4m3fn the buffers hold K and V quantized (kestrel_kernels/kv_fp8.py)
+    and k_scale[layer] / v_scale[layer] are each layer's [1] fp32 scales, which readers
+    multiply back; otherwise values are stored as given and the scales are None.
     """
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
-        self.v_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
+        self.quantized = dtype == FP8
+        if self.quantized:
+            self.k_all = zeros_fp8(shape, device)  # [L, slots, Hkv, D] float8_e4m3fn
+            self.v_all = zeros_fp8(shape, device)  # [L, slots, Hkv, D] float8_e4m3fn
+        else:
+            self.k_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
+            self.v_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
         # Views, one per layer (indexing, not unbind: unbind's views refuse in-place writes
         # outside no_grad/inference mode).
         self.k = [self.k_all[i] for i in range(num_layers)]  # k[layer]: [slots, Hkv, D]
         self.v = [self.v_all[i] for i in range(num_layers)]
+        self.k_scale: list[torch.Tensor | None] = [None] * num_layers
+        self.v_scale: list[torch.Tensor | None] = [None] * num_layers
+        if self.quantized:
+            # 1.0 until calibrated; tensors, not floats, so kernels and captured graphs read
+            # whatever they hold at run time.
+            self.k_scale_all = torch.ones(num_layers, dtype=torch.float32, device=device)  # [L] fp32
+            self.v_scale_all = torch.ones(num_layers, dtype=torch.float32, device=device)  # [L] fp32
+            self.k_scale = [self.k_scale_all[i:i + 1] for i in range(num_layers)]  # [1] fp32 each
+            self.v_scale = [self.v_scale_all[i:i + 1] for i in range(num_layers)]
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V ([T, Hkv, D]) at slots `loc` ([T] int64)."""
+        if self.quantized:
+            scatter_fp8(self.k[layer], loc, quantize_kv(k, self.k_scale[layer]))
+            scatter_fp8(self.v[layer], loc, quantize_kv(v, self.v_scale[layer]))
+            return
         self.k[layer][loc] = k.to(self.k[layer].dtype)
         self.v[layer][loc] = v.to(self.v[layer].dtype)
 
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` (integer, any shape S) in `dtype`, dequantized: [*S, Hkv, D] each."""
+        if self.quantized:
+            return (dequantize_kv(gather_fp8(self.k[layer], slots), self.k_scale[layer], dtype),
+                    dequantize_kv(gather_fp8(self.v[layer], slots), self.v_scale[layer], dtype))
+        return self.k[layer][slots].to(dtype), self.v[layer][slots].to(dtype)
+
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from slots `src` to slots `dst` (accepted tree nodes);
-        every source is read before any destination is written."""
-        self.k_all[:, dst] = self.k_all[:, src]
-        self.v_all[:, dst] = self.v_all[:, src]
+        every source is read before any destination is written. Slots move as bytes, in
+        any dtype (FP8 has no index kernels everywhere; a layer's scale is every slot's)."""
+        for buf in (self.k_all.view(torch.uint8), self.v_all.view(torch.uint8)):  # [L, slots, Hkv, D * itemsize]
+            buf[:, dst] = buf[:, src]

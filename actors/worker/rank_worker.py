@@ -24,7 +24,7 @@ from actors.worker.gc_pauses import watch
 from actors.sampling.grammar_rows import GrammarRows
 from actors.worker.host_copy import to_device
 from actors.worker.launched_step import Emitted, LaunchedStep, one_token_each, timing_event
-from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool, max_request_slots
+from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool, kv_cache_dtype, max_request_slots
 from actors.worker.memory_profile import MemoryPlan, plan_memory
 from actors.sampling.logprobs import asked_top, prompt_logprobs, top_logprobs
 from actors.worker.model_runner import ModelRunner
@@ -72,6 +72,10 @@ def make_backend(name: str, kv_pool, req_to_token, scale: float, page_size: int 
             return TritonBackend(kv_pool, req_to_token, scale)
         return TritonBackend(kv_pool, req_to_token, scale, max_kv_splits=max_kv_splits)
     if name == "flashinfer":
+        if kv_pool.quantized:  # its kernels read no per-layer KV scales
+            raise ValueError("attention.backend=flashinfer does not read an FP8 KV cache "
+                             "(kv_cache.dtype=fp8_e4m3): set kv_cache.dtype=auto, or "
+                             "attention.backend=triton")
         # Raises, naming the setting and the alternatives, without CUDA or flashinfer.
         from actors.attention.flashinfer_backend import FlashInferBackend
         backend = FlashInferBackend(kv_pool, req_to_token, scale, page_size=page_size)
@@ -97,6 +101,7 @@ class RankWorker:
         self.cpu_weights = self._cpu_weights(cfg)
         self.dtype = (torch.float32 if self.cpu_weights == "packed"
                       else resolve_dtype(cfg.model.dtype, self.device.type))
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache.dtype, self.dtype)  # target's and draft's KV
         torch.set_num_threads(cfg.resolved_cpu_threads(self.device.type, os.cpu_count() or 1))
         torch.manual_seed(cfg.seed)
         layer_ops.set_fused(cfg.model.fused_layer_ops)
@@ -116,7 +121,7 @@ class RankWorker:
         self.num_slots = self._num_slots()
         self.req_to_token = ReqToTokenPool(self.num_rows, self.max_context, self.device)
         self.kv_pool = TokenToKVPool(self.num_slots, a.num_layers, a.num_kv_heads, a.head_dim,
-                                     self.dtype, self.device)
+                                     self.kv_dtype, self.device)
         scale = a.head_dim ** -0.5
         backend = make_backend(cfg.attention.backend, self.kv_pool, self.req_to_token, scale,
                                page_size=cfg.kv_cache.page_size,
@@ -331,9 +336,10 @@ class RankWorker:
         return model, arch, head
 
     def _kv_bytes_per_slot(self) -> int:
-        """One KV slot's bytes: every target layer's K and V, and the draft's one layer."""
+        """One KV slot's bytes: every target layer's K and V, and the draft's one layer, in
+        kv_cache.dtype (FP8: half of bfloat16's, so twice the slots)."""
         a = self.arch
-        per_slot = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        per_slot = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
         return per_slot + (per_slot // a.num_layers if self.cfg.draft.enabled else 0)
 
     def _profile_slots(self) -> int:

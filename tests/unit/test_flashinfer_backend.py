@@ -147,6 +147,15 @@ def test_flashinfer_on_cpu_names_the_setting_and_the_alternatives():
     assert "triton" in msg and "torch_native" in msg
 
 
+def test_flashinfer_refuses_an_fp8_kv_cache_by_its_setting():
+    from actors.worker.rank_worker import make_backend
+    kv = TokenToKVPool(64, 1, 2, 8, torch.float8_e4m3fn, "cpu")
+    with pytest.raises(ValueError) as err:
+        make_backend("flashinfer", kv, ReqToTokenPool(4, 32, "cpu"), 1.0, page_size=16)
+    msg = str(err.value)
+    assert "kv_cache.dtype=fp8_e4m3" in msg and "attention.backend=triton" in msg
+
+
 def test_missing_flashinfer_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ImportError
     from actors.attention.flashinfer_backend import import_flashinfer

@@ -9,6 +9,7 @@ keys than queries, and full visibility):
   * paged_attention_ref agrees with TorchNativeBackend (the oracle) on a ForwardBatch;
   * the Triton kernel agrees with paged_attention_ref (with and without key splits);
   * TritonBackend.forward agrees with TorchNativeBackend.forward end to end.
+The same checks run over an FP8 cache (kv_cache.dtype=fp8_e4m3) with scales other than 1.
 req_to_token comes from a paged SlotAllocator whose pages are handed out round-robin over
 requests, so a request's slots are not contiguous across pages.
 """
@@ -36,8 +37,11 @@ CONFIGS = {"smollm": (9, 3, 64), "gqa2_d24": (4, 2, 24), "mha_d16": (2, 2, 16)} 
 
 # ---------------------------------------------------------------------------- cases
 def make_case(mode: str, page: int, cfg: str = "smollm", seed: int = 0, B: int | None = None,
-              dtype: torch.dtype = torch.float32, max_prefix: int = 200, min_prefix: int = 0) -> dict:
-    """A random batch in ``mode``: lengths, paged req_to_token, K/V pool, q/k/v, masks."""
+              dtype: torch.dtype = torch.float32, max_prefix: int = 200, min_prefix: int = 0,
+              kv_dtype: torch.dtype | None = None) -> dict:
+    """A random batch in ``mode``: lengths, paged req_to_token, K/V pool, q/k/v, masks.
+    kv_dtype: the pool's (default ``dtype``); FP8 pools get K scale 0.5 and V scale 2, so a
+    reader that skips a scale is off by that factor."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     H, Hkv, D = CONFIGS[cfg]
@@ -73,7 +77,10 @@ def make_case(mode: str, page: int, cfg: str = "smollm", seed: int = 0, B: int |
     rt.req_to_token = rt.req_to_token.to(DEV)  # [B+2, L_pad] int64
     rows = list(range(1, B + 1))
     rng.shuffle(rows)
-    pool = TokenToKVPool(alloc.num_slots, 1, Hkv, D, dtype, DEV)
+    pool = TokenToKVPool(alloc.num_slots, 1, Hkv, D, kv_dtype or dtype, DEV)
+    if pool.quantized:
+        pool.k_scale_all.fill_(0.5)
+        pool.v_scale_all.fill_(2.0)
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))  # [S, Hkv, D] stale/prefix K
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))  # [S, Hkv, D]
     T = sum(qlens)
@@ -118,6 +125,8 @@ def kernel_args(c: dict) -> tuple[tuple, dict]:
         kw["mask_indptr"] = t([0] + np.cumsum([m.numel() for m in c["masks"]]).tolist())  # [B+1]
     elif c["mode"] == "full":
         kw["causal"] = False
+    if c["pool"].quantized:
+        kw.update(k_scale=c["pool"].k_scale[0], v_scale=c["pool"].v_scale[0])
     args = (c["q"], c["pool"].k[0], c["pool"].v[0], c["rt"].req_to_token, t(c["rows"]),
             t(c["prefix"]), t(c["E"]), t(qo), max(c["qlens"]))
     return args, kw
@@ -397,3 +406,100 @@ def test_backends_take_a_mask_over_the_first_requests():
     backend = TritonBackend(pool_t, c["rt"], c["D"] ** -0.5)
     backend.init_forward_metadata(fb)
     torch.testing.assert_close(backend.forward(c["q"], c["k"], c["v"], 0, fb), want, **tol(c["dtype"]))
+
+
+# ------------------------------------------------------------------ FP8 KV cache
+FP8 = torch.float8_e4m3fn
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, to compare FP8 tensors exactly (torch.equal has no FP8 kernel everywhere)."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def dequantized_copy(c: dict) -> dict:
+    """The case over a float32 pool holding what the FP8 pool's values mean (stored * scale)."""
+    p = c["pool"]
+    pool = TokenToKVPool(p.k[0].shape[0], 1, c["Hkv"], c["D"], torch.float32, DEV)
+    pool.k[0].copy_(p.k[0].float() * p.k_scale[0])
+    pool.v[0].copy_(p.v[0].float() * p.v_scale[0])
+    return dict(c, pool=pool)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ref_reads_fp8_as_its_dequantized_values(mode):
+    """The reference over an FP8 cache with scales equals it over the float values they stand for."""
+    c = make_case(mode, 4, seed=100, kv_dtype=FP8)
+    store_new_kv(c)
+    args, kw = kernel_args(c)
+    assert "k_scale" in kw
+    f = dequantized_copy(c)
+    args_f, kw_f = kernel_args(f)
+    assert "k_scale" not in kw_f
+    torch.testing.assert_close(ta.paged_attention_ref(*args, **kw),
+                               ta.paged_attention_ref(*args_f, **kw_f))
+
+
+@pytest.mark.parametrize("mode", ORACLE_MODES)
+def test_ref_fp8_matches_torch_native(mode):
+    c = make_case(mode, 4, cfg="gqa2_d24", seed=110, kv_dtype=FP8)
+    fb = forward_batch(c)
+    native = TorchNativeBackend(c["pool"], c["rt"], c["D"] ** -0.5)
+    native.init_forward_metadata(fb)
+    want = native.forward(c["q"], c["k"], c["v"], 0, fb)  # stores the new K/V quantized
+    args, kw = kernel_args(c)
+    torch.testing.assert_close(ta.paged_attention_ref(*args, **kw), want, **tol(c["dtype"]))
+
+
+@needs_triton
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_matches_ref_fp8_kv(mode, page):
+    """FP8 K/V tiles converted in the kernel and its scales applied: the reference's answer,
+    in one split and in several."""
+    c = make_case(mode, page, cfg="smollm" if page == 1 else "gqa2_d24", seed=120 + page,
+                  kv_dtype=FP8)
+    store_new_kv(c)
+    args, kw = kernel_args(c)
+    want = ta.paged_attention_ref(*args, **kw)
+    for splits in (1, 3):
+        torch.testing.assert_close(ta.paged_attention(*args, **kw, num_kv_splits=splits), want,
+                                   **tol(c["dtype"]))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        INTERPRETED, reason="Triton 3.6's interpreter gets bfloat16 dots wrong, FP8 or not")),
+])
+def test_kernel_fp8_kv_half_queries(dtype):
+    c = make_case("verify", 16, seed=130, dtype=dtype, kv_dtype=FP8)
+    store_new_kv(c)
+    args, kw = kernel_args(c)
+    got = ta.paged_attention(*args, **kw, num_kv_splits=1)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, ta.paged_attention_ref(*args, **kw), atol=2e-2, rtol=2e-2)
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["decode", "verify", "draft_decode"])
+def test_backend_fp8_matches_torch_native(mode):
+    """Both backends store K/V quantized and read them dequantized: the same answer, the same bytes."""
+    from actors.attention.triton_backend import TritonBackend
+
+    c = make_case(mode, 16, seed=140, kv_dtype=FP8)
+    fb = forward_batch(c)
+    pool_t = TokenToKVPool(c["pool"].k[0].shape[0], 1, c["Hkv"], c["D"], FP8, DEV)
+    pool_t.k_scale_all.copy_(c["pool"].k_scale_all)
+    pool_t.v_scale_all.copy_(c["pool"].v_scale_all)
+    pool_t.k[0].copy_(c["pool"].k[0])
+    pool_t.v[0].copy_(c["pool"].v[0])
+    native = TorchNativeBackend(c["pool"], c["rt"], c["D"] ** -0.5)
+    native.init_forward_metadata(fb)
+    want = native.forward(c["q"], c["k"], c["v"], 0, fb)
+    backend = TritonBackend(pool_t, c["rt"], c["D"] ** -0.5)
+    backend.init_forward_metadata(fb)
+    torch.testing.assert_close(backend.forward(c["q"], c["k"], c["v"], 0, fb), want, **tol(c["dtype"]))
+    assert torch.equal(bits(pool_t.k[0]), bits(c["pool"].k[0]))
+    assert torch.equal(bits(pool_t.v[0]), bits(c["pool"].v[0]))
