@@ -101,7 +101,7 @@ for stage in "$@"; do
         > "$work/load7b.txt" 2>&1
       tail -8 "$work/load7b.txt"; rm -rf /tmp/ckpt-7b ;;
     fp8gemm)
-      timeout 300 python3 benchmarks/fp8_gemm_bench.py > "$work/fp8_gemm.txt" 2>&1
+      PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/fp8_gemm_bench.py > "$work/fp8_gemm.txt" 2>&1
       tail -45 "$work/fp8_gemm.txt" ;;
     profile512)
       mkdir -p "$work/profile512"
