@@ -15,9 +15,10 @@ import random
 import pytest
 import torch
 from kestrel_testing import random_draft_mask, random_tree_mask
+from test_triton_backend import paged_forward_batch
 
 from actors.attention.torch_native import TorchNativeBackend
-from actors.worker.forward_batch import ForwardBatch, ForwardMode
+from actors.worker.forward_batch import ForwardBatch
 from actors.worker.kv_cache import ReqToTokenPool, TokenToKVPool
 
 DEV = "cuda"
@@ -114,18 +115,7 @@ class Case:
         return args, kw
 
     def forward_batch(self) -> ForwardBatch:
-        table, rows = self.rt.req_to_token, self.rows.tolist()
-        positions = torch.cat([torch.arange(p + e - m, p + e, device=DEV)
-                               for p, e, m in zip(self.prefix, self.E, self.qlens)])
-        new_kv = None
-        if self.mode == "draft_decode":
-            new_kv = torch.stack([table[r, p:p + e] for r, p, e in zip(rows, self.prefix, self.E)])
-        mask = torch.stack(self.masks).to(DEV) if self.masks is not None else None
-        mode = ForwardMode.DECODE if self.mode in ("decode", "draft_decode") else ForwardMode.EXTEND
-        return ForwardBatch(mode, torch.zeros(sum(self.qlens), dtype=torch.int64, device=DEV),
-                            positions, self.loc, self.rows.clone(),
-                            torch.tensor(self.prefix, dtype=torch.int64, device=DEV),
-                            list(self.qlens), new_kv_slots=new_kv, custom_mask=mask)
+        return paged_forward_batch(self, self.loc)
 
 
 def _check_kernel(case: Case, num_kv_splits: int | None = None) -> None:

@@ -36,6 +36,23 @@ def _backend_cls():
     return TritonBackend
 
 
+def paged_forward_batch(case, loc: torch.Tensor) -> ForwardBatch:
+    """The ForwardBatch of a case (mode, rt, rows, prefix, E, qlens, masks) writing `loc`:
+    new_kv_slots for draft decode only, the case's masks when it has them."""
+    table, rows = case.rt.req_to_token, case.rows.tolist()
+    positions = torch.cat([torch.arange(p + e - n, p + e, device=DEV)
+                           for p, e, n in zip(case.prefix, case.E, case.qlens)])
+    new_kv = None
+    if case.mode == "draft_decode":
+        new_kv = torch.stack([table[r, p:p + e] for r, p, e in zip(rows, case.prefix, case.E)])
+    mask = torch.stack(case.masks).to(DEV) if case.masks is not None else None
+    mode = ForwardMode.DECODE if case.mode in ("decode", "draft_decode") else ForwardMode.EXTEND
+    return ForwardBatch(mode, torch.zeros(sum(case.qlens), dtype=torch.int64, device=DEV),
+                        positions, loc, case.rows.clone(),
+                        torch.tensor(case.prefix, dtype=torch.int64, device=DEV),
+                        list(case.qlens), new_kv_slots=new_kv, custom_mask=mask)
+
+
 class Case:
     """Paged pools (bf16 for Triton, an fp32 copy for the oracle) and one forward's inputs."""
 
@@ -94,17 +111,7 @@ class Case:
         table, rows = self.rt.req_to_token, self.rows.tolist()
         loc = torch.cat([table[r, p + e - n:p + e]
                          for r, p, e, n in zip(rows, self.prefix, self.E, self.qlens)])
-        positions = torch.cat([torch.arange(p + e - n, p + e, device=DEV)
-                               for p, e, n in zip(self.prefix, self.E, self.qlens)])
-        new_kv = None
-        if self.mode == "draft_decode":
-            new_kv = torch.stack([table[r, p:p + e] for r, p, e in zip(rows, self.prefix, self.E)])
-        mask = torch.stack(self.masks).to(DEV) if self.masks is not None else None
-        mode = ForwardMode.DECODE if self.mode in ("decode", "draft_decode") else ForwardMode.EXTEND
-        return ForwardBatch(mode, torch.zeros(sum(self.qlens), dtype=torch.int64, device=DEV),
-                            positions, loc, self.rows.clone(),
-                            torch.tensor(self.prefix, dtype=torch.int64, device=DEV),
-                            list(self.qlens), new_kv_slots=new_kv, custom_mask=mask)
+        return paged_forward_batch(self, loc)
 
     def oracle(self, fb: ForwardBatch) -> torch.Tensor:
         native = TorchNativeBackend(self.pool32, self.rt, self.D ** -0.5)

@@ -140,6 +140,38 @@ def tol(dtype: torch.dtype) -> dict:
     return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-3, rtol=3e-3)
 
 
+def assert_kernel_matches_ref(c: dict, splits, args_kw=None) -> None:
+    """The kernel at each split count gives the reference's answer on case `c` (its new
+    K/V stored first); `args_kw` overrides kernel_args(c)."""
+    store_new_kv(c)
+    args, kw = args_kw or kernel_args(c)
+    want = ta.paged_attention_ref(*args, **kw)
+    for n in splits:
+        torch.testing.assert_close(ta.paged_attention(*args, **kw, num_kv_splits=n), want,
+                                   **tol(c["dtype"]))
+
+
+def backends_agree(c: dict, fb: ForwardBatch) -> TokenToKVPool:
+    """TritonBackend on a copy of the case's pool and TorchNativeBackend on the pool itself
+    store and attend alike for `fb` (outputs compared); returns the Triton side's pool."""
+    from actors.attention.triton_backend import TritonBackend
+
+    src = c["pool"]
+    pool_t = TokenToKVPool(src.k[0].shape[0], 1, c["Hkv"], c["D"], src.k[0].dtype, DEV)
+    if src.quantized:
+        pool_t.k_scale_all.copy_(src.k_scale_all)
+        pool_t.v_scale_all.copy_(src.v_scale_all)
+    pool_t.k[0].copy_(src.k[0])
+    pool_t.v[0].copy_(src.v[0])
+    native = TorchNativeBackend(src, c["rt"], c["D"] ** -0.5)
+    native.init_forward_metadata(fb)
+    want = native.forward(c["q"], c["k"], c["v"], 0, fb)
+    backend = TritonBackend(pool_t, c["rt"], c["D"] ** -0.5)
+    backend.init_forward_metadata(fb)
+    torch.testing.assert_close(backend.forward(c["q"], c["k"], c["v"], 0, fb), want, **tol(c["dtype"]))
+    return pool_t
+
+
 # ------------------------------------------------------- reference vs the torch oracle
 @pytest.mark.parametrize("page", [1, 4, 16])
 @pytest.mark.parametrize("mode", ORACLE_MODES)
@@ -188,13 +220,7 @@ def test_kernel_matches_ref(mode, page):
 @pytest.mark.parametrize("mode", ["decode", "verify", "extend", "draft_decode"])
 def test_kernel_split_kv_matches_ref(mode):
     """Flash-decoding: keys cut into splits, partial results merged (some splits empty)."""
-    c = make_case(mode, 4, seed=20, B=2, max_prefix=150)
-    store_new_kv(c)
-    args, kw = kernel_args(c)
-    want = ta.paged_attention_ref(*args, **kw)
-    for splits in (2, 5):
-        torch.testing.assert_close(ta.paged_attention(*args, **kw, num_kv_splits=splits), want,
-                                   **tol(c["dtype"]))
+    assert_kernel_matches_ref(make_case(mode, 4, seed=20, B=2, max_prefix=150), (2, 5))
 
 
 @needs_triton
@@ -243,20 +269,8 @@ def test_kernel_row_without_visible_keys_is_zero():
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("mode", ORACLE_MODES)
 def test_backend_matches_torch_native(mode, page):
-    from actors.attention.triton_backend import TritonBackend
-
     c = make_case(mode, page, seed=50 + page)
-    fb = forward_batch(c)
-    pool_t = TokenToKVPool(c["pool"].k[0].shape[0], 1, c["Hkv"], c["D"], c["dtype"], DEV)
-    pool_t.k[0].copy_(c["pool"].k[0])
-    pool_t.v[0].copy_(c["pool"].v[0])
-    native = TorchNativeBackend(c["pool"], c["rt"], c["D"] ** -0.5)
-    native.init_forward_metadata(fb)
-    want = native.forward(c["q"], c["k"], c["v"], 0, fb)
-    backend = TritonBackend(pool_t, c["rt"], c["D"] ** -0.5)
-    backend.init_forward_metadata(fb)
-    got = backend.forward(c["q"], c["k"], c["v"], 0, fb)  # stores K/V, then attends
-    torch.testing.assert_close(got, want, **tol(c["dtype"]))
+    pool_t = backends_agree(c, forward_batch(c))  # each stores the new K/V, then attends
     assert torch.equal(pool_t.k[0], c["pool"].k[0]) and torch.equal(pool_t.v[0], c["pool"].v[0])
 
 
@@ -378,34 +392,22 @@ def test_empty_mask_blocks_are_causal_in_the_reference(page):
 @pytest.mark.parametrize("page", [1, 16])
 def test_kernel_mixed_masked_and_causal_matches_ref(page):
     c, _, Bm = mixed_case(page, seed=90 + page)
-    store_new_kv(c)
-    args, kw = mixed_kernel_args(c, Bm)
-    want = ta.paged_attention_ref(*args, **kw)
-    for splits in (1, 3):
-        torch.testing.assert_close(ta.paged_attention(*args, **kw, num_kv_splits=splits), want,
-                                   **tol(c["dtype"]))
+    assert_kernel_matches_ref(c, (1, 3), mixed_kernel_args(c, Bm))
 
 
 @needs_triton
 def test_backends_take_a_mask_over_the_first_requests():
     """ForwardBatch.custom_mask for the first Bm requests only (a mixed step): the Triton
     backend and the torch oracle agree, and both equal the reference."""
-    from actors.attention.triton_backend import TritonBackend
-
     c, _, Bm = mixed_case(4, seed=95)
     fb = forward_batch(dict(c, masks=None))
     fb.custom_mask = torch.stack(c["masks"]).to(DEV)  # [Bm, n, n] bool
-    pool_t = TokenToKVPool(c["pool"].k[0].shape[0], 1, c["Hkv"], c["D"], c["dtype"], DEV)
-    pool_t.k[0].copy_(c["pool"].k[0])
-    pool_t.v[0].copy_(c["pool"].v[0])
+    backends_agree(c, fb)  # stores the new K/V in the case's pool
+    args, kw = mixed_kernel_args(c, Bm)
     native = TorchNativeBackend(c["pool"], c["rt"], c["D"] ** -0.5)
     native.init_forward_metadata(fb)
     want = native.forward(c["q"], c["k"], c["v"], 0, fb)
-    args, kw = mixed_kernel_args(c, Bm)
     torch.testing.assert_close(ta.paged_attention_ref(*args, **kw), want, **tol(c["dtype"]))
-    backend = TritonBackend(pool_t, c["rt"], c["D"] ** -0.5)
-    backend.init_forward_metadata(fb)
-    torch.testing.assert_close(backend.forward(c["q"], c["k"], c["v"], 0, fb), want, **tol(c["dtype"]))
 
 
 # ------------------------------------------------------------------ FP8 KV cache
@@ -457,14 +459,8 @@ def test_ref_fp8_matches_torch_native(mode):
 def test_kernel_matches_ref_fp8_kv(mode, page):
     """FP8 K/V tiles converted in the kernel and its scales applied: the reference's answer,
     in one split and in several."""
-    c = make_case(mode, page, cfg="smollm" if page == 1 else "gqa2_d24", seed=120 + page,
-                  kv_dtype=FP8)
-    store_new_kv(c)
-    args, kw = kernel_args(c)
-    want = ta.paged_attention_ref(*args, **kw)
-    for splits in (1, 3):
-        torch.testing.assert_close(ta.paged_attention(*args, **kw, num_kv_splits=splits), want,
-                                   **tol(c["dtype"]))
+    assert_kernel_matches_ref(make_case(mode, page, cfg="smollm" if page == 1 else "gqa2_d24",
+                                        seed=120 + page, kv_dtype=FP8), (1, 3))
 
 
 @needs_triton
@@ -486,20 +482,7 @@ def test_kernel_fp8_kv_half_queries(dtype):
 @pytest.mark.parametrize("mode", ["decode", "verify", "draft_decode"])
 def test_backend_fp8_matches_torch_native(mode):
     """Both backends store K/V quantized and read them dequantized: the same answer, the same bytes."""
-    from actors.attention.triton_backend import TritonBackend
-
     c = make_case(mode, 16, seed=140, kv_dtype=FP8)
-    fb = forward_batch(c)
-    pool_t = TokenToKVPool(c["pool"].k[0].shape[0], 1, c["Hkv"], c["D"], FP8, DEV)
-    pool_t.k_scale_all.copy_(c["pool"].k_scale_all)
-    pool_t.v_scale_all.copy_(c["pool"].v_scale_all)
-    pool_t.k[0].copy_(c["pool"].k[0])
-    pool_t.v[0].copy_(c["pool"].v[0])
-    native = TorchNativeBackend(c["pool"], c["rt"], c["D"] ** -0.5)
-    native.init_forward_metadata(fb)
-    want = native.forward(c["q"], c["k"], c["v"], 0, fb)
-    backend = TritonBackend(pool_t, c["rt"], c["D"] ** -0.5)
-    backend.init_forward_metadata(fb)
-    torch.testing.assert_close(backend.forward(c["q"], c["k"], c["v"], 0, fb), want, **tol(c["dtype"]))
+    pool_t = backends_agree(c, forward_batch(c))
     assert torch.equal(bits(pool_t.k[0]), bits(c["pool"].k[0]))
     assert torch.equal(bits(pool_t.v[0]), bits(c["pool"].v[0]))
