@@ -89,6 +89,11 @@ class ModelConfig(_Strict):
     # one preset serves CPUs and GPUs.
     cpu_weights: Literal["float", "packed"] = "float"
     cpu_packed_max_batch: int = Field(4, ge=0)
+    # On a CPU with float32 weights: linear layers at 2-4 rows (a speculative verify or
+    # draft extend) computed as weight @ x^T (kestrel_kernels/small_rows_linear.py). auto:
+    # where a start-up measurement on the model's own weights finds it faster (logged);
+    # always / never: without measuring.
+    cpu_small_rows: Literal["auto", "always", "never"] = "auto"
     max_model_len: int = Field(2048, ge=16)
     # On CUDA, RMSNorm (+ residual add), RoPE and SiLU-mul run as fused Triton kernels
     # (kestrel_kernels/layer_ops.py); false runs their torch references (to compare the two).

@@ -26,6 +26,7 @@ from actors.models.llama import (MLP, AttnFn, LlamaForCausalLM, RMSNorm, fuse_pr
 from actors.models.model_config import LlamaArch
 from actors.models.rope import RotaryEmbedding
 from kestrel_kernels import layer_ops, spec_ops
+from kestrel_kernels.small_rows_linear import SmallRowsLinear
 
 
 @dataclass
@@ -61,8 +62,8 @@ class _DraftAttention(nn.Module):
         super().__init__()
         self.s = s
         self.qkv_sizes = qkv_sizes(s)
-        self.qkv_proj = nn.Linear(in_dim, sum(self.qkv_sizes), bias=False)  # q, k, v fused
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        self.qkv_proj = SmallRowsLinear(in_dim, sum(self.qkv_sizes), bias=False)  # q, k, v fused
+        self.o_proj = SmallRowsLinear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
 
     def forward(self, x, positions, inv_freq, attn: AttnFn):
         T, s = x.shape[0], self.s
@@ -105,12 +106,12 @@ class EagleHead(nn.Module):
         # Not registered as submodules: the target owns them.
         object.__setattr__(self, "_target", target)
         if self.eagle3:
-            self.fc = nn.Linear(3 * H, H, bias=False)
+            self.fc = SmallRowsLinear(3 * H, H, bias=False)
             self.norm = RMSNorm(H, s.rms_norm_eps)
-            self.lm_head = nn.Linear(H, s.draft_vocab_size, bias=False)
+            self.lm_head = SmallRowsLinear(H, s.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.int64))
         else:
-            self.fc = nn.Linear(2 * H, H, bias=True)
+            self.fc = SmallRowsLinear(2 * H, H, bias=True)
         self.layer = _DraftLayer(s)
         self.rotary = RotaryEmbedding(s.head_dim, s.rope_theta, s.rope_scaling)
         self.max_token_id: int | None = None  # EAGLE-1: draft among ids below (draft.max_token_id)

@@ -6,13 +6,13 @@ from collections.abc import Mapping
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from actors.models.fp8_linear import write_quantized
 from actors.models.model_config import LlamaArch
 from actors.models.rope import RotaryEmbedding
-from kestrel_kernels import layer_ops
+from kestrel_kernels import layer_ops, small_rows_linear
+from kestrel_kernels.small_rows_linear import SmallRowsLinear
 from kestrel_kernels.fp8_linear import FP8
 
 # attn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], layer_id) -> [T, Hq, D].
@@ -43,8 +43,8 @@ class Attention(nn.Module):
         h, b = arch.hidden_size, arch.attention_bias
         # q, k and v in one GEMM (checkpoints' q_proj/k_proj/v_proj, fused at load).
         self.qkv_sizes = [arch.q_size, arch.kv_size, arch.kv_size]
-        self.qkv_proj = nn.Linear(h, sum(self.qkv_sizes), bias=b)
-        self.o_proj = nn.Linear(arch.q_size, h, bias=False)
+        self.qkv_proj = SmallRowsLinear(h, sum(self.qkv_sizes), bias=b)
+        self.o_proj = SmallRowsLinear(arch.q_size, h, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                 attn: AttnFn) -> torch.Tensor:
@@ -119,8 +119,8 @@ class MLP(nn.Module):
         super().__init__()
         h, self.intermediate = arch.hidden_size, arch.intermediate_size
         # gate and up in one GEMM (checkpoints' gate_proj/up_proj, fused at load).
-        self.gate_up_proj = nn.Linear(h, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, h, bias=False)
+        self.gate_up_proj = SmallRowsLinear(h, 2 * self.intermediate, bias=False)
+        self.down_proj = SmallRowsLinear(self.intermediate, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, -1)  # [T, I] each, views
@@ -175,15 +175,15 @@ class TiedLMHead(nn.Module):
         return self._embed.weight
 
     def forward(self, hidden: torch.Tensor, limit: int | None = None) -> torch.Tensor:
-        return F.linear(hidden, self.weight[:limit])
+        return small_rows_linear.linear(hidden, self.weight[:limit])
 
 
-class LMHead(nn.Linear):
+class LMHead(SmallRowsLinear):
     """The untied output projection. `limit`: logits of the first ids only (a draft's cut
     of the vocabulary, draft.max_token_id), from a view of the first rows."""
 
     def forward(self, hidden: torch.Tensor, limit: int | None = None) -> torch.Tensor:
-        return F.linear(hidden, self.weight[:limit])
+        return small_rows_linear.linear(hidden, self.weight[:limit])
 
 
 class LlamaForCausalLM(nn.Module):

@@ -34,7 +34,7 @@ from actors.models.loader import build_model, default_model_path, read_arch
 from actors.sampling.sampler import sample_tokens, sampling_flags
 from actors.protocol.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
-from kestrel_kernels import layer_ops
+from kestrel_kernels import layer_ops, small_rows_linear
 from kestrel_kernels.compile_watch import CompileWatch
 from kestrel_kernels.penalties import apply_processing
 from kestrel_kernels.token_bitmask import mask_logits_
@@ -109,6 +109,7 @@ class RankWorker:
         if loaded is None:
             loaded = self._load(spec)
         self.model, self.arch, draft_head = loaded
+        small_rows_linear.set_enabled(self._small_rows(cfg))
         a = self.arch
         self.window = cfg.draft.window if spec else 1
         self.max_context = max_request_slots(cfg.model.max_model_len, self.window,
@@ -160,6 +161,29 @@ class RankWorker:
             warm_up_sampled_decode(self)
             warm_up_processing(self)
             self.compiles.arm()
+
+    def _small_rows(self, cfg: KestrelConfig) -> bool:
+        """model.cpu_small_rows: on a CPU with float32 weights, whether linear layers at a
+        few rows go through weight @ x^T; auto measures both ways on this model's MLP and
+        LM head weights at small_rows_linear.MAX_ROWS rows."""
+        setting = cfg.model.cpu_small_rows
+        if setting == "never" or self.device.type != "cpu" or self.dtype != torch.float32:
+            return False
+        if setting == "always":
+            return True
+        mlp = self.model.model.layers[0].mlp
+        weights = [mlp.gate_up_proj.weight, mlp.down_proj.weight, self.model.lm_head.weight]
+        if any(w.dtype != torch.float32 for w in weights):
+            return False  # model.cpu_weights=packed: its own kernels
+        plain = fast = 0.0
+        for w in weights:
+            a, b = small_rows_linear.measure(w.detach())
+            plain, fast = plain + a, fast + b
+        on = fast < 0.9 * plain
+        log.info("rank %d: linear layers at %d rows: %.2f ms as F.linear, %.2f ms as weight @ x^T "
+                 "(model.cpu_small_rows=auto: %s)", self.rank, small_rows_linear.MAX_ROWS,
+                 1000 * plain, 1000 * fast, "on" if on else "off")
+        return on
 
     def _cpu_weights(self, cfg: KestrelConfig) -> str:
         """model.cpu_weights where it applies (on the CPU with model.dtype auto, no

@@ -1,0 +1,72 @@
+"""A float32 linear layer at a few rows on the CPU, computed as weight @ x^T.
+
+A speculative iteration's verify and draft extend multiply N (4 in the CPU preset) rows
+by each weight, where a plain decode step multiplies one. On a 2-core AMD EPYC (AVX2,
+torch's MKL build) F.linear ran 2 to 4 rows 1.6-3.5x slower than weight @ x^T, which
+reads the weight the same way as the one-row path (docs/benchmarks.md, "The CPU step"),
+so a verify step cost three decode steps and speculation lost to plain decoding. Whether
+a machine gains is measured at start-up (`measure`), not assumed: the reference,
+F.linear, stays everywhere else.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_ROWS = 4  # past 4 rows F.linear was as fast or faster on the machine measured
+_enabled = False
+
+
+def set_enabled(enabled: bool) -> None:
+    global _enabled
+    _enabled = enabled
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): x [..., K], weight [N, K] -> [..., N]; on the CPU in
+    float32 at 2..MAX_ROWS rows, when enabled, as weight @ x^T."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if not (_enabled and 2 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32):
+        return F.linear(x, weight, bias)
+    out = torch.matmul(weight, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, N] float32
+    if bias is not None:
+        out = out + bias
+    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+class SmallRowsLinear(nn.Linear):
+    """nn.Linear whose forward is `linear` (the models' float projections)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: torch's own linear layer."""
+    return F.linear(x, weight, bias)
+
+
+def measure(weight: torch.Tensor, rows: int = MAX_ROWS, repeats: int = 30) -> tuple[float, float]:
+    """Seconds per call of F.linear and of weight @ x^T at `rows` rows of this weight [N, K]
+    (best of `repeats`), on its device and dtype."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)  # [rows, K]
+
+    def best(f) -> float:
+        f()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return (best(lambda: F.linear(x, weight)),
+            best(lambda: torch.matmul(weight, x.t()).t().contiguous()))
