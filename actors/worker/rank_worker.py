@@ -167,14 +167,13 @@ class RankWorker:
         few rows go through weight @ x^T; auto measures both ways on this model's MLP and
         LM head weights at small_rows_linear.MAX_ROWS rows."""
         setting = cfg.model.cpu_small_rows
-        if setting == "never" or self.device.type != "cpu" or self.dtype != torch.float32:
+        if setting == "never" or self.device.type != "cpu" or self.dtype != torch.float32 \
+                or self.cpu_weights == "packed":  # its own kernels
             return False
         if setting == "always":
             return True
         mlp = self.model.model.layers[0].mlp
         weights = [mlp.gate_up_proj.weight, mlp.down_proj.weight, self.model.lm_head.weight]
-        if any(w.dtype != torch.float32 for w in weights):
-            return False  # model.cpu_weights=packed: its own kernels
         plain = fast = 0.0
         for w in weights:
             a, b = small_rows_linear.measure(w.detach())
