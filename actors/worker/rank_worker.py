@@ -174,6 +174,8 @@ class RankWorker:
             return True
         mlp = self.model.model.layers[0].mlp
         weights = [mlp.gate_up_proj.weight, mlp.down_proj.weight, self.model.lm_head.weight]
+        if any(w.dtype != torch.float32 for w in weights):
+            return False  # model.quantization=fp8: its own GEMMs
         plain = fast = 0.0
         for w in weights:
             a, b = small_rows_linear.measure(w.detach())
