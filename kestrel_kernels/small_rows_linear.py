@@ -25,10 +25,6 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-def enabled() -> bool:
-    return _enabled
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x [..., K], weight [N, K] -> [..., N]; on the CPU in
     float32 at 2..MAX_ROWS rows, when enabled, as weight @ x^T."""
@@ -36,10 +32,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not (_enabled and 2 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32):
         return F.linear(x, weight, bias)
-    out = torch.matmul(weight, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, N] float32
+    out = _transposed(x.reshape(rows, x.shape[-1]), weight)  # [rows, N] float32
     if bias is not None:
         out = out + bias
-    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T as (weight @ x^T)^T -> [M, N], contiguous."""
+    return torch.matmul(weight, x.t()).t().contiguous()
 
 
 class SmallRowsLinear(nn.Linear):
@@ -68,5 +69,4 @@ def measure(weight: torch.Tensor, rows: int = MAX_ROWS, repeats: int = 30) -> tu
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    return (best(lambda: F.linear(x, weight)),
-            best(lambda: torch.matmul(weight, x.t()).t().contiguous()))
+    return best(lambda: F.linear(x, weight)), best(lambda: _transposed(x, weight))

@@ -71,8 +71,7 @@ class TritonBackend(AttentionBackend):
                 # A mixed step: Bm uniform verify trees, then causal chunks (empty blocks).
                 block = cm.shape[1] * cm.shape[2]
                 custom_mask = cm.reshape(-1)  # [Bm*q*E] bool
-                mask_indptr = torch.minimum(torch.arange(B + 1, dtype=torch.int64, device=dev),
-                                            torch.tensor(Bm, device=dev)) * block  # [B+1] int64
+                mask_indptr = torch.arange(B + 1, dtype=torch.int64, device=dev).clamp(max=Bm) * block  # [B+1] int64
             else:  # wider mask than the batch needs, or ragged: cut each request's block
                 custom_mask = torch.cat([cm[b, :qlens[b], :elist[b]].reshape(-1)
                                          for b in range(Bm)])  # [sum q_b*E_b] bool

@@ -293,19 +293,15 @@ class Scheduler:
         if extend is None:
             self._inflight[self.step_id] = decoding
             return decode
-        chunks = self._inflight.pop(self.step_id)
-        self._inflight[self.step_id] = decoding + chunks
+        both = decoding + self._inflight.pop(self.step_id)
+        self._inflight[self.step_id] = both
         d, e = decode, extend
-        min_p = None
-        if d.min_p is not None or e.min_p is not None:
-            zeros = lambda p: np.zeros(len(p.rows), dtype=np.float32) if p.min_p is None else p.min_p
-            min_p = np.concatenate([zeros(d), zeros(e)])  # [B] float32
-        return StepPlan(self.step_id, "mixed", d.rows + e.rows, num_decode=len(d.rows),
-                        use_spec=d.use_spec, temperature=d.temperature + e.temperature,
-                        top_p=d.top_p + e.top_p, top_k=d.top_k + e.top_k,
-                        coins=np.concatenate([d.coins, e.coins]), processing=d.processing or e.processing,
-                        min_p=min_p, input_ids=e.input_ids, prefix_lens=e.prefix_lens,
-                        extend_lens=e.extend_lens, last_chunk=e.last_chunk, next_ids=e.next_ids)
+        plan = StepPlan(self.step_id, "mixed", d.rows + e.rows, num_decode=len(d.rows),
+                        use_spec=d.use_spec, coins=np.concatenate([d.coins, e.coins]),
+                        input_ids=e.input_ids, prefix_lens=e.prefix_lens, extend_lens=e.extend_lens,
+                        last_chunk=e.last_chunk, next_ids=e.next_ids)
+        self._add_sampling([r for r, _ in both], plan)
+        return plan
 
     def _admit(self, req: Request) -> bool:
         row = self.rows.alloc()
