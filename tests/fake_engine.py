@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import socket
 import threading
 import time
@@ -86,24 +87,21 @@ class Recorder:
 
 
 class BosTokenizer:
-    """The given tokenizer, with a BOS id that `encode` puts first unless
-    add_special_tokens is false (SmolLM2's tokenizer adds none, so with it the two
-    cannot be told apart)."""
+    """The given tokenizer, with a BOS id put first unless add_special_tokens is false
+    (SmolLM2's tokenizer adds none, so with it the two cannot be told apart). As in a real
+    fast tokenizer, the Rust tokenizer's post-processor adds it: the transformers wrapper
+    and the Rust encoder (serve_app/text/prompt_encoder.py) then agree."""
 
     BOS = 1
 
-    def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=False)
-        return [self.BOS, *ids] if add_special_tokens else ids
-
-    def __len__(self) -> int:
-        return len(self._tokenizer)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
+    def __new__(cls, tokenizer):
+        from tokenizers.processors import TemplateProcessing
+        tok = copy.deepcopy(tokenizer)
+        tok.backend_tokenizer.post_processor = TemplateProcessing(
+            single=f"{tok.convert_ids_to_tokens(cls.BOS)} $A",
+            special_tokens=[(tok.convert_ids_to_tokens(cls.BOS), cls.BOS)])
+        tok.BOS = cls.BOS
+        return tok
 
 
 async def _request(app, method, path, **kw) -> httpx.Response:

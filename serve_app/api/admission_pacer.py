@@ -35,6 +35,7 @@ class AdmissionPacer:
         self.used = 0.0  # admission seconds run in this loop round
         self.cost = slice_s / 4  # seconds per admission, a moving average
         self.queue: collections.deque[asyncio.Future] = collections.deque()
+        self.admitting = 0  # handlers inside admission(), queued or running
         self.parked: list[asyncio.Future] = []  # streams waiting for the queue to drain
         self._round_mark = False  # a callback is set to open the next round's slice
         self._timer: asyncio.TimerHandle | None = None
@@ -42,9 +43,20 @@ class AdmissionPacer:
     @contextlib.asynccontextmanager
     async def admission(self) -> AsyncIterator[None]:
         """Around one request's work up to its admission (add_request)."""
-        if self.slice_s <= 0:
-            yield
-            return
+        self.admitting += 1
+        try:
+            if self.slice_s <= 0:
+                yield
+            else:
+                async with self._turn():
+                    yield
+        finally:
+            self.admitting -= 1
+            if not self.backlog:
+                self._release()
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
         if self.queue or self.used >= self.slice_s:
             fut = asyncio.get_running_loop().create_future()
             self.queue.append(fut)
@@ -78,13 +90,11 @@ class AdmissionPacer:
                 n -= 1
         if self.queue:
             self._mark_round()
-        else:
-            self._release()
 
     @property
     def backlog(self) -> bool:
-        """Handlers are queued for their turn."""
-        return bool(self.queue)
+        """Handlers are admitting requests (running streams then wait, when defer_s > 0)."""
+        return self.admitting > 0 and self.defer_s > 0
 
     async def pause(self) -> None:
         """A running stream's wait, after a chunk, while handlers are queued: until the

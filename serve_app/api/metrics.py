@@ -45,7 +45,7 @@ class ServerMetrics:
         self.finish_reasons = Counter("kestrel_request_finish", "Finished choices by reason",
                                       m + ["reason"], registry=r)
         self.ttft = Histogram("kestrel_time_to_first_token_seconds",
-                              "Arrival to first generated token", m, buckets=_LATENCY_BUCKETS,
+                              "Handler start (before the body is read) to the first generated token", m, buckets=_LATENCY_BUCKETS,
                               registry=r)
         self.itl = TokenHistogram("kestrel_inter_token_latency_seconds",
                                   "Time between generated tokens, as streamed", model_name,
@@ -84,8 +84,8 @@ class ServerMetrics:
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(self.model, endpoint, str(status)).inc()
 
-    def tracker(self) -> "RequestTracker":
-        return RequestTracker(self)
+    def tracker(self, arrival: float) -> "RequestTracker":
+        return RequestTracker(self, arrival)
 
     # ---- engine gauges ---------------------------------------------------------------
     def update_engine(self, stats: dict[str, Any]) -> None:
@@ -156,9 +156,10 @@ class _StepCollector:
 class RequestTracker:
     """Timing of one generation (one choice) as the ingress streams it."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        """`arrival`: time.monotonic() when the handler began (before its body was read)."""
         self.m = metrics
-        self.arrival = time.monotonic()
+        self.arrival = arrival
         self.last: float | None = None
         self.tokens = 0
 

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -43,15 +44,13 @@ from serve_app.engine.scheduler import PromptRejected, check_prompt, output_room
 from serve_app.api.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                          TokenizePromptRequest, TokenizeResponse,
                                          tokenize_request_model)
-from serve_app.text.tokenizer import apply_chat_template
+from serve_app.text.prompt_encoder import PromptEncoder
+from serve_app.text.tokenizer import render_chat_template
 from serve_app.api.tools import ToolOutput, template_messages
 
 log = logging.getLogger("kestrel.http")
 
 HEALTH_TIMEOUT_S = 10.0
-# Longer texts are tokenized on a worker thread (the tokenizer releases the GIL): inline,
-# a 1 MB prompt held the event loop, and so every stream of the replica, for 1.1 s.
-INLINE_TOKENIZE_CHARS = 8192
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
               "/health", "/metrics"}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -113,6 +112,7 @@ class OpenAIServer:
         self.cfg = cfg
         self.engine = engine  # the replica's EngineClient (or a test double)
         self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer)
         self.logprob_format = LogprobFormatter(tokenizer)
         self.model_name = cfg.model.name
         self.max_model_len = cfg.model.max_model_len
@@ -163,10 +163,7 @@ class OpenAIServer:
         return body
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self.tokenizer.encode, text,
-                                       add_special_tokens=add_special_tokens)
+        return await self.encoder.encode(text, add_special_tokens)
 
     async def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
         """The messages through the model's chat template, as token ids."""
@@ -180,15 +177,14 @@ class OpenAIServer:
         elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             messages = template_messages(messages, tools)
         try:
-            if sum(len(m["content"]) for m in messages) <= INLINE_TOKENIZE_CHARS:
-                return apply_chat_template(self.tokenizer, messages, **kw)
-            return await asyncio.to_thread(apply_chat_template, self.tokenizer, messages, **kw)
+            text = render_chat_template(self.tokenizer, messages, **kw)
         # A template may reject a conversation (e.g. role order: TemplateError), and
         # transformers a continue_final_message it cannot honour (ValueError); anything
         # else is a bug, whose message is no answer for a client.
         except (TemplateError, ValueError) as e:
             raise KestrelAPIError.bad_request(f"The chat template rejected the messages: {e}",
                                               param="messages") from None
+        return await self.encoder.encode(text, False)
 
     def check_vocab(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -220,7 +216,7 @@ class OpenAIServer:
         except RuntimeError as e:  # parsed, yet the compiler refused it
             raise KestrelAPIError.bad_request(f"The output constraint does not compile: {e}") from None
 
-    def make_choices(self, body: Any, prompts: list[list[int]], request_id: str,
+    def make_choices(self, body: Any, prompts: list[list[int]], request_id: str, arrival: float,
                      grammar: str | None = None) -> list[_Choice]:
         """n choices per prompt, indexed prompt-major as OpenAI does; seeded requests get
         seed, seed+1, ... so the n samples differ but stay reproducible."""
@@ -242,7 +238,7 @@ class OpenAIServer:
                 if sp["seed"] is not None:
                     sp["seed"] = sp["seed"] + i
                 choices.append(_Choice(index, ids, sp, f"{request_id}-{index}",
-                                       self.metrics.tracker()))
+                                       self.metrics.tracker(arrival)))
         return choices
 
     def bad_word_ids(self, words: list[str]) -> list[list[int]]:
@@ -343,13 +339,15 @@ class OpenAIServer:
 
     # ---- endpoints --------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
+        arrival = time.monotonic()
         self.check_auth(request)
+        data = await self.read_json(request)  # a slow upload is no admission work
         async with self.pacer.admission():
-            body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
+            body: ChatCompletionRequest = self.validate(data, ChatCompletionRequest)
             ids = await self.chat_prompt(body)
             self.check_prompt(ids, "messages")
             request_id = make_id("chatcmpl")
-            choices = self.make_choices(body, [ids], request_id, await self.compiled_grammar(body))
+            choices = self.make_choices(body, [ids], request_id, arrival, await self.compiled_grammar(body))
             tools, tool_choice = body.tool_dicts(), body.tool_choice_value()
             streams = self.start(choices)
         usage_prompt = len(ids)
@@ -372,16 +370,18 @@ class OpenAIServer:
             usage=usage_of(choices, usage_prompt)).model_dump())
 
     async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         self.check_auth(request)
+        data = await self.read_json(request)  # a slow upload is no admission work
         async with self.pacer.admission():
-            body: CompletionRequest = await self.parse(request, CompletionRequest)
+            body: CompletionRequest = self.validate(data, CompletionRequest)
             prompts: list[list[int]] = []
             for i, p in enumerate(body.prompts()):
                 ids = (await self.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p))
                 self.check_prompt(ids, "prompt" if len(body.prompts()) == 1 else f"prompt.{i}")
                 prompts.append(ids)
             request_id = make_id("cmpl")
-            choices = self.make_choices(body, prompts, request_id, await self.compiled_grammar(body))
+            choices = self.make_choices(body, prompts, request_id, arrival, await self.compiled_grammar(body))
             if body.echo:
                 texts = [p if isinstance(p, str) else self.tokenizer.decode(ids)
                          for p, ids in zip(body.prompts(), prompts)]

@@ -55,18 +55,23 @@ def load_tokenizer(path: str) -> Any:
     return tok
 
 
+def render_chat_template(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                         continue_final_message: bool = False, **kw: Any) -> str:
+    """Chat messages -> the prompt's text: by default ending with the assistant turn header;
+    with continue_final_message, ending inside the last message (no end-of-turn) so that
+    generation extends it. Encode it without special tokens added (the template wrote them)."""
+    return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, tokenize=False, **kw)
+
+
 def apply_chat_template(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                         continue_final_message: bool = False) -> list[int]:
-    """Chat messages -> prompt token ids, as plain ints: by default ending with the assistant
-    turn header; with continue_final_message, ending inside the last message (no end-of-turn)
-    so that generation extends it.
+    """Chat messages -> prompt token ids, as plain ints (render_chat_template, encoded).
 
-    The template renders to text, which the Rust tokenizer encodes directly: the same ids as
-    transformers' tokenize=True (which encodes the rendered text without special tokens
-    added), without its batch wrapping, which cost more than the encoding itself and runs
-    on the HTTP front's event loop for every request."""
-    text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message, tokenize=False)
+    The rendered text goes to the Rust tokenizer directly: the same ids as transformers'
+    tokenize=True (which encodes the rendered text without special tokens added), without
+    its batch wrapping, which cost more than the encoding itself."""
+    text = render_chat_template(tok, messages, add_generation_prompt, continue_final_message)
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
         return backend.encode(text, add_special_tokens=False).ids

@@ -61,3 +61,18 @@ def test_the_tools_reach_the_prompt(served, tokenizer):
     assert r.status_code == 200, r.text
     text = tokenizer.decode(r.json()["tokens"])
     assert '"lookup"' in text and "<tools>" in text
+
+
+def test_a_template_that_renders_tools_gets_them(tokenizer):
+    """A model whose chat template has its own tool format (Qwen, Llama 3.1) gets the tools
+    as the template's `tools` variable, not written into the system message."""
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for t in tools %}[TOOL {{ t.function.name }}]{% endfor %}"
+                         "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    app = build_api(OpenAIServer(load_config(overrides=["device=cpu"]), FakeEngine(script), tok))
+    with serve_over_http(app) as url:
+        r = __import__("httpx").post(url + "/tokenize", json={
+            "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert tok.decode(r.json()["tokens"]) == "[TOOL lookup]<user>hi<assistant>"

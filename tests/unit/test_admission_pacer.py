@@ -1,5 +1,5 @@
 """AdmissionPacer: a burst of handlers is admitted over several loop rounds, in arrival
-order; running streams wait while handlers queue; a lone request never waits."""
+order; running streams wait while handlers admit; a lone request never waits."""
 import asyncio
 
 from serve_app.api.admission_pacer import AdmissionPacer
@@ -39,6 +39,36 @@ def test_no_pacing_admits_a_burst_in_one_round():
     run(main())
 
 
+def test_streams_wait_while_a_handler_admits_without_slices():
+    async def main():
+        pacer = AdmissionPacer(slice_s=0.0, defer_s=GUARD_S)  # only the handler's exit releases
+        inside, leave = asyncio.Event(), asyncio.Event()
+
+        async def handler():
+            async with pacer.admission():
+                inside.set()
+                await leave.wait()  # its template, its encoding...
+        task = asyncio.create_task(handler())
+        await inside.wait()
+        assert pacer.backlog
+        paused = asyncio.create_task(pacer.pause())
+        await asyncio.sleep(0.01)
+        assert not paused.done()  # the running stream holds its chunk back
+        leave.set()
+        await paused
+        await task
+        assert not pacer.backlog
+    run(main())
+
+
+def test_without_defer_streams_never_wait():
+    async def main():
+        pacer = AdmissionPacer(slice_s=0.0, defer_s=0.0)
+        async with pacer.admission():
+            assert not pacer.backlog
+    run(main())
+
+
 def test_a_stream_paused_for_a_backlog_resumes_when_it_drains():
     async def main():
         pacer = AdmissionPacer(slice_s=1e-12, defer_s=GUARD_S)  # only the drain releases it
@@ -54,7 +84,7 @@ def test_a_stream_paused_for_a_backlog_resumes_when_it_drains():
 
 def test_a_paused_stream_resumes_after_defer_s_while_the_backlog_lasts():
     async def main():
-        pacer = AdmissionPacer(slice_s=1e-12, defer_s=0.0)
+        pacer = AdmissionPacer(slice_s=1e-12, defer_s=1e-6)
         blocker = asyncio.Event()
 
         async def slow():
