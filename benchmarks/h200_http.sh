@@ -60,6 +60,7 @@ if [ "${3:-}" = grammar ]; then
   sampling=(--no-in-process --variant 'none={}' --variant 'grammar={"structured_outputs": {"regex": "[^\\x01]*\\x01"}}')
   vllm_extra=(--structured-outputs-config '{"backend": "xgrammar"}')  # the engine Kestrel uses
 fi
+mkdir -p "$out"  # the servers' logs go there before the first bench writes its JSON
 bench() {  # limit, args...; the part's --name gets the suffix
   local args=("${@:2}")
   for i in "${!args[@]}"; do [ "${args[$i]}" = --name ] && args[$((i + 1))]+=$suffix; done
