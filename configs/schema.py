@@ -386,10 +386,11 @@ class ServeConfig(_Strict):
     # Requests that arrive together are admitted about this much handler work per event
     # loop round, with the sockets polled between rounds, so first tokens go out while the
     # rest are admitted (serve_app/api/admission_pacer.py); 0 admits a burst in one round.
-    # Off (0): it helped on a 2-core CPU and changed little on an H200 (docs/benchmarks.md).
+    # Off (0) by default.
     admission_slice_ms: float = Field(0.0, ge=0)
-    # While admissions queue, a running stream holds its chunks back at most this long
-    # (its tokens go out together after): the inter-token gap a burst of arrivals can add.
+    # While any handler admits a request, a running stream holds its chunks back at most
+    # this long (its tokens go out together after): the chunk gap a burst of arrivals can
+    # add, for first tokens that come sooner; 0 never holds them.
     admission_defer_ms: float = Field(250.0, ge=0)
     engine_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     # Ray resources an Engine replica asks for on top of its CPUs and GPUs (in its

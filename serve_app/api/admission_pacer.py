@@ -1,21 +1,21 @@
-"""New requests' admission work in slices of the replica's event loop, ahead of stream chunks.
+"""New requests' admission work ahead of running streams' chunks on the replica's event loop.
 
-An asyncio loop polls its sockets only between rounds, and a round runs every callback
-that was ready when it began. When hundreds of requests arrive together (a closed
-benchmark level, a burst), their handlers (body, chat template, tokenize, admission:
-about a millisecond each) all become ready at once, and one round ran them all: 290 ms
-at 256 requests on a 2-core machine, while the engine core had the first tokens of the
-earliest ones 9 ms after their admission and the front channel that carried them was
-not read until the round ended. Then every running stream's chunk (detokenize, JSON,
-socket write) shared the next rounds with the handlers still to come.
+The front end has one event loop for every request of the replica. When hundreds of
+requests arrive together (a closed benchmark level, a burst), their handlers (chat
+template, tokenize, admission: about a millisecond each) and the chunks of the streams
+already running (detokenize, JSON, socket write) share it in arrival order, so the last
+requests of a burst reached the engine only after many rounds of other streams' chunks.
 
-So a handler takes a turn (`admission`): turns run without waiting while this round's
-admission work is under `slice_s`; beyond it, handlers queue, and each later round
-releases about `slice_s` of them, with the sockets polled in between (first tokens are
-read and sent between slices). While handlers queue, streams that have sent their first
-chunk park after each chunk (`pause`) until the queue drains, or at most `defer_s`:
+So while any handler is inside `admission`, streams that have sent their first chunk
+park after each chunk (`pause`) until no handler is admitting, or at most `defer_s`:
 their tokens pile up and go out as one chunk, and the loop's time goes to the new
-requests. Without a backlog nothing waits, and nothing changes for a lone request.
+requests. Nothing waits for a lone request's own admission.
+
+With `slice_s`, a handler also takes a turn: turns run without waiting while this
+round's admission work is under `slice_s`; beyond it, handlers queue, and each later
+round releases about `slice_s` of them, with the sockets polled in between (first
+tokens are read and sent between slices). An asyncio loop polls its sockets only
+between rounds, and a round runs every callback that was ready when it began.
 """
 from __future__ import annotations
 
