@@ -38,6 +38,14 @@ def ray_env(cfg: KestrelConfig) -> dict[str, str]:
     - RAY_SERVE_HAPROXY_TIMEOUT_SERVER_S (serve.haproxy_timeout_server_s): Serve's
       config has no `timeout server`, so a replica whose machine vanished held its
       streams open for as long as their clients waited.
+    - RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S (the same value): Serve restarts HAProxy
+      whenever replicas come or go, and the old process, which keeps the streams it
+      holds, is stopped with them after `hard-stop-after` (120 s by default): every
+      stream longer than that across a scale event was cut. A stream now survives
+      reloads for as long as HAProxy would let it stay silent. Serve quarantines a
+      stopped replica's port for as long (plus 30 s), since old processes may still
+      route to it: a node has 1000 replica ports, far more than engine replicas start
+      on one node in that time.
     - RAY_SERVE_HAPROXY_RETRY_ON="conn-failure empty-response": HAProxy sends a request
       again, to another replica (Serve's `option redispatch 1`), when it could not connect
       (Serve's default) and also when the replica closed the connection having answered
@@ -57,6 +65,7 @@ def ray_env(cfg: KestrelConfig) -> dict[str, str]:
     if cfg.serve.http_proxy == "haproxy":
         env.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2",
                    RAY_SERVE_HAPROXY_TIMEOUT_SERVER_S=str(cfg.serve.haproxy_timeout_server_s),
+                   RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S=str(cfg.serve.haproxy_timeout_server_s),
                    RAY_SERVE_HAPROXY_RETRY_ON="conn-failure empty-response")
     return env
 

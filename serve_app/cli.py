@@ -1,4 +1,4 @@
-"""The `kestrel` command: serve, generate, chat, bench, train-draft."""
+"""The `kestrel` command: serve, env, generate, chat, bench, train-draft."""
 from __future__ import annotations
 
 import argparse
@@ -126,6 +126,18 @@ def cmd_serve(args) -> None:
     run_server(cfg, **overrides)
 
 
+def cmd_env(args) -> None:
+    """The variables `kestrel serve` sets for the Ray instance it starts, as shell
+    `export` lines, for Ray's own `serve run` on this machine: `eval "$(kestrel env)"`.
+    Ray's processes read them when they start, so they must be in the environment of the
+    command that starts Ray; `serve run` cannot take them from its config file."""
+    import shlex
+
+    from serve_app.app import local_ray_env
+    for key, value in sorted(local_ray_env(_config(args)).items()):
+        print(f"export {key}={shlex.quote(value)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
@@ -167,6 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=None)
     s.set_defaults(func=cmd_serve)
+
+    e = sub.add_parser("env", help="the environment for `serve run` on this machine: "
+                       "eval \"$(kestrel env)\" before `serve run configs/serve.yaml`")
+    _add_common(e)
+    e.set_defaults(func=cmd_env)
 
     # Listed for --help; main() hands their arguments over before parsing.
     sub.add_parser("bench", help="benchmarks: `kestrel bench offline --help`")

@@ -10,6 +10,9 @@ small HTTP servers that stand for replicas:
   still sent on to the other;
 - a replica that goes silent in the middle of a stream (its machine gone): HAProxy ends
   the stream after serve.haproxy_timeout_server_s.
+
+The rendered config also holds that timeout as `hard-stop-after`: how long an HAProxy
+that Serve replaced (a reload, whenever replicas come or go) keeps its streams.
 """
 from __future__ import annotations
 
@@ -139,10 +142,14 @@ class HAProxy:
             pytest.fail("HAProxy does not listen")
         self.url = f"http://127.0.0.1:{self.port}/v1/completions"
 
+    def section(self, name: str) -> list[str]:
+        """The directives of the `global` or `defaults` section."""
+        text = self.config.split("\ndefaults\n", 1)
+        text = text[0].split("global\n", 1)[1] if name == "global" else text[1].split("\nfrontend ", 1)[0]
+        return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
     def defaults(self) -> list[str]:
-        """The `defaults` section's directives."""
-        lines = self.config.split("\ndefaults\n", 1)[1].split("\nfrontend ", 1)[0].splitlines()
-        return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        return self.section("defaults")
 
     def close(self) -> None:
         self.proc.terminate()
@@ -181,7 +188,10 @@ def test_the_config_has_the_timeout_and_the_retries(haproxy, replicas):
     d = h.defaults()
     assert "timeout server 3600s" in d and "timeout client 3600s" in d
     assert "retry-on conn-failure empty-response" in d and "option redispatch 1" in d
-    assert "timeout server 42s" in haproxy(["serve.haproxy_timeout_server_s=42"], [1]).defaults()
+    # An old HAProxy, after a reload, keeps its streams as long as the new one would.
+    assert "hard-stop-after 3600s" in h.section("global")
+    short = haproxy(["serve.haproxy_timeout_server_s=42"], [1])
+    assert "timeout server 42s" in short.defaults() and "hard-stop-after 42s" in short.section("global")
 
 
 def post_whole(port: int, body: bytes) -> int:
