@@ -202,8 +202,8 @@ def test_node_joined_under_load_takes_the_new_replica_and_scale_in_cuts_no_strea
     app, engine = cluster_app, cluster_app.engine()
     tc = time.monotonic()
     assert stream(app.url, "Calibrate:", 300)[0] == "whole"
-    # Probes long enough to outlive their placement and the scale-in (metrics each second, look-back 1.5 s,
-    # downscale delay 1 s, then 2 s of HAProxy draining), measured not fixed.
+    # Probes long enough to outlive their placement and the scale-in (metrics each second,
+    # look-back 1.5 s, downscale delay 1 s, then 2 s of HAProxy draining), measured not fixed.
     probe_tokens = min(MAX_MODEL_LEN - 64, int(300 / (time.monotonic() - tc) * 15.0))
     pool = ThreadPoolExecutor(max_workers=12)
     hang_up, scaled_out = threading.Event(), threading.Event()
