@@ -16,7 +16,8 @@ The client (this process) opens --concurrency connections first (a short request
 then sends the MT-bench first turns all at once, streamed, as benchmarks/http_bench.py does,
 and times per request the first chunk of any kind (the role chunk chat sends before the
 engine answers: the handler has run) and the first chunk with text (TTFT). It prints p50
-and p99 per level and repeat. With --py-spy, py-spy samples the front end's process during
+and p99 per level and repeat, and the front end's CPU seconds over the burst (with the raw
+client, the chunks it wrote: what a chunk costs the front end's one core). With --py-spy, py-spy samples the front end's process during
 each level's first burst (raw stacks under --out; `python -m benchmarks.stack_summary`).
 """
 from __future__ import annotations
@@ -154,11 +155,13 @@ def _raw_request(port: int, question: str, max_tokens: int) -> bytes:
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-async def _raw_exchange(reader, writer, request: bytes) -> tuple[float, float]:
-    """One request on an open keep-alive connection, its response read line by line."""
+async def _raw_exchange(reader, writer, request: bytes) -> tuple[float, float, int]:
+    """One request on an open keep-alive connection, its response read line by line:
+    (seconds to the first chunk, to the first chunk with text, chunks)."""
     t0 = time.perf_counter()
     writer.write(request)
     first = text = None
+    chunks = 0
     status = await reader.readline()
     if b" 200 " not in status:
         raise RuntimeError(f"HTTP {status!r}")
@@ -168,12 +171,13 @@ async def _raw_exchange(reader, writer, request: bytes) -> tuple[float, float]:
             raise RuntimeError("the server closed the connection")
         if line.startswith(b"data: "):
             now = time.perf_counter()
+            chunks += 1
             first = first or now
             if text is None and b'"content":"' in line and b'"content":""' not in line:
                 text = now
         elif line == b"0\r\n":  # the chunked body's end
             await reader.readline()
-            return first - t0, text - t0
+            return first - t0, text - t0, chunks
 
 
 async def _aiohttp_request(session, url: str, question: str, max_tokens: int) -> tuple[float, float]:
@@ -218,8 +222,15 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def _level(url: str, questions: list[str], c: int, max_tokens: int, client: str,
-                 spy: subprocess.Popen | None) -> dict:
+                 spy: subprocess.Popen | None, front_pid: int) -> dict:
     if client == "raw":
         port = int(url.rsplit(":", 1)[1])
         conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(c)]
@@ -243,9 +254,11 @@ async def _level(url: str, questions: list[str], c: int, max_tokens: int, client
         await asyncio.sleep(0.5)
         if spy is not None:
             await asyncio.sleep(1.0)  # py-spy attached
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu_seconds(front_pid)
         rows = await asyncio.gather(*(send(i, q, max_tokens) for i, q in enumerate(questions[:c])))
         seconds = time.perf_counter() - t0
+        await asyncio.sleep(0.2)  # the front end's last writes and cleanup
+        front_cpu = _cpu_seconds(front_pid) - cpu0
     finally:
         if client == "raw":
             for _, w in conns:
@@ -254,7 +267,8 @@ async def _level(url: str, questions: list[str], c: int, max_tokens: int, client
             await session.close()
     first = [r[0] for r in rows]
     ttft = [r[1] for r in rows]
-    return {"concurrency": c, "seconds": seconds,
+    chunks = sum(r[2] for r in rows) if client == "raw" else None
+    return {"concurrency": c, "seconds": seconds, "front_cpu_s": front_cpu, "chunks": chunks,
             "first_chunk_p50_ms": 1000 * _pct(first, 0.5), "first_chunk_p99_ms": 1000 * _pct(first, 0.99),
             "ttft_p50_ms": 1000 * _pct(ttft, 0.5), "ttft_p99_ms": 1000 * _pct(ttft, 0.99),
             "ttft_mean_ms": 1000 * statistics.mean(ttft)}
@@ -299,7 +313,7 @@ def main(argv=None) -> None:
                                             "-d", "6", "-f", "raw", "-o", path, "--nonblocking"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 gc0 = gc_ms.value
-                row = asyncio.run(_level(url, questions, c, args.max_tokens, args.client, spy))
+                row = asyncio.run(_level(url, questions, c, args.max_tokens, args.client, spy, front.pid))
                 time.sleep(0.2)
                 row["front_gc_ms"] = gc_ms.value - gc0  # warm-up and burst
                 if spy is not None:
@@ -308,7 +322,9 @@ def main(argv=None) -> None:
                 print(f"c={c} run {rep + 1}: first chunk p50 {row['first_chunk_p50_ms']:.0f} ms, "
                       f"p99 {row['first_chunk_p99_ms']:.0f} ms; TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
                       f"p99 {row['ttft_p99_ms']:.0f} ms, mean {row['ttft_mean_ms']:.0f} ms; "
-                      f"burst {row['seconds']:.2f} s; front GC {row['front_gc_ms']:.0f} ms", flush=True)
+                      f"burst {row['seconds']:.2f} s; front GC {row['front_gc_ms']:.0f} ms; front CPU "
+                      f"{row['front_cpu_s']:.2f} s" + (f" for {row['chunks']} chunks" if row['chunks'] else ""),
+                      flush=True)
     finally:
         front.kill()
         core.kill()
