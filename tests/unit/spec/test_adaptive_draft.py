@@ -1,7 +1,8 @@
 """Adaptive draft shapes: a decode step may draft with a smaller shape than the configured
 one (draft.adaptive_shapes), chosen per step by DraftPolicy from measured step costs and
-accept lengths. Greedy output stays the plain output token for token under any sequence
-of shapes; what cannot run at a smaller shape runs at the configured one, and says so."""
+accept lengths, with step graphs (here their CPU stand-ins) or, without graphs (the CPU),
+eagerly. Greedy output stays the plain output token for token under any sequence of
+shapes; what cannot run at a smaller shape runs at the configured one, and says so."""
 from __future__ import annotations
 
 import pytest
@@ -31,19 +32,24 @@ class Cycle(DraftPolicy):
         self.seen.append((shape, max(accept_lengths)))
 
 
-def adaptive_engine(model_dir, *overrides):
+def adaptive_engine(model_dir, *overrides, graphs: bool = True):
+    """graphs: the shapes replay step graphs (on CPU their eager stand-ins); else they run
+    as a CPU rank starts them, eagerly through the per-phase path."""
     eng = tiny_engine(model_dir, *TREE, *overrides)
-    eng.workers[0].eagle.capture_graphs(SIZES)  # CPU: the step graphs' eager stand-ins
+    if graphs:
+        eng.workers[0].eagle.capture_graphs(SIZES)
     return eng
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("overrides", [(), (SHAPES3,)], ids=["root_only", "three_shapes"])
-def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, overrides):
+def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, overrides, graphs):
     prompts = random_prompts(5, seed=21)
     want = outputs(tiny_engine(tiny_llama_dir, spec=False), prompts, MAX_TOKENS)
-    eng = adaptive_engine(tiny_llama_dir, *overrides)
+    eng = adaptive_engine(tiny_llama_dir, *overrides, graphs=graphs)
     shapes = eng.workers[0].eagle.shapes
     assert [(s.S, s.N) for s in shapes[1:]] == ([(2, 3), (1, 1)] if overrides else [(1, 1)])
+    assert all((s.step_graph is None) != graphs for s in shapes)
     policy = eng.schedulers[0].draft_policy = Cycle(len(shapes))
     assert outputs(eng, prompts, MAX_TOKENS) == want
     assert set(eng.shape_steps) == set(range(len(shapes)))  # every shape ran
@@ -51,10 +57,12 @@ def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, 
         assert longest <= min(shapes[shape].S, shapes[shape].N - 1) + 1
 
 
-def test_sampled_steps_run_at_every_shape(tiny_llama_dir):
-    """Sampled rows replay each shape's sampled step graph with the first N+1 of their coins."""
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_sampled_steps_run_at_every_shape(tiny_llama_dir, graphs):
+    """Sampled rows take each shape's sampled step (its graph, or eagerly) with the first
+    N+1 of their coins."""
     from serve_app.engine.request import SamplingParams
-    eng = adaptive_engine(tiny_llama_dir)
+    eng = adaptive_engine(tiny_llama_dir, graphs=graphs)
     eng.schedulers[0].draft_policy = Cycle(2)
     reqs = eng.generate(random_prompts(3, seed=4),
                         SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=3))
@@ -108,14 +116,47 @@ def test_policy_picks_the_most_tokens_per_second_and_explores():
         DraftPolicy(shapes, [[1.0]], [1, 64])
 
 
+def test_eager_costs_interpolate_between_sizes_and_hold_past_the_last():
+    """Eager costs (no graphs): a batch between two measured sizes costs in between, one
+    past the last costs what the last does; no batch falls back to the configured shape."""
+    shapes = [(1, 3, 4), (1, 1, 1)]
+    # The chain costs 1.1 root steps at batch 1 and 2.5 at batch 32.
+    policy = DraftPolicy(shapes, [[1.1, 2.5], [1.0, 1.0]], [1, 32], eager=True)
+    for _ in range(200):
+        policy.observe(0, [2, 2])  # accepts 2 on average
+    assert policy.rates(1) == pytest.approx([2 / 1.1, 1.0], rel=1e-3)
+    assert policy.rates(16) == pytest.approx([2 / (1.1 + 15 / 31 * 1.4), 1.0], rel=1e-3)
+    assert policy.rates(200) == policy.rates(32)
+    assert policy.choose(1) == 0 and policy.choose(8) == 0  # 2 / 1.42 > 1
+    assert policy.choose(24) == 1 and policy.choose(200) == 1  # 2 / 2.14 < 1
+    padded = DraftPolicy(shapes, [[1.1, 2.5], [1.0, 1.0]], [1, 32])
+    assert padded.rates(16) == padded.rates(32) and padded.rates(33) is None  # padded to 32
+
+
 def test_policy_needs_measured_costs(tiny_llama_dir):
     shapes = tiny_config(tiny_llama_dir, *TREE).draft.shapes()
     assert DraftPolicy.from_worker(shapes, {"draft_step_costs": None}) is None
     assert DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0]]}) is None  # one shape
     p = DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0], [0.5]], "graph_batch_sizes": [8]})
-    assert p.shapes == shapes[:2]
-    # The CPU engine has no costs (no graphs): every step takes the configured shape.
-    eng = tiny_engine(tiny_llama_dir, *TREE)
+    assert p.shapes == shapes[:2] and not p.eager
+
+
+@pytest.mark.parametrize("overrides", [(), (SHAPES3,)], ids=["root_only", "three_shapes"])
+def test_cpu_rank_times_its_shapes_eagerly(tiny_llama_dir, overrides):
+    """Without graphs the rank times every shape's eager iteration at powers of two up to
+    the running limit (8 here), and the scheduler's policy reads those costs."""
+    eng = tiny_engine(tiny_llama_dir, *TREE, *overrides)
+    info = eng.workers[0].info()
+    assert info["graph_batch_sizes"] is None and info["eager_draft_cost_sizes"] == [1, 2, 4, 8]
+    costs = info["draft_step_costs"]
+    assert len(costs) == len(eng.workers[0].eagle.shapes) == (3 if overrides else 2)
+    assert all(len(c) == 4 and min(c) > 0 for c in costs)
+    policy = eng.schedulers[0].draft_policy
+    assert isinstance(policy, DraftPolicy) and policy.eager and policy.costs == costs
+    assert policy.sizes == [1, 2, 4, 8]
+    # adaptive_shapes=[]: one shape, nothing to time or choose
+    eng = tiny_engine(tiny_llama_dir, *TREE, "draft.adaptive_shapes=[]")
+    assert eng.workers[0].info()["draft_step_costs"] is None
     assert eng.schedulers[0].draft_policy is None
 
 
