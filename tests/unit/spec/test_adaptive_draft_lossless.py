@@ -1,7 +1,8 @@
 """Adaptive draft shapes on the CPU with SmolLM2's real weights and its shipped head (the
 default chain, so drafts are accepted and a switch drops real work): greedy output is the
 plain output token for token whatever eager shape each step takes, whether the shapes
-take turns or DraftPolicy switches them as the batch shrinks."""
+take turns or DraftPolicy switches them as the batch shrinks; /metrics counts the steps
+per shape of a CPU rank served through the step channel."""
 from __future__ import annotations
 
 import pytest
@@ -76,3 +77,37 @@ def test_policy_switches_as_the_batch_shrinks(engine, tokenizer, chat_prompts,
         assert_same_or_near_tie(hf_model, prompt, r.output_ids, ref[:n])
     assert engine.shape_steps[0] and engine.shape_steps[3]
     assert not engine.shape_steps[1] and not engine.shape_steps[2]
+
+
+def test_cpu_steps_per_shape_reach_metrics(engine, tokenizer, chat_prompts):
+    """Through the step channel and the engine core, as `kestrel serve` runs a CPU rank:
+    the core counts the shape each step ran at, and /metrics exports the counts."""
+    import asyncio
+
+    from kestrel_testing import LocalEngine
+    from serve_app.api.metrics import ServerMetrics
+    from serve_app.engine.draft_policy import shape_name
+
+    worker = engine.workers[0]
+
+    async def run():
+        local = await LocalEngine.start(worker.cfg, worker.info(), worker, tokenizer)
+        local.core.schedulers[0].draft_policy = Cycle(4)
+        stream = local.client.add_request(chat_prompts[0], dict(max_tokens=16, ignore_eos=True), "a")
+        _ = [out async for out in stream]
+        for _ in range(100):  # the last step comes back and is counted
+            stats = await local.client.stats()
+            if sum(stats["draft_shape_steps"].values()) == stats["steps"]["decode"]:
+                break
+            await asyncio.sleep(0.02)
+        await local.stop()
+        return stats
+
+    stats = asyncio.run(run())
+    names = [shape_name((s.K, s.S, s.N)) for s in worker.eagle.shapes]
+    assert set(stats["draft_shape_steps"]) == set(names)  # k1s3n4, k1s2n3, k1s1n2, k1s1n1
+    m = ServerMetrics("m")
+    m.update_engine({**stats, "replica": "r"})
+    text = m.render()[0].decode()
+    for name in names:
+        assert f'kestrel_engine_draft_shape_steps_total{{model="m",replica="r",shape="{name}"}}' in text
