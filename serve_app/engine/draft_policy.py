@@ -9,7 +9,10 @@ the shapes' eager iterations at a few sizes instead: any batch runs at any shape
 cost between those of the sizes around it. accept(s) is what this scheduler sees:
 a moving average of the accept lengths of the steps that ran at s, starting from the most
 the shape can accept (so a shape is tried before it is judged), the root-only shape's
-exactly 1. A shape not chosen for EXPLORE_EVERY steps is run once, so its estimate
+exactly 1. Until a shape has seen a few requests' accept lengths its estimate is their
+mean with the optimistic start counted as PRIOR of them: a step of 32 requests judges a
+shape at once (a chain that costs 2.5 root steps there is dropped after one step, not
+twelve), a single stream over a few steps (one unlucky step does not drop it). A shape not chosen for EXPLORE_EVERY steps is run once, so its estimate
 follows the traffic (the prompts, not the batch size, decide how much drafts are
 accepted). Greedy output is the same at every shape (each one verifies its drafts against
 the target), so the choice changes speed only.
@@ -20,6 +23,7 @@ import bisect
 
 EXPLORE_EVERY = 64  # steps a learnable shape may go unchosen before it runs once
 EMA = 0.1  # weight of one step's mean accept length in a shape's estimate
+PRIOR = 4  # requests' worth of weight of a shape's optimistic start
 
 
 def shape_name(shape: tuple[int, int, int]) -> str:
@@ -41,6 +45,7 @@ class DraftPolicy:
         self.accept = [float(min(s, n - 1) + 1) for _, s, n in shapes]
         self.learns = [n > 1 for _, _, n in shapes]  # the root alone always emits one token
         self.unchosen = [0] * len(shapes)  # steps since each shape last ran
+        self.seen = [0] * len(shapes)  # accept lengths observed per shape
 
     @classmethod
     def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict) -> "DraftPolicy | None":
@@ -79,6 +84,9 @@ class DraftPolicy:
     def observe(self, shape: int, accept_lengths: list[int]) -> None:
         """A step that ran at `shape` emitted these accept lengths (one per request)."""
         if accept_lengths and self.learns[shape]:
-            mean = sum(accept_lengths) / len(accept_lengths)
-            self.accept[shape] += EMA * (mean - self.accept[shape])
+            n = len(accept_lengths)
+            mean = sum(accept_lengths) / n
+            self.seen[shape] += n
+            weight = max(EMA, n / (PRIOR + self.seen[shape]))  # a running mean until EMA's
+            self.accept[shape] += weight * (mean - self.accept[shape])
 

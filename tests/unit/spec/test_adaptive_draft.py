@@ -10,7 +10,7 @@ from spec_helpers import TREE, outputs, random_prompts, tiny_config, tiny_engine
 
 from configs.schema import ConfigError, load_config
 from serve_app.api.metrics import ServerMetrics
-from serve_app.engine.draft_policy import EXPLORE_EVERY, DraftPolicy, shape_name
+from serve_app.engine.draft_policy import EXPLORE_EVERY, PRIOR, DraftPolicy, shape_name
 
 SIZES = [1, 2, 4, 8]
 MAX_TOKENS = 16
@@ -131,6 +131,27 @@ def test_eager_costs_interpolate_between_sizes_and_hold_past_the_last():
     assert policy.choose(24) == 1 and policy.choose(200) == 1  # 2 / 2.14 < 1
     padded = DraftPolicy(shapes, [[1.1, 2.5], [1.0, 1.0]], [1, 32])
     assert padded.rates(16) == padded.rates(32) and padded.rates(33) is None  # padded to 32
+
+
+def test_a_full_batch_judges_a_shape_at_once_a_single_stream_over_a_few_steps():
+    """The optimistic start weighs PRIOR requests: one step of 32 requests accepting 1.9
+    drops a chain that costs 2.5 root steps at once; at batch 1 one step accepting 1 does
+    not drop a chain that costs 1.1 root steps, a run of them does."""
+    shapes = [(1, 3, 4), (1, 1, 1)]
+    policy = DraftPolicy(shapes, [[1.1, 2.5], [1.0, 1.0]], [1, 32], eager=True)
+    assert policy.choose(32) == 0  # tried before judged: 4 / 2.5 > 1
+    policy.observe(0, [2] * 29 + [1] * 3)
+    assert policy.choose(32) == 1
+    policy = DraftPolicy(shapes, [[1.1, 2.5], [1.0, 1.0]], [1, 32], eager=True)
+    policy.observe(0, [1])
+    assert policy.accept[0] == pytest.approx((4 * PRIOR + 1) / (PRIOR + 1))
+    assert policy.choose(1) == 0
+    for _ in range(5):
+        policy.observe(0, [1])
+    assert policy.accept[0] == pytest.approx(2.2)  # (16 + 6) / 10: from here on EMA steps
+    for _ in range(30):
+        policy.observe(0, [1])
+    assert policy.choose(1) == 1
 
 
 def test_policy_needs_measured_costs(tiny_llama_dir):
