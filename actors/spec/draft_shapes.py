@@ -13,9 +13,9 @@ shape per step from those costs and the accept lengths it sees.
 
 Without step graphs (the CPU, or attention.cuda_graphs off) a view runs its iterations
 eagerly, through the same step code as the configured shape, and the rank times each
-shape's eager iteration at a few batch sizes instead (eager_step_costs): on two CPU cores
-a verified chain of 4 tokens per request costs about as much as one token at batch 1
-(weight reads) but 2.5x at batch 32 (compute), so the root alone wins there.
+shape's eager iteration at a few batch sizes instead (eager_step_costs). On two CPU cores
+the default chain (4 verified tokens per request) cost 1.1 root-only steps at batch 1
+(weight reads) but 2.5 at batch 32 (compute), where it accepts too little to pay.
 """
 from __future__ import annotations
 
