@@ -14,6 +14,7 @@ from serve_app.engine.draft_policy import EXPLORE_EVERY, PRIOR, DraftPolicy, sha
 
 SIZES = [1, 2, 4, 8]
 MAX_TOKENS = 16
+ROOT = "draft.adaptive_shapes=[[1,1]]"  # the default (TREE has none: spec_helpers.FIXED)
 SHAPES3 = "draft.adaptive_shapes=[[2,3],[1,1]]"
 
 
@@ -35,7 +36,7 @@ class Cycle(DraftPolicy):
 def adaptive_engine(model_dir, *overrides, graphs: bool = True):
     """graphs: the shapes replay step graphs (on CPU their eager stand-ins); else they run
     as a CPU rank starts them, eagerly through the per-phase path."""
-    eng = tiny_engine(model_dir, *TREE, *overrides)
+    eng = tiny_engine(model_dir, *TREE, ROOT, *overrides)
     if graphs:
         eng.workers[0].eagle.capture_graphs(SIZES)
     return eng
@@ -75,7 +76,7 @@ def test_a_step_a_smaller_shape_cannot_hold_runs_at_the_configured_one(tiny_llam
     prompts = random_prompts(5, seed=8)
     plain = tiny_engine(tiny_llama_dir, spec=False)
     want = outputs(plain, prompts, MAX_TOKENS), outputs(plain, prompts[:2], MAX_TOKENS)
-    eng = tiny_engine(tiny_llama_dir, *TREE)
+    eng = tiny_engine(tiny_llama_dir, *TREE, ROOT)
     eagle = eng.workers[0].eagle
     eagle.capture_graphs([1, 2])  # 5 requests: no step graph holds them
     eng.schedulers[0].draft_policy = Cycle(2)
@@ -155,7 +156,7 @@ def test_a_full_batch_judges_a_shape_at_once_a_single_stream_over_a_few_steps():
 
 
 def test_policy_needs_measured_costs(tiny_llama_dir):
-    shapes = tiny_config(tiny_llama_dir, *TREE).draft.shapes()
+    shapes = tiny_config(tiny_llama_dir, *TREE, ROOT).draft.shapes()
     assert DraftPolicy.from_worker(shapes, {"draft_step_costs": None}) is None
     assert DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0]]}) is None  # one shape
     p = DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0], [0.5]], "graph_batch_sizes": [8]})
@@ -166,7 +167,7 @@ def test_policy_needs_measured_costs(tiny_llama_dir):
 def test_cpu_rank_times_its_shapes_eagerly(tiny_llama_dir, overrides):
     """Without graphs the rank times every shape's eager iteration at powers of two up to
     the running limit (8 here), and the scheduler's policy reads those costs."""
-    eng = tiny_engine(tiny_llama_dir, *TREE, *overrides)
+    eng = tiny_engine(tiny_llama_dir, *TREE, ROOT, *overrides)
     info = eng.workers[0].info()
     assert info["graph_batch_sizes"] is None and info["eager_draft_cost_sizes"] == [1, 2, 4, 8]
     costs = info["draft_step_costs"]
@@ -176,7 +177,7 @@ def test_cpu_rank_times_its_shapes_eagerly(tiny_llama_dir, overrides):
     assert isinstance(policy, DraftPolicy) and policy.eager and policy.costs == costs
     assert policy.sizes == [1, 2, 4, 8]
     # adaptive_shapes=[]: one shape, nothing to time or choose
-    eng = tiny_engine(tiny_llama_dir, *TREE, "draft.adaptive_shapes=[]")
+    eng = tiny_engine(tiny_llama_dir, *TREE)  # spec_helpers.FIXED
     assert eng.workers[0].info()["draft_step_costs"] is None
     assert eng.schedulers[0].draft_policy is None
 
