@@ -202,3 +202,26 @@ def test_metrics_export_steps_per_shape():
     text = m.render()[0].decode()
     assert 'kestrel_engine_draft_shape_steps_total{model="m",replica="r",shape="k4s5n8"} 7.0' in text
     assert 'shape="k4s1n1"} 2.0' in text
+
+
+def test_penalties_and_logprobs_at_eager_shapes_equal_plain(tiny_llama_dir, monkeypatch):
+    """Processing and logprobs on the eager path at every shape in turn: the configured
+    tree with an oracle draft (long accepts, each node processed with its path's counts),
+    the root alone between its steps; tokens and logprobs equal plain decoding's."""
+    from test_logprobs_lossless import TOL, run
+
+    from serve_app.engine.request import SamplingParams
+    prompts = random_prompts(3, seed=9)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=4, presence_penalty=0.5,
+                            repetition_penalty=1.2, logit_bias={5: 1.0})
+    plain = run(tiny_engine(tiny_llama_dir, spec=False), prompts, params)
+    eng = adaptive_engine(tiny_llama_dir, graphs=False)
+    policy = eng.schedulers[0].draft_policy = Cycle(2)
+    spec = run(eng, prompts, params, [r.output_ids for r in plain], monkeypatch)
+    assert max(longest for shape, longest in policy.seen if shape == 0) >= 3  # the oracle's tree
+    assert set(eng.shape_steps) == {0, 1}
+    for p, s in zip(plain, spec):
+        assert s.output_ids == p.output_ids
+        for (lp, ids, lps), (lp2, ids2, lps2) in zip(p.token_logprobs, s.token_logprobs):
+            assert ids2 == ids
+            assert max(abs(a - b) for a, b in zip([lp, *lps], [lp2, *lps2])) < TOL
