@@ -129,11 +129,13 @@ class DraftConfig(_Strict):
     max_token_id: int | None = Field(None, ge=2)
     # Smaller draft shapes, [num_steps, num_draft_tokens] each with the same topk, that a
     # decode step may take instead of the configured one: per step, the shape with the most
-    # tokens per second at that batch size, from each shape's replay cost measured at
-    # start-up and its accept length measured while serving ([1, 1]: the root only, a plain
-    # decode step that keeps the draft's state). Needs the step graphs (a GPU with
-    # attention.cuda_graphs); [] always runs the configured shape. Greedy output is the
-    # same under any shape; seeded sampling then depends on the shapes its steps took.
+    # tokens per second at that batch size, from each shape's step cost measured at
+    # start-up (its step graph replayed; without graphs, on the CPU, its eager iteration
+    # timed at batch sizes 1, 2, 4, ... up to scheduler.max_running_requests, a few seconds)
+    # and its accept length measured while serving ([1, 1]: the root only, a plain decode
+    # step that keeps the draft's state). Not under parallel.dp_attention; [] always runs
+    # the configured shape. Greedy output is the same under any shape; seeded sampling then
+    # depends on the shapes its steps took.
     adaptive_shapes: list[tuple[int, int]] = Field(default_factory=lambda: [(1, 1)])
 
     @model_validator(mode="after")

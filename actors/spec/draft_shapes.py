@@ -10,11 +10,19 @@ shared (models, KV pools, future map, plan stream), whose iterations replay as t
 step graphs; the rank measures each shape's replay cost per captured batch size at
 start-up, and the scheduler's DraftPolicy (serve_app/engine/draft_policy.py) picks a
 shape per step from those costs and the accept lengths it sees.
+
+Without step graphs (the CPU, or attention.cuda_graphs off) a view runs its iterations
+eagerly, through the same step code as the configured shape, and the rank times each
+shape's eager iteration at a few batch sizes instead (eager_step_costs). On two CPU cores
+the default chain (4 verified tokens per request) cost 1.1 root-only steps at batch 1
+(weight reads) but 2.5 at batch 32 (compute), where it accepts too little to pay.
 """
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -22,6 +30,13 @@ import torch
 from actors.spec.step_graph import StepGraph, Variant
 
 COST_REPEATS = 5  # replays timed per shape and size (the median is kept)
+# Eager iterations timed per shape and size, the shapes interleaved round by round so a
+# burst of load from other processes falls on all of them; the median is kept, so the
+# first round's one-off costs (buffers of a new size) drop out too.
+EAGER_COST_ROUNDS = 3
+EAGER_COST_SIZES = (1, 2, 4, 8, 16, 32, 64)  # capped at scheduler.max_running_requests
+
+log = logging.getLogger("kestrel.worker")
 
 
 def shape_view(eagle: Any, steps: int, nodes: int) -> Any:
@@ -50,4 +65,36 @@ def step_costs(graph: StepGraph) -> list[float]:
             end.synchronize()
             times.append(start.elapsed_time(end) / 1000)
         costs.append(statistics.median(times))
+    return costs
+
+
+def eager_cost_sizes(max_running: int) -> list[int]:
+    """The batch sizes eager step costs are measured at: EAGER_COST_SIZES up to the running
+    limit, and the limit itself (a batch between two sizes interpolates, DraftPolicy)."""
+    return sorted({b for b in EAGER_COST_SIZES if b < max_running} | {max_running})
+
+
+def eager_step_costs(shapes: list[Any], sizes: list[int], device: torch.device,
+                     rank: int = 0) -> list[list[float]]:
+    """Seconds of one greedy eager iteration of each shape (EagleWorker or view) at each
+    size -> [shape][size]: step_body on all-padded lanes (rows -1: row 0 and slot 0, both
+    reserved), as the graphs are timed, every shape the same way."""
+    costs = [[0.0] * len(sizes) for _ in shapes]
+    t0 = time.perf_counter()
+    for j, bs in enumerate(sizes):
+        rows = torch.full((bs,), -1, dtype=torch.int64, device=device)  # [bs] int64 padded lanes
+        times: list[list[float]] = [[] for _ in shapes]
+        for _ in range(EAGER_COST_ROUNDS):
+            for i, shape in enumerate(shapes):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                shape.step_body(rows)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[i].append(time.perf_counter() - start)
+        for i in range(len(shapes)):
+            costs[i][j] = statistics.median(times[i])
+        log.info("rank %d: eager draft shape step ms at batch %d: %s (%.1fs so far)", rank, bs,
+                 [round(1000 * c[j], 1) for c in costs], time.perf_counter() - t0)
     return costs

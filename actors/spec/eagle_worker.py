@@ -41,7 +41,7 @@ from actors.models.eagle import EagleHead
 from actors.graphs.plan_stream import PlanStream, VerifyInputs, prepare_draft_extend_inputs
 from actors.sampling.sampler import sampling_flags, truncates
 from actors.spec.spec_graphs import SpecGraphs, capture_spec_graphs
-from actors.spec.draft_shapes import shape_view, step_costs
+from actors.spec.draft_shapes import eager_step_costs, shape_view, step_costs
 from actors.spec.step_graph import StepGraph, Variant
 from actors.protocol.step_plan import StepPlan
 from configs.schema import KestrelConfig
@@ -118,6 +118,7 @@ class EagleWorker:
         # and each one's measured step cost per captured size (None: not measured).
         self.shapes = [self]
         self.shape_costs: list[list[float]] | None = None
+        self.eager_cost_sizes: list[int] | None = None  # the batch sizes of eager shapes' costs
         self.last_shape = 0  # the shape the last launched iteration ran at
         self.last_timings: dict[str, float] = {}  # per-phase seconds of the last iteration
 
@@ -200,7 +201,7 @@ class EagleWorker:
             self.shapes.append(view)
         if len(self.shapes) == 1:
             return
-        self.shape_costs = None
+        self.shape_costs = self.eager_cost_sizes = None
         if real:
             with torch.inference_mode():
                 self.shape_costs = [step_costs(shape.step_graph) for shape in self.shapes]
@@ -210,17 +211,39 @@ class EagleWorker:
                  None if self.shape_costs is None else
                  [[round(1000 * c, 2) for c in costs] for costs in self.shape_costs])
 
+    def eager_shapes(self, sizes: list[int]) -> None:
+        """draft.adaptive_shapes on a rank without step graphs (the CPU): views whose
+        iterations run eagerly, and every shape's eager step cost at `sizes`, for the
+        scheduler's DraftPolicy."""
+        t0 = time.time()
+        self.shapes = [self] + [shape_view(self, steps, nodes)
+                                for steps, nodes in self.cfg.draft.adaptive_shapes]
+        if len(self.shapes) == 1:
+            return
+        with torch.inference_mode():
+            self.shape_costs = eager_step_costs(self.shapes, sizes, self.w.device, self.w.rank)
+        self.eager_cost_sizes = sizes
+        log.info("rank %d: adaptive draft shapes %s (topk, steps, nodes), eager; step ms at "
+                 "batch sizes %s: %s, measured in %.1fs", self.w.rank,
+                 [(s.K, s.S, s.N) for s in self.shapes], sizes,
+                 [[round(1000 * c, 1) for c in costs] for costs in self.shape_costs],
+                 time.time() - t0)
+
     # ---- one speculative decode iteration ---------------------------------------------------
     def decode(self, plan: StepPlan) -> Emitted:
         """One iteration for the plan's rows, queued on the device -> the accepted tokens
         of each request, on their way to the host. At the plan's draft shape when that
-        shape's step graph holds the step; else at the configured shape, which has every
-        path (per-phase graphs, eager)."""
+        shape's step graph holds the step, or eagerly when the shapes have no graphs;
+        else at the configured shape, which has every path (per-phase graphs, eager)."""
         clock = PhaseClock(self.cfg.profile_steps, self.w.device)
         self.last_shape = plan.draft_shape
         if plan.draft_shape:
             view = self.shapes[plan.draft_shape]
             g = view.step_graph
+            if g is None:  # eager shapes (eager_shapes): any step runs at any of them
+                emitted = view._decode(plan, clock)
+                self.last_timings = view.last_timings
+                return emitted
             g_bs = g.pad_size(len(plan.rows))
             variant = Variant(plan.processing, plan.logprobs is not None, *sampling_flags(plan))
             if g_bs is not None and not self.w.grammars.any(plan.rows) \

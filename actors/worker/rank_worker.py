@@ -153,6 +153,10 @@ class RankWorker:
             self._capture_graphs()
             if self.memory is not None:
                 self.memory.graphs = int(self.graph_capture["gib"] * 2 ** 30)
+        elif self.eagle is not None and not cfg.parallel.dp_attention:
+            # No step graphs: the draft shapes run eagerly, timed so (a group steps one shape).
+            from actors.spec.draft_shapes import eager_cost_sizes
+            self.eagle.eager_shapes(eager_cost_sizes(cfg.scheduler.max_running_requests))
         if self.device.type == "cuda":  # compile eager paths' kernels now, not at a first request
             from actors.graphs.warmup import (warm_up_mixed, warm_up_prefill, warm_up_processing,
                                               warm_up_sampled_decode)
@@ -399,9 +403,11 @@ class RankWorker:
                 "dtype": str(self.dtype), "device": str(self.device), "graph_capture": self.graph_capture,
                 "memory": self.memory.as_dict() if self.memory is not None else None,
                 # Per draft shape (DraftConfig.shapes(), those captured), its step's seconds
-                # at each graph batch size: the scheduler's DraftPolicy reads them.
+                # at each graph batch size, or without graphs at each eager_draft_cost_sizes
+                # entry (eager_shapes): the scheduler's DraftPolicy reads them.
                 "draft_step_costs": self.eagle.shape_costs if self.eagle is not None else None,
-                "graph_batch_sizes": self.graph_capture.get("batch_sizes")}
+                "graph_batch_sizes": self.graph_capture.get("batch_sizes"),
+                "eager_draft_cost_sizes": self.eagle.eager_cost_sizes if self.eagle is not None else None}
 
     # ---- step execution -------------------------------------------------------------
     def on_steps_back(self, callback: Callable[[], None] | None) -> None:

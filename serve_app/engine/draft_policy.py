@@ -3,13 +3,20 @@
 A step of shape s at batch size b emits about accept(s) tokens per request and costs
 cost(s, b) seconds, so it runs at accept(s) / cost(s, b) tokens per request-second. The
 rank measured cost(s, b) for every shape and captured size at start-up (the shapes' step
-graphs replayed, actors/spec/draft_shapes.py); accept(s) is what this scheduler sees:
+graphs replayed, actors/spec/draft_shapes.py; a batch pads to the next captured size and
+past the last one runs at the configured shape). Without graphs (the CPU) the rank timed
+the shapes' eager iterations at a few sizes instead: any batch runs at any shape, at a
+cost between those of the sizes around it. accept(s) is what this scheduler sees:
 a moving average of the accept lengths of the steps that ran at s, starting from the most
 the shape can accept (so a shape is tried before it is judged), the root-only shape's
-exactly 1. A shape not chosen for EXPLORE_EVERY steps is run once, so its estimate
-follows the traffic (the prompts, not the batch size, decide how much drafts are
-accepted). Greedy output is the same at every shape (each one verifies its drafts against
-the target), so the choice changes speed only.
+exactly 1. Until a shape has seen a few requests' accept lengths its estimate is their
+mean with the optimistic start counted as PRIOR of them: a step of 32 requests judges a
+shape at once (a chain that costs 2.5 root steps there is dropped after one step, not
+twelve), a single stream over a few steps (one unlucky step does not drop it). A shape
+not chosen for EXPLORE_EVERY steps is run once, so its estimate follows the traffic (the
+prompts, not the batch size, decide how much drafts are accepted). Greedy output is the
+same at every shape (each one verifies its drafts against the target), so the choice
+changes speed only.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import bisect
 
 EXPLORE_EVERY = 64  # steps a learnable shape may go unchosen before it runs once
 EMA = 0.1  # weight of one step's mean accept length in a shape's estimate
+PRIOR = 4  # requests' worth of weight of a shape's optimistic start
 
 
 def shape_name(shape: tuple[int, int, int]) -> str:
@@ -26,31 +34,41 @@ def shape_name(shape: tuple[int, int, int]) -> str:
 
 
 class DraftPolicy:
-    def __init__(self, shapes: list[tuple[int, int, int]], costs: list[list[float]], sizes: list[int]):
+    def __init__(self, shapes: list[tuple[int, int, int]], costs: list[list[float]], sizes: list[int],
+                 eager: bool = False):
+        """`costs[s][i]`: seconds of a step of shape s at batch sizes[i]; `eager`: measured
+        eagerly (a batch between sizes interpolates, past the last takes the last's)."""
         if len(costs) != len(shapes) or any(len(c) != len(sizes) for c in costs):
             raise ValueError(f"step costs {[len(c) for c in costs]} do not match {len(shapes)} "
                              f"shapes at {len(sizes)} batch sizes")
-        self.shapes, self.costs, self.sizes = shapes, costs, sizes
+        self.shapes, self.costs, self.sizes, self.eager = shapes, costs, sizes, eager
         # The deepest path a tree of s steps and n nodes can accept, plus the bonus token.
         self.accept = [float(min(s, n - 1) + 1) for _, s, n in shapes]
         self.learns = [n > 1 for _, _, n in shapes]  # the root alone always emits one token
         self.unchosen = [0] * len(shapes)  # steps since each shape last ran
+        self.seen = [0] * len(shapes)  # accept lengths observed per shape
 
     @classmethod
     def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict) -> "DraftPolicy | None":
-        """The policy for a rank whose info() measured its shapes' costs, else None (one
-        shape, no graphs, or dp_attention: every step takes the configured shape)."""
+        """The policy for a rank whose info() measured its shapes' costs, replayed as graphs
+        or eagerly (eager_draft_cost_sizes), else None (one shape, or dp_attention: every
+        step takes the configured shape)."""
         costs = info.get("draft_step_costs")
         if not costs or len(costs) < 2:
             return None
-        return cls(shapes[:len(costs)], costs, info["graph_batch_sizes"])
+        eager = info.get("eager_draft_cost_sizes")
+        return cls(shapes[:len(costs)], costs, eager or info["graph_batch_sizes"], eager=bool(eager))
 
     def rates(self, batch: int) -> list[float] | None:
         """Expected tokens per request-second of each shape at `batch`, None past the graphs."""
         i = bisect.bisect_left(self.sizes, batch)
-        if i == len(self.sizes):
+        if i == len(self.sizes) and not self.eager:
             return None
-        return [a / c[i] for a, c in zip(self.accept, self.costs)]
+        if not self.eager or i == len(self.sizes) or i == 0 or self.sizes[i] == batch:
+            i = min(i, len(self.sizes) - 1)  # eager past the last size: the last's costs
+            return [a / c[i] for a, c in zip(self.accept, self.costs)]
+        t = (batch - self.sizes[i - 1]) / (self.sizes[i] - self.sizes[i - 1])
+        return [a / (c[i - 1] + t * (c[i] - c[i - 1])) for a, c in zip(self.accept, self.costs)]
 
     def choose(self, batch: int) -> int:
         rates = self.rates(batch)
@@ -67,6 +85,9 @@ class DraftPolicy:
     def observe(self, shape: int, accept_lengths: list[int]) -> None:
         """A step that ran at `shape` emitted these accept lengths (one per request)."""
         if accept_lengths and self.learns[shape]:
-            mean = sum(accept_lengths) / len(accept_lengths)
-            self.accept[shape] += EMA * (mean - self.accept[shape])
+            n = len(accept_lengths)
+            mean = sum(accept_lengths) / n
+            self.seen[shape] += n
+            weight = max(EMA, n / (PRIOR + self.seen[shape]))  # a running mean until EMA's
+            self.accept[shape] += weight * (mean - self.accept[shape])
 

@@ -8,15 +8,18 @@ from configs.schema import load_config
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.request import SamplingParams
 
-CHAIN = ("draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4")
-TREE = ("draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8")
+# Each the one shape every decode step drafts: without adaptive shapes a test of a shape's
+# path does not have the CPU's timed per-step choice (DraftPolicy) swap it for the root.
+FIXED = "draft.adaptive_shapes=[]"
+CHAIN = ("draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4", FIXED)
+TREE = ("draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8", FIXED)
 
 
 def tiny_config(model_dir: str, *overrides: str, spec: bool = True):
     base = [f"model.path={model_dir}", "model.dtype=float32", "device=cpu",
             "kv_cache.num_slots=4096", "model.max_model_len=512",
             "scheduler.max_running_requests=8"]
-    base += ["draft.enabled=true", "draft.path=random"] if spec else ["draft.enabled=false"]
+    base += ["draft.enabled=true", "draft.path=random", FIXED] if spec else ["draft.enabled=false"]
     return load_config(overrides=base + list(overrides))
 
 
@@ -38,5 +41,5 @@ def outputs(engine: LLMEngine, prompts, max_tokens: int) -> list[list[int]]:
     return [r.output_ids for r in engine.generate(prompts, greedy(max_tokens))]
 
 
-__all__ = ["CHAIN", "TREE", "tiny_config", "tiny_engine", "random_prompts", "greedy",
+__all__ = ["FIXED", "CHAIN", "TREE", "tiny_config", "tiny_engine", "random_prompts", "greedy",
            "outputs", "RankWorker"]

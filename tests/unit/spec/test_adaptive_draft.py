@@ -1,7 +1,8 @@
 """Adaptive draft shapes: a decode step may draft with a smaller shape than the configured
 one (draft.adaptive_shapes), chosen per step by DraftPolicy from measured step costs and
-accept lengths. Greedy output stays the plain output token for token under any sequence
-of shapes; what cannot run at a smaller shape runs at the configured one, and says so."""
+accept lengths, with step graphs (here their CPU stand-ins) or, without graphs (the CPU),
+eagerly. Greedy output stays the plain output token for token under any sequence of
+shapes; what cannot run at a smaller shape runs at the configured one, and says so."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +10,11 @@ from spec_helpers import TREE, outputs, random_prompts, tiny_config, tiny_engine
 
 from configs.schema import ConfigError, load_config
 from serve_app.api.metrics import ServerMetrics
-from serve_app.engine.draft_policy import EXPLORE_EVERY, DraftPolicy, shape_name
+from serve_app.engine.draft_policy import EXPLORE_EVERY, PRIOR, DraftPolicy, shape_name
 
 SIZES = [1, 2, 4, 8]
 MAX_TOKENS = 16
+ROOT = "draft.adaptive_shapes=[[1,1]]"  # the default (TREE has none: spec_helpers.FIXED)
 SHAPES3 = "draft.adaptive_shapes=[[2,3],[1,1]]"
 
 
@@ -31,19 +33,24 @@ class Cycle(DraftPolicy):
         self.seen.append((shape, max(accept_lengths)))
 
 
-def adaptive_engine(model_dir, *overrides):
-    eng = tiny_engine(model_dir, *TREE, *overrides)
-    eng.workers[0].eagle.capture_graphs(SIZES)  # CPU: the step graphs' eager stand-ins
+def adaptive_engine(model_dir, *overrides, graphs: bool = True):
+    """graphs: the shapes replay step graphs (on CPU their eager stand-ins); else they run
+    as a CPU rank starts them, eagerly through the per-phase path."""
+    eng = tiny_engine(model_dir, *TREE, ROOT, *overrides)
+    if graphs:
+        eng.workers[0].eagle.capture_graphs(SIZES)
     return eng
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("overrides", [(), (SHAPES3,)], ids=["root_only", "three_shapes"])
-def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, overrides):
+def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, overrides, graphs):
     prompts = random_prompts(5, seed=21)
     want = outputs(tiny_engine(tiny_llama_dir, spec=False), prompts, MAX_TOKENS)
-    eng = adaptive_engine(tiny_llama_dir, *overrides)
+    eng = adaptive_engine(tiny_llama_dir, *overrides, graphs=graphs)
     shapes = eng.workers[0].eagle.shapes
     assert [(s.S, s.N) for s in shapes[1:]] == ([(2, 3), (1, 1)] if overrides else [(1, 1)])
+    assert all((s.step_graph is None) != graphs for s in shapes)
     policy = eng.schedulers[0].draft_policy = Cycle(len(shapes))
     assert outputs(eng, prompts, MAX_TOKENS) == want
     assert set(eng.shape_steps) == set(range(len(shapes)))  # every shape ran
@@ -51,10 +58,12 @@ def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, 
         assert longest <= min(shapes[shape].S, shapes[shape].N - 1) + 1
 
 
-def test_sampled_steps_run_at_every_shape(tiny_llama_dir):
-    """Sampled rows replay each shape's sampled step graph with the first N+1 of their coins."""
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_sampled_steps_run_at_every_shape(tiny_llama_dir, graphs):
+    """Sampled rows take each shape's sampled step (its graph, or eagerly) with the first
+    N+1 of their coins."""
     from serve_app.engine.request import SamplingParams
-    eng = adaptive_engine(tiny_llama_dir)
+    eng = adaptive_engine(tiny_llama_dir, graphs=graphs)
     eng.schedulers[0].draft_policy = Cycle(2)
     reqs = eng.generate(random_prompts(3, seed=4),
                         SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=3))
@@ -67,7 +76,7 @@ def test_a_step_a_smaller_shape_cannot_hold_runs_at_the_configured_one(tiny_llam
     prompts = random_prompts(5, seed=8)
     plain = tiny_engine(tiny_llama_dir, spec=False)
     want = outputs(plain, prompts, MAX_TOKENS), outputs(plain, prompts[:2], MAX_TOKENS)
-    eng = tiny_engine(tiny_llama_dir, *TREE)
+    eng = tiny_engine(tiny_llama_dir, *TREE, ROOT)
     eagle = eng.workers[0].eagle
     eagle.capture_graphs([1, 2])  # 5 requests: no step graph holds them
     eng.schedulers[0].draft_policy = Cycle(2)
@@ -108,14 +117,68 @@ def test_policy_picks_the_most_tokens_per_second_and_explores():
         DraftPolicy(shapes, [[1.0]], [1, 64])
 
 
+def test_eager_costs_interpolate_between_sizes_and_hold_past_the_last():
+    """Eager costs (no graphs): a batch between two measured sizes costs in between, one
+    past the last costs what the last does; no batch falls back to the configured shape."""
+    shapes = [(1, 3, 4), (1, 1, 1)]
+    # The chain costs 1.1 root steps at batch 1 and 2.5 at batch 32.
+    policy = DraftPolicy(shapes, [[1.1, 2.5], [1.0, 1.0]], [1, 32], eager=True)
+    for _ in range(200):
+        policy.observe(0, [2, 2])  # accepts 2 on average
+    assert policy.rates(1) == pytest.approx([2 / 1.1, 1.0], rel=1e-3)
+    assert policy.rates(16) == pytest.approx([2 / (1.1 + 15 / 31 * 1.4), 1.0], rel=1e-3)
+    assert policy.rates(200) == policy.rates(32)
+    assert policy.choose(1) == 0 and policy.choose(8) == 0  # 2 / 1.42 > 1
+    assert policy.choose(24) == 1 and policy.choose(200) == 1  # 2 / 2.14 < 1
+    padded = DraftPolicy(shapes, [[1.1, 2.5], [1.0, 1.0]], [1, 32])
+    assert padded.rates(16) == padded.rates(32) and padded.rates(33) is None  # padded to 32
+
+
+def test_a_full_batch_judges_a_shape_at_once_a_single_stream_over_a_few_steps():
+    """The optimistic start weighs PRIOR requests: one step of 32 requests accepting 1.9
+    drops a chain that costs 2.5 root steps at once; at batch 1 one step accepting 1 does
+    not drop a chain that costs 1.1 root steps, a run of them does."""
+    shapes = [(1, 3, 4), (1, 1, 1)]
+    policy = DraftPolicy(shapes, [[1.1, 2.5], [1.0, 1.0]], [1, 32], eager=True)
+    assert policy.choose(32) == 0  # tried before judged: 4 / 2.5 > 1
+    policy.observe(0, [2] * 29 + [1] * 3)
+    assert policy.choose(32) == 1
+    policy = DraftPolicy(shapes, [[1.1, 2.5], [1.0, 1.0]], [1, 32], eager=True)
+    policy.observe(0, [1])
+    assert policy.accept[0] == pytest.approx((4 * PRIOR + 1) / (PRIOR + 1))
+    assert policy.choose(1) == 0
+    for _ in range(5):
+        policy.observe(0, [1])
+    assert policy.accept[0] == pytest.approx(2.2)  # (16 + 6) / 10: from here on EMA steps
+    for _ in range(30):
+        policy.observe(0, [1])
+    assert policy.choose(1) == 1
+
+
 def test_policy_needs_measured_costs(tiny_llama_dir):
-    shapes = tiny_config(tiny_llama_dir, *TREE).draft.shapes()
+    shapes = tiny_config(tiny_llama_dir, *TREE, ROOT).draft.shapes()
     assert DraftPolicy.from_worker(shapes, {"draft_step_costs": None}) is None
     assert DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0]]}) is None  # one shape
     p = DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0], [0.5]], "graph_batch_sizes": [8]})
-    assert p.shapes == shapes[:2]
-    # The CPU engine has no costs (no graphs): every step takes the configured shape.
-    eng = tiny_engine(tiny_llama_dir, *TREE)
+    assert p.shapes == shapes[:2] and not p.eager
+
+
+@pytest.mark.parametrize("overrides", [(), (SHAPES3,)], ids=["root_only", "three_shapes"])
+def test_cpu_rank_times_its_shapes_eagerly(tiny_llama_dir, overrides):
+    """Without graphs the rank times every shape's eager iteration at powers of two up to
+    the running limit (8 here), and the scheduler's policy reads those costs."""
+    eng = tiny_engine(tiny_llama_dir, *TREE, ROOT, *overrides)
+    info = eng.workers[0].info()
+    assert info["graph_batch_sizes"] is None and info["eager_draft_cost_sizes"] == [1, 2, 4, 8]
+    costs = info["draft_step_costs"]
+    assert len(costs) == len(eng.workers[0].eagle.shapes) == (3 if overrides else 2)
+    assert all(len(c) == 4 and min(c) > 0 for c in costs)
+    policy = eng.schedulers[0].draft_policy
+    assert isinstance(policy, DraftPolicy) and policy.eager and policy.costs == costs
+    assert policy.sizes == [1, 2, 4, 8]
+    # adaptive_shapes=[]: one shape, nothing to time or choose
+    eng = tiny_engine(tiny_llama_dir, *TREE)  # spec_helpers.FIXED
+    assert eng.workers[0].info()["draft_step_costs"] is None
     assert eng.schedulers[0].draft_policy is None
 
 
@@ -139,3 +202,26 @@ def test_metrics_export_steps_per_shape():
     text = m.render()[0].decode()
     assert 'kestrel_engine_draft_shape_steps_total{model="m",replica="r",shape="k4s5n8"} 7.0' in text
     assert 'shape="k4s1n1"} 2.0' in text
+
+
+def test_penalties_and_logprobs_at_eager_shapes_equal_plain(tiny_llama_dir, monkeypatch):
+    """Processing and logprobs on the eager path at every shape in turn: the configured
+    tree with an oracle draft (long accepts, each node processed with its path's counts),
+    the root alone between its steps; tokens and logprobs equal plain decoding's."""
+    from test_logprobs_lossless import TOL, run
+
+    from serve_app.engine.request import SamplingParams
+    prompts = random_prompts(3, seed=9)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=4, presence_penalty=0.5,
+                            repetition_penalty=1.2, logit_bias={5: 1.0})
+    plain = run(tiny_engine(tiny_llama_dir, spec=False), prompts, params)
+    eng = adaptive_engine(tiny_llama_dir, graphs=False)
+    policy = eng.schedulers[0].draft_policy = Cycle(2)
+    spec = run(eng, prompts, params, [r.output_ids for r in plain], monkeypatch)
+    assert max(longest for shape, longest in policy.seen if shape == 0) >= 3  # the oracle's tree
+    assert set(eng.shape_steps) == {0, 1}
+    for p, s in zip(plain, spec):
+        assert s.output_ids == p.output_ids
+        for (lp, ids, lps), (lp2, ids2, lps2) in zip(p.token_logprobs, s.token_logprobs):
+            assert ids2 == ids
+            assert max(abs(a - b) for a, b in zip([lp, *lps], [lp2, *lps2])) < TOL

@@ -82,6 +82,23 @@ def test_speculative_equals_plain_under_a_grammar(grammar_model, tokenizer, plai
     speculate_and_compare(eng, prompts, p, plain, draft, monkeypatch)
 
 
+@pytest.mark.parametrize("kind", ["json_schema", "choice"])
+def test_eager_draft_shapes_in_turn_under_a_grammar(grammar_model, tokenizer, plain_engine, compiled,
+                                                    kind, monkeypatch):
+    """Without graphs (the CPU) a grammar row's step may take a smaller draft shape,
+    eagerly: its tree is masked as the configured one's (the oracle draws long accepts
+    there, the smaller shapes' random head short ones)."""
+    from test_adaptive_draft import Cycle
+    prompts = random_prompts(4, vocab=len(tokenizer), seed=7)
+    p = params(compiled[kind])
+    plain = [r.output_ids for r in plain_engine.generate(prompts, p)]
+    eng = LLMEngine(tiny_config(grammar_model, *TREE, "draft.adaptive_shapes=[[2,3],[1,1]]"),
+                    tokenizer=tokenizer)
+    eng.schedulers[0].draft_policy = Cycle(3)
+    speculate_and_compare(eng, prompts, p, plain, "oracle", monkeypatch)
+    assert set(eng.shape_steps) == {0, 1, 2}
+
+
 def test_tree_walks_split_over_threads_equal_plain(grammar_model, tokenizer, plain_engine, compiled,
                                                    monkeypatch):
     """processing.grammar_threads > 1: the tree masks of a step's rows are walked on several

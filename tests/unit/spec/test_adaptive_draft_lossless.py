@@ -1,0 +1,113 @@
+"""Adaptive draft shapes on the CPU with SmolLM2's real weights and its shipped head (the
+default chain, so drafts are accepted and a switch drops real work): greedy output is the
+plain output token for token whatever eager shape each step takes, whether the shapes
+take turns or DraftPolicy switches them as the batch shrinks; /metrics counts the steps
+per shape of a CPU rank served through the step channel."""
+from __future__ import annotations
+
+import pytest
+from spec_helpers import CHAIN
+
+from configs.schema import load_config
+from kestrel_testing import assert_same_or_near_tie
+from serve_app.engine.draft_policy import DraftPolicy
+from serve_app.engine.llm_engine import LLMEngine
+from serve_app.engine.request import SamplingParams
+
+# The plain reference's settings (conftest.plain_chat_outputs), with the default chain and
+# every smaller chain shape.
+BASE = ["model.dtype=float32", "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
+        "device=cpu", "draft.enabled=true", *CHAIN, "draft.max_token_id=16384",
+        "draft.adaptive_shapes=[[2,3],[1,2],[1,1]]"]
+MAX = 32
+
+
+class Cycle(DraftPolicy):
+    """Every shape in turn: each step's state comes from a step of another shape."""
+
+    def __init__(self, n: int):
+        self.n, self.i, self.accepts = n, 0, []
+
+    def choose(self, batch: int) -> int:
+        self.i += 1
+        return self.i % self.n
+
+    def observe(self, shape: int, accept_lengths: list[int]) -> None:
+        self.accepts.append((shape, sum(accept_lengths) / len(accept_lengths), max(accept_lengths)))
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    eng = LLMEngine(load_config(overrides=BASE), tokenizer=tokenizer)
+    assert [(s.S, s.N) for s in eng.workers[0].eagle.shapes] == [(3, 4), (2, 3), (1, 2), (1, 1)]
+    assert eng.schedulers[0].draft_policy.eager  # measured eagerly at start-up
+    return eng
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_shapes_in_turn(engine, tokenizer, chat_prompts, plain_chat_outputs, hf_model, batch):
+    policy = engine.schedulers[0].draft_policy = Cycle(4)
+    engine.shape_steps.clear()
+    reqs = engine.generate(chat_prompts[:batch], SamplingParams(max_tokens=MAX, ignore_eos=True))
+    for prompt, r, ref in zip(chat_prompts, reqs, plain_chat_outputs):
+        assert_same_or_near_tie(hf_model, prompt, r.output_ids, ref[:MAX])
+    assert set(engine.shape_steps) == {0, 1, 2, 3}
+    # The draft state each shape leaves is the next one's: the drafting shapes' steps
+    # accept drafts (a random head, or a stale state, accepts ~1.0).
+    drafted = [mean for s, mean, _ in policy.accepts if s != 3]
+    assert sum(drafted) / len(drafted) > 1.3
+    shapes = engine.workers[0].eagle.shapes
+    for s, _, longest in policy.accepts:  # each step ran the shape it was asked for
+        assert longest <= shapes[s].N
+
+
+def test_policy_switches_as_the_batch_shrinks(engine, tokenizer, chat_prompts,
+                                              plain_chat_outputs, hf_model):
+    """Costs that make the chain win at 1-2 requests and the root at 3 or more; the
+    requests end one after another, so the steps switch from the root to the chain."""
+    shapes = engine.workers[0].eagle.shapes
+    costs = [[1.0, 1.0, 9.0], [9.0] * 3, [9.0] * 3, [1.0, 1.0, 1.0]]  # [shape][size]
+    engine.schedulers[0].draft_policy = DraftPolicy([(s.K, s.S, s.N) for s in shapes], costs,
+                                                    [1, 2, 4], eager=True)
+    engine.shape_steps.clear()
+    lengths = [MAX, MAX - 8, MAX - 16, MAX - 24]
+    reqs = engine.generate(chat_prompts[:4], [SamplingParams(max_tokens=n, ignore_eos=True)
+                                              for n in lengths])
+    for prompt, r, ref, n in zip(chat_prompts, reqs, plain_chat_outputs, lengths):
+        assert_same_or_near_tie(hf_model, prompt, r.output_ids, ref[:n])
+    assert engine.shape_steps[0] and engine.shape_steps[3]
+    assert not engine.shape_steps[1] and not engine.shape_steps[2]
+
+
+def test_cpu_steps_per_shape_reach_metrics(engine, tokenizer, chat_prompts):
+    """Through the step channel and the engine core, as `kestrel serve` runs a CPU rank:
+    the core counts the shape each step ran at, and /metrics exports the counts."""
+    import asyncio
+
+    from kestrel_testing import LocalEngine
+    from serve_app.api.metrics import ServerMetrics
+    from serve_app.engine.draft_policy import shape_name
+
+    worker = engine.workers[0]
+
+    async def run():
+        local = await LocalEngine.start(worker.cfg, worker.info(), worker, tokenizer)
+        local.core.schedulers[0].draft_policy = Cycle(4)
+        stream = local.client.add_request(chat_prompts[0], dict(max_tokens=16, ignore_eos=True), "a")
+        _ = [out async for out in stream]
+        for _ in range(100):  # the last step comes back and is counted
+            stats = await local.client.stats()
+            if sum(stats["draft_shape_steps"].values()) == stats["steps"]["decode"]:
+                break
+            await asyncio.sleep(0.02)
+        await local.stop()
+        return stats
+
+    stats = asyncio.run(run())
+    names = [shape_name((s.K, s.S, s.N)) for s in worker.eagle.shapes]
+    assert set(stats["draft_shape_steps"]) == set(names)  # k1s3n4, k1s2n3, k1s1n2, k1s1n1
+    m = ServerMetrics("m")
+    m.update_engine({**stats, "replica": "r"})
+    text = m.render()[0].decode()
+    for name in names:
+        assert f'kestrel_engine_draft_shape_steps_total{{model="m",replica="r",shape="{name}"}}' in text
