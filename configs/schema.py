@@ -137,6 +137,11 @@ class DraftConfig(_Strict):
     # the configured shape. Greedy output is the same under any shape; seeded sampling then
     # depends on the shapes its steps took.
     adaptive_shapes: list[tuple[int, int]] = Field(default_factory=lambda: [(1, 1)])
+    # Without step graphs (the CPU): time the adaptive shapes' eager steps at start-up (a
+    # few seconds at batch sizes up to scheduler.max_running_requests) so a step may take
+    # them. Off: such a rank always drafts the configured shape, and starts sooner (a
+    # laptop's single stream gains nothing from it; many streams on a CPU can).
+    eager_shapes: bool = False
 
     @model_validator(mode="after")
     def _tree_fits(self) -> "DraftConfig":

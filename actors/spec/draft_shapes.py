@@ -11,11 +11,11 @@ step graphs; the rank measures each shape's replay cost per captured batch size 
 start-up, and the scheduler's DraftPolicy (serve_app/engine/draft_policy.py) picks a
 shape per step from those costs and the accept lengths it sees.
 
-Without step graphs (the CPU, or attention.cuda_graphs off) a view runs its iterations
-eagerly, through the same step code as the configured shape, and the rank times each
-shape's eager iteration at a few batch sizes instead (eager_step_costs). On two CPU cores
-the default chain (4 verified tokens per request) cost 1.1 root-only steps at batch 1
-(weight reads) but 2.5 at batch 32 (compute), where it accepts too little to pay.
+Without step graphs (the CPU, or attention.cuda_graphs off; draft.eager_shapes) a view
+runs its iterations eagerly, through the same step code as the configured shape, and the
+rank times each shape's eager iteration at a few batch sizes instead (eager_step_costs): on
+a CPU a verify of several tokens per request costs little more than one token's at batch 1
+(weight reads) but far more at large batches (compute).
 """
 from __future__ import annotations
 

@@ -153,7 +153,7 @@ class RankWorker:
             self._capture_graphs()
             if self.memory is not None:
                 self.memory.graphs = int(self.graph_capture["gib"] * 2 ** 30)
-        elif self.eagle is not None and not cfg.parallel.dp_attention:
+        elif self.eagle is not None and cfg.draft.eager_shapes and not cfg.parallel.dp_attention:
             # No step graphs: the draft shapes run eagerly, timed so (a group steps one shape).
             from actors.spec.draft_shapes import eager_cost_sizes
             self.eagle.eager_shapes(eager_cost_sizes(cfg.scheduler.max_running_requests))

@@ -11,8 +11,8 @@ a moving average of the accept lengths of the steps that ran at s, starting from
 the shape can accept (so a shape is tried before it is judged), the root-only shape's
 exactly 1. Until a shape has seen a few requests' accept lengths its estimate is their
 mean with the optimistic start counted as PRIOR of them: a step of 32 requests judges a
-shape at once (a chain that costs 2.5 root steps there is dropped after one step, not
-twelve), a single stream over a few steps (one unlucky step does not drop it). A shape
+shape at once (a chain that costs several root steps there is dropped after one step,
+not a dozen), a single stream over a few steps (one unlucky step does not drop it). A shape
 not chosen for EXPLORE_EVERY steps is run once, so its estimate follows the traffic (the
 prompts, not the batch size, decide how much drafts are accepted). Greedy output is the
 same at every shape (each one verifies its drafts against the target), so the choice

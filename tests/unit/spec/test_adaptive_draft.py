@@ -16,6 +16,7 @@ SIZES = [1, 2, 4, 8]
 MAX_TOKENS = 16
 ROOT = "draft.adaptive_shapes=[[1,1]]"  # the default (TREE has none: spec_helpers.FIXED)
 SHAPES3 = "draft.adaptive_shapes=[[2,3],[1,1]]"
+EAGER = "draft.eager_shapes=true"  # a rank without graphs times its shapes
 
 
 class Cycle(DraftPolicy):
@@ -36,7 +37,7 @@ class Cycle(DraftPolicy):
 def adaptive_engine(model_dir, *overrides, graphs: bool = True):
     """graphs: the shapes replay step graphs (on CPU their eager stand-ins); else they run
     as a CPU rank starts them, eagerly through the per-phase path."""
-    eng = tiny_engine(model_dir, *TREE, ROOT, *overrides)
+    eng = tiny_engine(model_dir, *TREE, ROOT, *overrides, *(() if graphs else (EAGER,)))
     if graphs:
         eng.workers[0].eagle.capture_graphs(SIZES)
     return eng
@@ -167,7 +168,7 @@ def test_policy_needs_measured_costs(tiny_llama_dir):
 def test_cpu_rank_times_its_shapes_eagerly(tiny_llama_dir, overrides):
     """Without graphs the rank times every shape's eager iteration at powers of two up to
     the running limit (8 here), and the scheduler's policy reads those costs."""
-    eng = tiny_engine(tiny_llama_dir, *TREE, ROOT, *overrides)
+    eng = tiny_engine(tiny_llama_dir, *TREE, ROOT, EAGER, *overrides)
     info = eng.workers[0].info()
     assert info["graph_batch_sizes"] is None and info["eager_draft_cost_sizes"] == [1, 2, 4, 8]
     costs = info["draft_step_costs"]
@@ -176,10 +177,12 @@ def test_cpu_rank_times_its_shapes_eagerly(tiny_llama_dir, overrides):
     policy = eng.schedulers[0].draft_policy
     assert isinstance(policy, DraftPolicy) and policy.eager and policy.costs == costs
     assert policy.sizes == [1, 2, 4, 8]
-    # adaptive_shapes=[]: one shape, nothing to time or choose
-    eng = tiny_engine(tiny_llama_dir, *TREE)  # spec_helpers.FIXED
-    assert eng.workers[0].info()["draft_step_costs"] is None
-    assert eng.schedulers[0].draft_policy is None
+    # adaptive_shapes=[]: one shape, nothing to time or choose; without eager_shapes the
+    # shapes are not timed either, and every step drafts the configured shape
+    for off in ((), (ROOT,)):
+        eng = tiny_engine(tiny_llama_dir, *TREE, *off, *((EAGER,) if not off else ()))
+        assert eng.workers[0].info()["draft_step_costs"] is None
+        assert eng.schedulers[0].draft_policy is None
 
 
 @pytest.mark.parametrize("value,fits", [("[[1,1]]", True), ("[[2,3],[1,1]]", True), ("[]", True),

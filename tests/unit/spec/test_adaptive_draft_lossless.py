@@ -18,7 +18,7 @@ from serve_app.engine.request import SamplingParams
 # every smaller chain shape.
 BASE = ["model.dtype=float32", "kv_cache.num_slots=8192", "scheduler.max_running_requests=16",
         "device=cpu", "draft.enabled=true", *CHAIN, "draft.max_token_id=16384",
-        "draft.adaptive_shapes=[[2,3],[1,2],[1,1]]"]
+        "draft.adaptive_shapes=[[2,3],[1,2],[1,1]]", "draft.eager_shapes=true"]
 MAX = 32
 
 

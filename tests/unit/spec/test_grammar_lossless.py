@@ -92,7 +92,8 @@ def test_eager_draft_shapes_in_turn_under_a_grammar(grammar_model, tokenizer, pl
     prompts = random_prompts(4, vocab=len(tokenizer), seed=7)
     p = params(compiled[kind])
     plain = [r.output_ids for r in plain_engine.generate(prompts, p)]
-    eng = LLMEngine(tiny_config(grammar_model, *TREE, "draft.adaptive_shapes=[[2,3],[1,1]]"),
+    eng = LLMEngine(tiny_config(grammar_model, *TREE, "draft.adaptive_shapes=[[2,3],[1,1]]",
+                                "draft.eager_shapes=true"),
                     tokenizer=tokenizer)
     eng.schedulers[0].draft_policy = Cycle(3)
     speculate_and_compare(eng, prompts, p, plain, "oracle", monkeypatch)
