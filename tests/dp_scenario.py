@@ -48,7 +48,9 @@ async def mixed_run(eng) -> list[tuple[list[int], list[int]]]:
 
 def draft_shape(shape: str) -> tuple[int, int, int]:
     """(K, S, N) of a shape; plain: one token per request."""
-    return tuple(int(o.split("=")[1]) for o in SHAPES[shape]) or (1, 1, 1)
+    keys = ("draft.topk", "draft.num_steps", "draft.num_draft_tokens")
+    values = dict(o.split("=", 1) for o in SHAPES[shape])
+    return tuple(int(values[k]) for k in keys if k in values) or (1, 1, 1)
 
 
 def graph_phases(shape: str, bs: int) -> list[tuple[str, int]]:
