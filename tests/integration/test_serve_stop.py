@@ -20,7 +20,8 @@ The same for Ray's own `serve run CONFIG` (Kestrel's app from a Serve config fil
 environment `kestrel env` prints: SIGTERM and SIGKILL of the command (Ray's CLI stops at
 once: its head processes die by their parent-death signal, the workers after them, and
 HAProxy with its Serve actor through haproxy_with_parent.sh), SIGTERM to its process
-group, SIGINT to the command and a terminal's Ctrl-C (SIGINT to the whole group).
+group, SIGINT to the command and a terminal's Ctrl-C (SIGINT to the whole group). All are
+`long`: the mechanism `make test` checks is kestrel serve's (the same wrapper for HAProxy).
 """
 from __future__ import annotations
 
@@ -242,7 +243,7 @@ def kill_all(sids: set[int]) -> None:
 
 
 @pytest.mark.parametrize("how", [
-    "sigterm_cli",
+    pytest.param("sigterm_cli", marks=pytest.mark.long),  # make test stops kestrel serve's way
     pytest.param("sigkill_cli", marks=pytest.mark.long),
     pytest.param("sigterm_group", marks=pytest.mark.long),
     pytest.param("sigint_cli", marks=pytest.mark.long),
