@@ -31,7 +31,7 @@ class Cycle(DraftPolicy):
         return self.i % self.n
 
     def observe(self, shape: int, accept_lengths: list[int]) -> None:
-        self.seen.append((shape, max(accept_lengths)))
+        self.seen.append((shape, sum(accept_lengths) / len(accept_lengths), max(accept_lengths)))
 
 
 def adaptive_engine(model_dir, *overrides, graphs: bool = True):
@@ -55,7 +55,7 @@ def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, 
     policy = eng.schedulers[0].draft_policy = Cycle(len(shapes))
     assert outputs(eng, prompts, MAX_TOKENS) == want
     assert set(eng.shape_steps) == set(range(len(shapes)))  # every shape ran
-    for shape, longest in policy.seen:  # a shape never emits more than its tree can accept
+    for shape, _, longest in policy.seen:  # a shape never emits more than its tree can accept
         assert longest <= min(shapes[shape].S, shapes[shape].N - 1) + 1
 
 
@@ -221,7 +221,7 @@ def test_penalties_and_logprobs_at_eager_shapes_equal_plain(tiny_llama_dir, monk
     eng = adaptive_engine(tiny_llama_dir, graphs=False)
     policy = eng.schedulers[0].draft_policy = Cycle(2)
     spec = run(eng, prompts, params, [r.output_ids for r in plain], monkeypatch)
-    assert max(longest for shape, longest in policy.seen if shape == 0) >= 3  # the oracle's tree
+    assert max(longest for shape, _, longest in policy.seen if shape == 0) >= 3  # the oracle's tree
     assert set(eng.shape_steps) == {0, 1}
     for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids

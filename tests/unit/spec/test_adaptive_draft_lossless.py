@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from spec_helpers import CHAIN
+from test_adaptive_draft import Cycle  # every shape in turn
 
 from configs.schema import load_config
 from kestrel_testing import assert_same_or_near_tie
@@ -20,20 +21,6 @@ BASE = ["model.dtype=float32", "kv_cache.num_slots=8192", "scheduler.max_running
         "device=cpu", "draft.enabled=true", *CHAIN, "draft.max_token_id=16384",
         "draft.adaptive_shapes=[[2,3],[1,2],[1,1]]", "draft.eager_shapes=true"]
 MAX = 32
-
-
-class Cycle(DraftPolicy):
-    """Every shape in turn: each step's state comes from a step of another shape."""
-
-    def __init__(self, n: int):
-        self.n, self.i, self.accepts = n, 0, []
-
-    def choose(self, batch: int) -> int:
-        self.i += 1
-        return self.i % self.n
-
-    def observe(self, shape: int, accept_lengths: list[int]) -> None:
-        self.accepts.append((shape, sum(accept_lengths) / len(accept_lengths), max(accept_lengths)))
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +41,10 @@ def test_shapes_in_turn(engine, tokenizer, chat_prompts, plain_chat_outputs, hf_
     assert set(engine.shape_steps) == {0, 1, 2, 3}
     # The draft state each shape leaves is the next one's: the drafting shapes' steps
     # accept drafts (a random head, or a stale state, accepts ~1.0).
-    drafted = [mean for s, mean, _ in policy.accepts if s != 3]
+    drafted = [mean for s, mean, _ in policy.seen if s != 3]
     assert sum(drafted) / len(drafted) > 1.3
     shapes = engine.workers[0].eagle.shapes
-    for s, _, longest in policy.accepts:  # each step ran the shape it was asked for
+    for s, _, longest in policy.seen:  # each step ran the shape it was asked for
         assert longest <= shapes[s].N
 
 
