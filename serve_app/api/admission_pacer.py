@@ -36,7 +36,7 @@ class AdmissionPacer:
         self.cost = slice_s / 4  # seconds per admission, a moving average
         self.queue: collections.deque[asyncio.Future] = collections.deque()
         self.admitting = 0  # handlers inside admission(), queued or running
-        self.parked: list[asyncio.Future] = []  # streams waiting for the queue to drain
+        self.parked: list[asyncio.Future] = []  # streams waiting for the admissions to end
         self._round_mark = False  # a callback is set to open the next round's slice
         self._timer: asyncio.TimerHandle | None = None
 
@@ -97,8 +97,8 @@ class AdmissionPacer:
         return self.admitting > 0 and self.defer_s > 0
 
     async def pause(self) -> None:
-        """A running stream's wait, after a chunk, while handlers are queued: until the
-        queue drains, at most `defer_s` from when the first stream parked."""
+        """A running stream's wait, after a chunk, while handlers admit (`backlog`): until
+        none is admitting, at most `defer_s` from when the first stream parked."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self.parked.append(fut)

@@ -45,8 +45,8 @@ class ServerMetrics:
         self.finish_reasons = Counter("kestrel_request_finish", "Finished choices by reason",
                                       m + ["reason"], registry=r)
         self.ttft = Histogram("kestrel_time_to_first_token_seconds",
-                              "Handler start (before the body is read) to the first generated token", m, buckets=_LATENCY_BUCKETS,
-                              registry=r)
+                              "Handler start (before the body is read) to the first generated token",
+                              m, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = TokenHistogram("kestrel_inter_token_latency_seconds",
                                   "Time between generated tokens, as streamed", model_name,
                                   _LATENCY_BUCKETS)

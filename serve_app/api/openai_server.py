@@ -347,7 +347,8 @@ class OpenAIServer:
             ids = await self.chat_prompt(body)
             self.check_prompt(ids, "messages")
             request_id = make_id("chatcmpl")
-            choices = self.make_choices(body, [ids], request_id, arrival, await self.compiled_grammar(body))
+            choices = self.make_choices(body, [ids], request_id, arrival,
+                                        await self.compiled_grammar(body))
             tools, tool_choice = body.tool_dicts(), body.tool_choice_value()
             streams = self.start(choices)
         usage_prompt = len(ids)
@@ -381,7 +382,8 @@ class OpenAIServer:
                 self.check_prompt(ids, "prompt" if len(body.prompts()) == 1 else f"prompt.{i}")
                 prompts.append(ids)
             request_id = make_id("cmpl")
-            choices = self.make_choices(body, prompts, request_id, arrival, await self.compiled_grammar(body))
+            choices = self.make_choices(body, prompts, request_id, arrival,
+                                        await self.compiled_grammar(body))
             if body.echo:
                 texts = [p if isinstance(p, str) else self.tokenizer.decode(ids)
                          for p, ids in zip(body.prompts(), prompts)]
