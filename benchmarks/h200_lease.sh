@@ -21,6 +21,8 @@
 #   fp8gemm    the FP8 linear against bf16 at the 7B and 72B GEMM shapes (fp8_gemm_bench.py) ~60
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
+#   census7b   the 7B shape's decode step per kernel (kernel_census.py): bf16 at 1 and 64
+#              streams, FP8 at 1, prompts of about 1k tokens                               ~200
 #   kestrel-7b, vllm-7b, kestrel-32b, vllm-32b, kestrel-72b, vllm-72b (FP8)
 #              random weights of the shape, plain decoding: benchmarks/h200_sizes.sh      ~200-300 each
 # LEVELS, REPEATS and MAX_TOKENS pass through to h200_http.sh for tree, plain and vllm.
@@ -73,6 +75,13 @@ for stage in "$@"; do
       timeout 400 python3 -m pytest -q tests/gpu/test_mixed_steps_gpu.py tests/unit/test_triton_attention.py \
         > "$work/mixed.txt" 2>&1
       tail -5 "$work/mixed.txt" ;;
+    census7b)
+      for q in bf16 fp8; do
+        set_=(--batch 1 64); [ $q = fp8 ] && set_=(--batch 1 --set model.quantization=fp8)
+        timeout 300 python3 -m benchmarks.kernel_census --config configs/h200-7b.yaml --variants plain_graphs \
+          --prompt-words 750 "${set_[@]}" --out "$work/census7b_$q" > "$work/census7b_$q.txt" 2>&1
+        grep -E "tok/s|kernels/step|Error" "$work/census7b_$q.txt" | cut -c1-200
+      done ;;
     memory)
       timeout 400 python3 -m pytest -q tests/gpu/test_memory_profile_gpu.py ${GPU_TESTS:-} \
         > "$work/memory.txt" 2>&1
