@@ -8,8 +8,9 @@
 # 31.5k tokens (22800 words) one at a time: the long-context decode and its TTFT.
 # Needs Kestrel's bundle unstaged (source .stage/tools/unstage.sh) and, for vllm parts,
 # .peer/tools from vLLM's (benchmarks/h200_lease.sh copies it). SET="k=v ..." adds
-# overrides to the Kestrel part; TAG names it. The 72B shape is FP8 on both servers (vLLM:
-# --quantization fp8, weights quantized at load).
+# overrides to the Kestrel part, VLLM_ARGS to vLLM's command line; TAG names either. The 72B
+# shape is FP8 on both servers (vLLM: --quantization fp8, weights quantized at load); the 7B
+# in FP8: SET="model.quantization=fp8" TAG=-fp8 and VLLM_ARGS="--quantization fp8" TAG=-fp8.
 set -uo pipefail
 part=$1
 out=${2:-.}
@@ -27,16 +28,16 @@ case $server in
   vllm)
     [ "$size" = 72b ] && VLLM_ARGS="--quantization fp8 ${VLLM_ARGS:-}"
     # --quantization fp8 needs compressed-tensors, which vLLM's bundle lacks (pack_for_device.sh).
-    (source .peer/tools/unstage_vllm.sh >/dev/null && { [ "$size" != 72b ] ||
+    (source .peer/tools/unstage_vllm.sh >/dev/null && { [[ "${VLLM_ARGS:-}" != *fp8* ]] ||
       python3 -m pip install -q --no-index --no-deps --target /tmp/vsite .xfer/tools/vllm_wheels/*.whl; } &&
       exec python3 -m vllm.entrypoints.openai.api_server \
       --model "$PWD/models/$name" --served-model-name "$name" --load-format dummy --dtype bfloat16 \
-      --port 8011 --gpu-memory-utilization 0.9 --max-model-len 32768 ${VLLM_ARGS:-}) > "$out/vllm-$size.log" 2>&1 &
+      --port 8011 --gpu-memory-utilization 0.9 --max-model-len 32768 ${VLLM_ARGS:-}) > "$out/vllm-$size${TAG:-}.log" 2>&1 &
     pid=$!
     # A server that dies while starting (a missing module, out of memory) ends the part now,
     # not at the client's time limit.
     until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health', timeout=2)" 2>/dev/null; do
-      kill -0 "$pid" 2>/dev/null || { echo "vllm serve exited while starting:"; grep -E "Error|error" "$out/vllm-$size.log" | tail -3; exit 1; }
+      kill -0 "$pid" 2>/dev/null || { echo "vllm serve exited while starting:"; grep -E "Error|error" "$out/vllm-$size${TAG:-}.log" | tail -3; exit 1; }
       sleep 2; waited=$((${waited:-0} + 2))
       [ "$waited" -lt "${LIMIT:-560}" ] || { echo "vllm serve not ready in ${LIMIT:-560} s"; kill "$pid"; exit 1; }
     done
