@@ -3,16 +3,15 @@ per token at run time, the product accumulated in fp32 and scaled back.
 
 y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n] + bias[n]
 
-On CUDA, at up to 16 rows (decode at a few streams), one Triton kernel quantizes the rows
-and multiplies, bound by the weight read (`triton_fp8_gemv.py`); at more rows the rows are
-quantized by one Triton kernel (`triton_fp8_quant.py`, codes and scales bit-equal to the
-torch ops of `quantize_rows`) and multiplied by one `torch._scaled_mm` (cuBLASLt / CUTLASS
-row-wise scaling, which needs a compute capability of 8.9 or more and writes bf16).
-Elsewhere, and as the test oracle, `fp8_linear_ref` dequantizes both operands to fp32 and
-multiplies. All paths quantize alike, so they differ only by the fp32 summation order and
-the final rounding. No host reads: the calls can be captured in a CUDA graph. Each row's
-scale depends on that row alone, so a token is quantized alike whatever rows are beside it
-(speculative verify of N tokens and plain decode of one).
+On CUDA the product is one `torch._scaled_mm` (cuBLASLt / CUTLASS row-wise scaling, which
+needs a compute capability of 8.9 or more and writes bf16); elsewhere, and as the test
+oracle, `fp8_linear_ref` dequantizes both operands to fp32 and multiplies. Both quantize the
+activations alike: the reference with torch ops (`quantize_rows`), CUDA with one Triton
+kernel whose codes and scales are bit-equal to them (`triton_fp8_quant.py`), so the two differ
+only by the fp32 summation order and the final rounding. No host reads: the calls can be captured in a CUDA
+graph. Each row's scale depends on that row alone, so a token's output does not depend on
+the batch it runs in (speculative verify of N tokens and plain decode of one quantize it
+alike).
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import torch
 
 from kestrel_kernels.fp8_format import FP8, FP8_MAX, MIN_AMAX
 from kestrel_kernels.triton_available import use_triton
-from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, fp8_linear_small_m
 from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 
 __all__ = ["FP8", "FP8_MAX", "quantize_rows", "fp8_linear", "fp8_linear_ref", "fp8_linear_scaled_mm"]
@@ -31,7 +29,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (any float dtype) -> (q [..., K] float8_e4m3fn, scale [..., 1] fp32) with
     x ~= q * scale, each row scaled so its largest magnitude maps to FP8_MAX."""
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX  # [..., 1] fp32
+    amax = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX)  # [..., 1] fp32
+    # Divided by a tensor: CUDA torch divides by a Python scalar as a multiply by its
+    # reciprocal, which can differ in the last bit from the rounded division the Triton
+    # kernel (and the CPU) does.
+    scale = amax / torch.full_like(amax, FP8_MAX)  # [..., 1] fp32
     # Clamped: amax / FP8_MAX is rounded, and E4M3 has no infinity to saturate to.
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # [..., K] fp8
     return q, scale
@@ -77,14 +79,6 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """On CUDA: up to MAX_ROWS rows (decode steps of a few streams) the fused Triton kernel,
-    bound by the weight read; more rows `fp8_linear_scaled_mm`. Elsewhere `fp8_linear_ref`."""
-    if not x.is_cuda:
-        return fp8_linear_ref(x, weight, weight_scale, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= MAX_ROWS and use_triton(rows):
-        _check(x, weight, weight_scale)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        return fp8_linear_small_m(rows, weight, weight_scale, bias).view(*x.shape[:-1], weight.shape[0])
-    return fp8_linear_scaled_mm(x, weight, weight_scale, bias)
+    """`fp8_linear_scaled_mm` on CUDA, `fp8_linear_ref` elsewhere."""
+    fn = fp8_linear_scaled_mm if x.is_cuda else fp8_linear_ref
+    return fn(x, weight, weight_scale, bias)

@@ -28,9 +28,10 @@ def gap_at(model, ids) -> float:
     t = torch.tensor(ids, device="cuda")
 
     def attn(q, k, v, layer):
+        dtype = q.dtype  # the model's: the output goes back into its layers
         q, k, v = (x.transpose(0, 1)[None].float() for x in (q, k, v))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return o[0].transpose(0, 1).to(q.dtype)
+        return o[0].transpose(0, 1).to(dtype)
     with torch.no_grad():
         h, _ = model.forward(t, torch.arange(len(ids), device="cuda"), attn)
         top2 = model.compute_logits(h[-1:])[0].topk(2).values
