@@ -19,7 +19,7 @@
 #   load7b     a 7B-shaped safetensors checkpoint written to local disk, then loaded to the GPU
 #              with the page cache dropped: load seconds and peak host memory (load_bench.py) ~150
 #   fp8gemm    the FP8 linear against bf16 at the 7B and 72B GEMM shapes (fp8_gemm_bench.py) ~60
-#   fp8        the FP8 linear's GPU tests (both CUDA paths, graphs, a served FP8 target), then
+#   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target), then
 #              fp8_gemm_bench at the 7B shapes                                               ~90
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
@@ -112,7 +112,7 @@ for stage in "$@"; do
         > "$work/load7b.txt" 2>&1
       tail -8 "$work/load7b.txt"; rm -rf /tmp/ckpt-7b ;;
     fp8)
-      timeout 300 python3 -m pytest -q tests/gpu/test_fp8_gpu.py tests/unit/test_triton_fp8_gemv.py \
+      timeout 300 python3 -m pytest -q tests/gpu/test_fp8_gpu.py \
         tests/unit/test_triton_fp8_quant.py > "$work/fp8_tests.txt" 2>&1
       tail -3 "$work/fp8_tests.txt"
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 200 python3 benchmarks/fp8_gemm_bench.py --models 7b \
