@@ -8,6 +8,7 @@ reductions and cos/sin/exp may differ by an ulp), so callers need not care which
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -18,7 +19,8 @@ from kestrel_kernels.triton_activation import silu_and_mul_triton
 from kestrel_kernels.triton_rmsnorm import HAS_TRITON, fused_add_rmsnorm_triton, rmsnorm_triton
 from kestrel_kernels.triton_rope import rope_triton
 
-__all__ = ["set_fused", "force_torch", "use_triton", "rmsnorm", "fused_add_rmsnorm", "rope", "silu_and_mul"]
+__all__ = ["set_fused", "force_torch", "use_triton", "rmsnorm", "fused_add_rmsnorm", "rope", "Rotary",
+           "rotary", "rope_at", "silu_and_mul"]
 
 _forced_torch = False
 
@@ -66,6 +68,31 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """`kestrel_kernels.rope.rope`."""
     fn = rope_triton if use_triton(q, k) else rope_ref.rope
     return fn(q, k, positions, inv_freq)
+
+
+class Rotary(NamedTuple):
+    """One forward's rotary angles, shared by its layers: positions [T] int64 and inv_freq
+    [D/2] fp32 for the Triton kernel, which computes them itself; for the torch reference
+    cos and sin [T, D] fp32, computed once instead of once per layer (each layer casts them
+    to its q's dtype as before: a no-op in a float32 model)."""
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rotary:
+    """The angles `rope_at` takes for a forward over `positions`."""
+    if use_triton(positions):
+        return Rotary(positions, inv_freq)
+    return Rotary(positions, inv_freq, *rope_ref.cos_sin(positions, inv_freq))  # [T, D] fp32 each
+
+
+def rope_at(q: torch.Tensor, k: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` with the forward's angles: the same values, the tables made once per forward."""
+    if rot.cos is None or use_triton(q, k):
+        return rope(q, k, rot.positions, rot.inv_freq)
+    return rope_ref.apply_rotary(q, rot.cos, rot.sin), rope_ref.apply_rotary(k, rot.cos, rot.sin)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

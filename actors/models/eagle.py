@@ -65,13 +65,13 @@ class _DraftAttention(nn.Module):
         self.qkv_proj = SmallRowsLinear(in_dim, sum(self.qkv_sizes), bias=False)  # q, k, v fused
         self.o_proj = SmallRowsLinear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
 
-    def forward(self, x, positions, inv_freq, attn: AttnFn):
+    def forward(self, x, rot: layer_ops.Rotary, attn: AttnFn):
         T, s = x.shape[0], self.s
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, -1)  # column slices, no copies
         q = q.view(T, s.num_heads, s.head_dim)  # [T, Hq, D]
         k = k.view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         v = v.view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
-        q, k = layer_ops.rope(q, k, positions, inv_freq)
+        q, k = layer_ops.rope_at(q, k, rot)
         return self.o_proj(attn(q, k, v, 0).reshape(T, s.num_heads * s.head_dim))  # one layer: id 0
 
 
@@ -87,12 +87,12 @@ class _DraftLayer(nn.Module):
             self.input_layernorm = RMSNorm(H, s.rms_norm_eps)
             self.hidden_norm = RMSNorm(H, s.rms_norm_eps)
 
-    def forward(self, emb, hidden, positions, inv_freq, attn):
+    def forward(self, emb, hidden, rot: layer_ops.Rotary, attn):
         if self.eagle3:
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)  # [T, 2H]
         else:
             x = hidden  # EAGLE-1 drops the input norm
-        a = self.self_attn(x, positions, inv_freq, attn)
+        a = self.self_attn(x, rot, attn)
         normed, h = self.post_attention_layernorm(a, hidden)  # h = hidden + a
         return h + self.mlp(normed)
 
@@ -125,12 +125,12 @@ class EagleHead(nn.Module):
         ([T, H] final hidden for EAGLE-1, [T, 3H] captured layers for EAGLE-3) -> [T, H]."""
         emb = self._target.embed(input_ids).to(self.fc.weight.dtype)  # [T, H]
         hidden_in = hidden_in.to(emb.dtype)
-        inv_freq = self.rotary.inv_freq  # [D/2] fp32
+        rot = layer_ops.rotary(positions, self.rotary.inv_freq)
         if self.eagle3:
             h = self.fc(hidden_in) if hidden_in.shape[-1] != emb.shape[-1] else hidden_in
-            return self.layer(emb, h, positions, inv_freq, attn)
+            return self.layer(emb, h, rot, attn)
         h = self.fc(torch.cat([emb, hidden_in], -1))  # [T, H]
-        return self.layer(emb, h, positions, inv_freq, attn)
+        return self.layer(emb, h, rot, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, Vd] fp32."""

@@ -46,14 +46,13 @@ class Attention(nn.Module):
         self.qkv_proj = SmallRowsLinear(h, sum(self.qkv_sizes), bias=b)
         self.o_proj = SmallRowsLinear(arch.q_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                attn: AttnFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rot: layer_ops.Rotary, attn: AttnFn) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, -1)  # column slices, no copies
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = layer_ops.rope(q, k, positions, inv_freq)
+        q, k = layer_ops.rope_at(q, k, rot)
         o = attn(q, k, v, self.layer_id)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
@@ -135,8 +134,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                inv_freq: torch.Tensor, attn: AttnFn) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rot: layer_ops.Rotary,
+                attn: AttnFn) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream entering the layer is x + residual (x alone when residual is
         None) and leaving it is out + residual' for the returned (out, residual'): each add
         rides in the following norm's kernel."""
@@ -144,7 +143,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        a = self.self_attn(h, positions, inv_freq, attn)
+        a = self.self_attn(h, rot, attn)
         h, residual = self.post_attention_layernorm(a, residual)
         return self.mlp(h), residual
 
@@ -217,14 +216,14 @@ class LlamaForCausalLM(nn.Module):
         for i in aux_layers:
             if not 0 <= i <= self.arch.num_layers:
                 raise ValueError(f"aux layer {i} is outside 0..{self.arch.num_layers}")
-        inv_freq = self.rotary.inv_freq  # [D/2] fp32
         captured: dict[int, torch.Tensor] = {}
         x, residual = self.embed(input_ids), None  # [T, H]; the stream is x + residual
+        rot = layer_ops.rotary(positions, self.rotary.inv_freq)
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
                 # Summed here only where captured; the layer's norm kernel sums it to the same value.
                 captured[i] = x if residual is None else x + residual
-            x, residual = layer(x, residual, positions, inv_freq, attn)
+            x, residual = layer(x, residual, rot, attn)
         normed, x = self.model.norm(x, residual)
         captured[self.arch.num_layers] = x
         return normed, [captured[i] for i in aux_layers]

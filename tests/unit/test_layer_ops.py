@@ -91,6 +91,21 @@ def test_rope(T, HQ, HKV, D, dtype):
     assert_near(got_k, want_k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_at_one_forwards_angles_equals_rope_bit_for_bit(dtype):
+    """The angles a forward makes once (layer_ops.rotary) rotate every layer's q and k to
+    exactly what the reference makes per call: on the CPU, where the reference runs."""
+    gen = torch.Generator().manual_seed(11)
+    pos = torch.tensor([0, 5, 4095, 17])  # [T] int64
+    inv_freq = rope_inv_freq(64, 10000.0)  # [D/2] fp32
+    rot = layer_ops.rotary(pos, inv_freq)
+    assert rot.cos is not None and rot.cos.dtype == torch.float32
+    for _ in range(2):  # two layers, one table
+        q, k = randn(4, 6, 64, dtype=dtype, gen=gen).cpu(), randn(4, 2, 64, dtype=dtype, gen=gen).cpu()
+        for got, want in zip(layer_ops.rope_at(q, k, rot), rope.rope(q, k, pos, inv_freq)):
+            assert got.dtype == dtype and torch.equal(got, want)
+
+
 @needs_triton
 def test_rope_strided_heads():
     """q and k as views into one fused projection output (rows wider than the heads)."""
