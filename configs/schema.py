@@ -142,6 +142,15 @@ class DraftConfig(_Strict):
     # them. Off: such a rank always drafts the configured shape, and starts sooner (a
     # laptop's single stream gains nothing from it; many streams on a CPU can).
     eager_shapes: bool = False
+    # Let the same per-step choice take a plain decode step (one target token per request,
+    # no draft at all) where it costs less per token than every draft shape: at hundreds of
+    # streams on a GPU, or tens on a CPU, where even the root-only shape's draft forward
+    # costs more than it gains. The draft then misses those tokens: the first speculative
+    # step after plain ones drafts from a stale state (its accept length is not counted)
+    # and later ones attend over the gaps, so acceptance suffers a while; output does not
+    # (every draft is verified). Its cost is measured with the shapes' (needs
+    # adaptive_shapes' costs: graphs, or eager_shapes on the CPU).
+    plain_steps: bool = False
 
     @model_validator(mode="after")
     def _tree_fits(self) -> "DraftConfig":

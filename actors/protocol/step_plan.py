@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# StepPlan/StepOutput.draft_shape of a plain decode step that a speculative engine's draft
+# policy chose (draft.plain_steps): no draft ran, so no draft shape did.
+PLAIN_STEP = -1
+
 
 def coins_per_request(cfg) -> int:
     """Uniforms a sampled request draws per step (a KestrelConfig): one per tree node and a
@@ -60,7 +64,8 @@ class StepPlan:
     next_ids: list[int] = field(default_factory=list)  # prompt token after the chunk (-1 on the last)
     use_spec: bool = False  # decode only: draft and verify (EAGLE) rather than plain decode
     # decode with use_spec: which of DraftConfig.shapes() the iteration drafts with (0: the
-    # configured one; serve_app/engine/draft_policy.py chooses).
+    # configured one; serve_app/engine/draft_policy.py chooses). PLAIN_STEP without use_spec:
+    # the policy chose a plain decode step in a speculative engine (draft.plain_steps).
     draft_shape: int = 0
     # Some request's logits are processed (penalties, bias, min_tokens, bad words): the rank
     # applies its processing table's rows of the plan.
@@ -125,5 +130,5 @@ class StepOutput:
     # Why the step left the captured graphs (actors/worker/eager_steps.py); "" = it did not.
     eager: str = ""
     # The draft shape a speculative iteration ran at: the plan's, or 0 where that shape's
-    # step graph could not hold the step.
+    # step graph could not hold the step; PLAIN_STEP for a plain step the policy chose.
     draft_shape: int = 0

@@ -23,7 +23,7 @@ import copy
 import logging
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -49,23 +49,48 @@ def shape_view(eagle: Any, steps: int, nodes: int) -> Any:
     return view
 
 
-def step_costs(graph: StepGraph) -> list[float]:
-    """Seconds of one greedy iteration replayed as `graph` at each of its sizes, every lane
-    padded (rows -1 read row 0 and write slot 0, both reserved), timed by the device's
-    clock: what a step of that shape costs at that batch size."""
+def replay_costs(replay: Callable[[int], Any], sizes: list[int]) -> list[float]:
+    """Seconds of `replay(bs)` at each size, timed by the device's clock (the median of
+    COST_REPEATS, after one warm replay: the first after capture uploads the graph)."""
     costs = []
-    for bs in graph.sizes:
-        graph.run([], Variant(), bs)  # warm: the first replay after capture uploads the graph
+    for bs in sizes:
+        replay(bs)
         times = []
         for _ in range(COST_REPEATS):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graph.run([], Variant(), bs)
+            replay(bs)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1000)
         costs.append(statistics.median(times))
     return costs
+
+
+def step_costs(graph: StepGraph) -> list[float]:
+    """Seconds of one greedy iteration replayed as `graph` at each of its sizes, every lane
+    padded (rows -1 read row 0 and write slot 0, both reserved): what a step of that shape
+    costs at that batch size."""
+    return replay_costs(lambda bs: graph.run([], Variant(), bs), graph.sizes)
+
+
+def plain_step_costs(worker: Any, sizes: list[int]) -> list[float]:
+    """What a plain decode step (draft.plain_steps) costs at each size: the target's decode
+    graph replayed with every lane padded, as the shapes' step graphs are timed."""
+    return replay_costs(worker.decode_graphs.replay_all_padded, sizes)
+
+
+class PlainStep:
+    """The plain decode step as eager_step_costs times it beside the shapes' iterations:
+    the target's decode of all-padded lanes (row 0 and slot 0, both reserved) and the
+    greedy pick, no draft."""
+
+    def __init__(self, worker: Any):
+        self.w = worker
+
+    def step_body(self, rows: torch.Tensor) -> torch.Tensor:
+        zeros = torch.zeros_like(rows)  # [bs] int64: token 0 at position 0, row 0, slot 0
+        return self.w._decode_logits(zeros, zeros, zeros, zeros).argmax(-1)
 
 
 def eager_cost_sizes(max_running: int) -> list[int]:

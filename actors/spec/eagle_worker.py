@@ -41,7 +41,8 @@ from actors.models.eagle import EagleHead
 from actors.graphs.plan_stream import PlanStream, VerifyInputs, prepare_draft_extend_inputs
 from actors.sampling.sampler import sampling_flags, truncates
 from actors.spec.spec_graphs import SpecGraphs, capture_spec_graphs
-from actors.spec.draft_shapes import eager_step_costs, shape_view, step_costs
+from actors.spec.draft_shapes import (PlainStep, eager_step_costs, plain_step_costs, shape_view,
+                                      step_costs)
 from actors.spec.step_graph import StepGraph, Variant
 from actors.protocol.step_plan import StepPlan
 from configs.schema import KestrelConfig
@@ -118,6 +119,7 @@ class EagleWorker:
         # and each one's measured step cost per captured size (None: not measured).
         self.shapes = [self]
         self.shape_costs: list[list[float]] | None = None
+        self.plain_costs: list[float] | None = None  # a plain decode step's (draft.plain_steps)
         self.eager_cost_sizes: list[int] | None = None  # the batch sizes of eager shapes' costs
         self.last_shape = 0  # the shape the last launched iteration ran at
         self.last_timings: dict[str, float] = {}  # per-phase seconds of the last iteration
@@ -199,17 +201,22 @@ class EagleWorker:
             with torch.inference_mode():
                 view.step_graph.capture(pool=self.step_graph.pool)
             self.shapes.append(view)
-        if len(self.shapes) == 1:
+        plain = self.cfg.draft.plain_steps
+        if len(self.shapes) == 1 and not plain:
             return
-        self.shape_costs = self.eager_cost_sizes = None
+        self.shape_costs = self.eager_cost_sizes = self.plain_costs = None
         if real:
             with torch.inference_mode():
                 self.shape_costs = [step_costs(shape.step_graph) for shape in self.shapes]
-        log.info("rank %d: adaptive draft shapes %s (topk, steps, nodes) captured in %.1fs; "
+                if plain:
+                    self.plain_costs = plain_step_costs(self.w, self.step_graph.sizes)
+        log.info("rank %d: adaptive draft shapes %s (topk, steps, nodes)%s captured in %.1fs; "
                  "step ms at sizes %s: %s", self.w.rank,
-                 [(s.K, s.S, s.N) for s in self.shapes], time.time() - t0, sizes,
+                 [(s.K, s.S, s.N) for s in self.shapes], " and plain steps" if plain else "",
+                 time.time() - t0, sizes,
                  None if self.shape_costs is None else
-                 [[round(1000 * c, 2) for c in costs] for costs in self.shape_costs])
+                 [[round(1000 * c, 2) for c in costs] for costs in
+                  self.shape_costs + ([self.plain_costs] if plain else [])])
 
     def eager_shapes(self, sizes: list[int]) -> None:
         """draft.adaptive_shapes on a rank without step graphs (the CPU): views whose
@@ -218,16 +225,19 @@ class EagleWorker:
         t0 = time.time()
         self.shapes = [self] + [shape_view(self, steps, nodes)
                                 for steps, nodes in self.cfg.draft.adaptive_shapes]
-        if len(self.shapes) == 1:
+        plain = self.cfg.draft.plain_steps
+        if len(self.shapes) == 1 and not plain:
             return
+        timed = self.shapes + ([PlainStep(self.w)] if plain else [])
         with torch.inference_mode():
-            self.shape_costs = eager_step_costs(self.shapes, sizes, self.w.device, self.w.rank)
+            costs = eager_step_costs(timed, sizes, self.w.device, self.w.rank)
+        self.shape_costs = costs[:len(self.shapes)]
+        self.plain_costs = costs[-1] if plain else None
         self.eager_cost_sizes = sizes
-        log.info("rank %d: adaptive draft shapes %s (topk, steps, nodes), eager; step ms at "
+        log.info("rank %d: adaptive draft shapes %s (topk, steps, nodes)%s, eager; step ms at "
                  "batch sizes %s: %s, measured in %.1fs", self.w.rank,
-                 [(s.K, s.S, s.N) for s in self.shapes], sizes,
-                 [[round(1000 * c, 1) for c in costs] for costs in self.shape_costs],
-                 time.time() - t0)
+                 [(s.K, s.S, s.N) for s in self.shapes], " and plain steps" if plain else "", sizes,
+                 [[round(1000 * c, 1) for c in c_] for c_ in costs], time.time() - t0)
 
     # ---- one speculative decode iteration ---------------------------------------------------
     def decode(self, plan: StepPlan) -> Emitted:

@@ -406,6 +406,7 @@ class RankWorker:
                 # at each graph batch size, or without graphs at each eager_draft_cost_sizes
                 # entry (eager_shapes): the scheduler's DraftPolicy reads them.
                 "draft_step_costs": self.eagle.shape_costs if self.eagle is not None else None,
+                "plain_step_costs": self.eagle.plain_costs if self.eagle is not None else None,
                 "graph_batch_sizes": self.graph_capture.get("batch_sizes"),
                 "eager_draft_cost_sizes": self.eagle.eager_cost_sizes if self.eagle is not None else None}
 
@@ -453,7 +454,9 @@ class RankWorker:
             emitted = self.eagle.decode(plan)
         else:
             emitted = self._decode(plan)
-        shape = self.eagle.last_shape if plan.mode == "decode" and self.eagle is not None else 0
+        shape = 0
+        if plan.mode == "decode" and self.eagle is not None:  # PLAIN_STEP: the policy chose a plain step
+            shape = self.eagle.last_shape if plan.use_spec else plan.draft_shape
         step = LaunchedStep(plan, emitted, self.last_prompt_logprobs, time.perf_counter() - t0, start,
                             eager=self.eager.take(), draft_shape=shape)
         self.grammars.launched(step, plan.rows)

@@ -144,7 +144,8 @@ class _StepCollector:
             ("kestrel_engine_eager_steps", "Steps that left the captured graphs while graphs are "
              "on, by reason (actors/worker/eager_steps.py REASONS)", "reason", "eager_steps"),
             ("kestrel_engine_draft_shape_steps", "Speculative decode steps by the draft shape they "
-             "ran at (topk, steps, nodes; draft.adaptive_shapes)", "shape", "draft_shape_steps"),
+             "ran at (topk, steps, nodes; draft.adaptive_shapes), and the plain steps a draft "
+             "policy chose (draft.plain_steps)", "shape", "draft_shape_steps"),
         )
         for name, help_text, label, key in families:
             family = CounterMetricFamily(name, help_text, labels=["model", "replica", label])

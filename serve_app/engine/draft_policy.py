@@ -17,14 +17,24 @@ not chosen for EXPLORE_EVERY steps is run once, so its estimate follows the traf
 prompts, not the batch size, decide how much drafts are accepted). Greedy output is the
 same at every shape (each one verifies its drafts against the target), so the choice
 changes speed only.
+
+With draft.plain_steps the rank also measured a plain decode step's cost, and the policy
+may choose it (`plain`, accept exactly 1): no draft runs, so the draft misses those
+tokens. A plain step is never left to explore a shape (the drafts after it start from a
+stale state), and the first speculative step after plain ones is not counted.
 """
 from __future__ import annotations
 
 import bisect
 
+from actors.protocol.step_plan import PLAIN_STEP
+
 EXPLORE_EVERY = 64  # steps a learnable shape may go unchosen before it runs once
 EMA = 0.1  # weight of one step's mean accept length in a shape's estimate
 PRIOR = 4  # requests' worth of weight of a shape's optimistic start
+
+
+PLAIN_NAME = "plain"  # a plain decode step's label in /metrics
 
 
 def shape_name(shape: tuple[int, int, int]) -> str:
@@ -34,10 +44,16 @@ def shape_name(shape: tuple[int, int, int]) -> str:
 
 
 class DraftPolicy:
+    plain: int | None = None  # the index choose() returns for a plain decode step, if any
+
     def __init__(self, shapes: list[tuple[int, int, int]], costs: list[list[float]], sizes: list[int],
-                 eager: bool = False):
+                 eager: bool = False, plain_costs: list[float] | None = None):
         """`costs[s][i]`: seconds of a step of shape s at batch sizes[i]; `eager`: measured
-        eagerly (a batch between sizes interpolates, past the last takes the last's)."""
+        eagerly (a batch between sizes interpolates, past the last takes the last's);
+        `plain_costs[i]`: a plain decode step's, making it a choice (draft.plain_steps)."""
+        if plain_costs is not None:
+            shapes, costs = [*shapes, (0, 0, 1)], [*costs, plain_costs]  # no draft, the root alone
+            self.plain = len(shapes) - 1
         if len(costs) != len(shapes) or any(len(c) != len(sizes) for c in costs):
             raise ValueError(f"step costs {[len(c) for c in costs]} do not match {len(shapes)} "
                              f"shapes at {len(sizes)} batch sizes")
@@ -47,17 +63,19 @@ class DraftPolicy:
         self.learns = [n > 1 for _, _, n in shapes]  # the root alone always emits one token
         self.unchosen = [0] * len(shapes)  # steps since each shape last ran
         self.seen = [0] * len(shapes)  # accept lengths observed per shape
+        self.after_plain = False  # the last step observed was a plain one
 
     @classmethod
     def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict) -> "DraftPolicy | None":
         """The policy for a rank whose info() measured its shapes' costs, replayed as graphs
-        or eagerly (eager_draft_cost_sizes), else None (one shape, or dp_attention: every
-        step takes the configured shape)."""
-        costs = info.get("draft_step_costs")
-        if not costs or len(costs) < 2:
+        or eagerly (eager_draft_cost_sizes), else None (one shape and no plain steps, or
+        dp_attention: every step takes the configured shape)."""
+        costs, plain = info.get("draft_step_costs"), info.get("plain_step_costs")
+        if not costs or len(costs) + (plain is not None) < 2:
             return None
         eager = info.get("eager_draft_cost_sizes")
-        return cls(shapes[:len(costs)], costs, eager or info["graph_batch_sizes"], eager=bool(eager))
+        return cls(shapes[:len(costs)], costs, eager or info["graph_batch_sizes"], eager=bool(eager),
+                   plain_costs=plain)
 
     def rates(self, batch: int) -> list[float] | None:
         """Expected tokens per request-second of each shape at `batch`, None past the graphs."""
@@ -75,15 +93,24 @@ class DraftPolicy:
         if rates is None:
             return 0
         best = max(range(len(rates)), key=rates.__getitem__)
-        stale = [i for i in range(len(rates)) if self.learns[i] and i != best
-                 and self.unchosen[i] >= EXPLORE_EVERY]
+        # After a plain step a shape's drafts start stale: exploring it there measures nothing.
+        stale = [] if best == self.plain else [
+            i for i in range(len(rates)) if self.learns[i] and i != best
+            and self.unchosen[i] >= EXPLORE_EVERY]
         pick = max(stale, key=self.unchosen.__getitem__) if stale else best
         for i in range(len(self.unchosen)):
             self.unchosen[i] = 0 if i == pick else self.unchosen[i] + 1
         return pick
 
     def observe(self, shape: int, accept_lengths: list[int]) -> None:
-        """A step that ran at `shape` emitted these accept lengths (one per request)."""
+        """A step that ran at `shape` (PLAIN_STEP: a plain one) emitted these accept lengths
+        (one per request)."""
+        if shape == PLAIN_STEP:
+            self.after_plain = True
+            return
+        if self.after_plain:  # drafted from the state before the plain steps
+            self.after_plain = False
+            return
         if accept_lengths and self.learns[shape]:
             n = len(accept_lengths)
             mean = sum(accept_lengths) / n

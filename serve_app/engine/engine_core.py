@@ -40,10 +40,10 @@ from actors.protocol.messages import (CORE_RECEIVES_FROM_FRONT, AddRequest, Fini
                                       GrammarVocab, Hello, Outputs, RanksFailed, Ready, Rejected,
                                       RequestOutput, Stats, StatsQuery, StatsReply, encode,
                                       read_message)
-from actors.protocol.step_plan import StepOutput, StepPlan
+from actors.protocol.step_plan import PLAIN_STEP, StepOutput, StepPlan
 from actors.worker import gc_pauses
 from configs.schema import KestrelConfig
-from serve_app.engine.draft_policy import shape_name
+from serve_app.engine.draft_policy import PLAIN_NAME, shape_name
 from serve_app.engine.rank_channel import RankChannel
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
@@ -245,8 +245,9 @@ class EngineCore:
         counts[plan.mode] += 1
         if out.eager:
             self.eager_steps[rank][out.eager] += 1
-        if plan.use_spec and plan.mode == "decode":
-            self.shape_steps[rank][self.shape_names[out.draft_shape]] += 1
+        if plan.mode == "decode" and (plan.use_spec or out.draft_shape == PLAIN_STEP):
+            name = PLAIN_NAME if out.draft_shape == PLAIN_STEP else self.shape_names[out.draft_shape]
+            self.shape_steps[rank][name] += 1
         if pipelined:
             seconds["wait"] += timings.get("wait", 0.0)
             seconds["gpu_idle"] += timings.get("gpu_idle", 0.0)

@@ -19,6 +19,7 @@ from collections import Counter
 
 from actors.protocol.messages import RequestOutput
 from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.step_plan import PLAIN_STEP
 from actors.worker.rank_worker import RankWorker
 from configs.schema import KestrelConfig
 from serve_app.text.detokenizer import detokenizer_factory
@@ -66,7 +67,7 @@ class LLMEngine:
                           for s, w in zip(self.schedulers, self.workers)]
         self.mode_steps = {"extend": 0, "decode": 0}
         self.eager_steps: Counter = Counter()  # reason -> steps that left the graphs (eager_steps.py)
-        self.shape_steps: Counter = Counter()  # draft shape index -> speculative steps at it
+        self.shape_steps: Counter = Counter()  # draft shape index (PLAIN_STEP: plain) -> decode steps at it
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
@@ -121,7 +122,7 @@ class LLMEngine:
             self.mode_steps[plan.mode] = self.mode_steps.get(plan.mode, 0) + 1
             if out.eager:
                 self.eager_steps[out.eager] += 1
-            if plan.mode == "decode" and plan.use_spec:
+            if plan.mode == "decode" and (plan.use_spec or out.draft_shape == PLAIN_STEP):
                 self.shape_steps[out.draft_shape] += 1
         self.steps += 1
         return events

@@ -21,7 +21,7 @@ import torch
 
 from actors.worker.kv_cache import RowAllocator, SlotAllocator, kv_ahead, max_request_slots
 from actors.protocol.messages import RequestOutput
-from actors.protocol.step_plan import RowProcessing, StepOutput, StepPlan, coins_per_request
+from actors.protocol.step_plan import PLAIN_STEP, RowProcessing, StepOutput, StepPlan, coins_per_request
 from configs.schema import KestrelConfig
 from serve_app.engine.draft_policy import DraftPolicy
 from serve_app.engine.radix_cache import RadixCache
@@ -427,6 +427,12 @@ class Scheduler:
         plan = StepPlan(self.step_id, "decode", [r.row for r in running], use_spec=self.spec)
         if self.draft_policy is not None:
             plan.draft_shape = self.draft_policy.choose(len(running))
+            # A plain step (draft.plain_steps); not with a grammar, whose rows the rank
+            # masks per speculative tree.
+            if plan.draft_shape == self.draft_policy.plain and not self._grammar_rows:
+                plan.use_spec, plan.draft_shape = False, PLAIN_STEP
+            elif plan.draft_shape == self.draft_policy.plain:
+                plan.draft_shape = 0
         self._add_sampling(running, plan)
         plan.coins = self._coins(running)
         self._inflight[plan.step_id] = [(r, r.admissions) for r in running]

@@ -1,13 +1,15 @@
 """Adaptive draft shapes: a decode step may draft with a smaller shape than the configured
-one (draft.adaptive_shapes), chosen per step by DraftPolicy from measured step costs and
-accept lengths, with step graphs (here their CPU stand-ins) or, without graphs (the CPU),
-eagerly. Greedy output stays the plain output token for token under any sequence of
-shapes; what cannot run at a smaller shape runs at the configured one, and says so."""
+one (draft.adaptive_shapes), or run as a plain decode step (draft.plain_steps), chosen per
+step by DraftPolicy from measured step costs and accept lengths, with step graphs (here
+their CPU stand-ins) or, without graphs (the CPU), eagerly. Greedy output stays the plain
+output token for token under any sequence of shapes and plain steps; what cannot run at a
+smaller shape runs at the configured one, and says so."""
 from __future__ import annotations
 
 import pytest
 from spec_helpers import TREE, outputs, random_prompts, tiny_config, tiny_engine
 
+from actors.protocol.step_plan import PLAIN_STEP
 from configs.schema import ConfigError, load_config
 from serve_app.api.metrics import ServerMetrics
 from serve_app.engine.draft_policy import EXPLORE_EVERY, PRIOR, DraftPolicy, shape_name
@@ -17,14 +19,16 @@ MAX_TOKENS = 16
 ROOT = "draft.adaptive_shapes=[[1,1]]"  # the default (TREE has none: spec_helpers.FIXED)
 SHAPES3 = "draft.adaptive_shapes=[[2,3],[1,1]]"
 EAGER = "draft.eager_shapes=true"  # a rank without graphs times its shapes
+PLAIN = "draft.plain_steps=true"
 
 
 class Cycle(DraftPolicy):
     """Every shape in turn, whatever the costs: the worst case for state carried between
-    steps of different shapes."""
+    steps of different shapes. `plain`: the last of the n is a plain decode step."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, plain: bool = False):
         self.n, self.i, self.seen = n, 0, []
+        self.plain = n - 1 if plain else None
 
     def choose(self, batch: int) -> int:
         self.i += 1
@@ -57,6 +61,66 @@ def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, 
     assert set(eng.shape_steps) == set(range(len(shapes)))  # every shape ran
     for shape, _, longest in policy.seen:  # a shape never emits more than its tree can accept
         assert longest <= min(shapes[shape].S, shapes[shape].N - 1) + 1
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_greedy_output_is_plain_output_with_plain_steps_between_shapes(tiny_llama_dir, graphs):
+    """Plain steps leave the draft's state behind (its top-k and the KV of their tokens):
+    the drafts after them accept less, the output does not change."""
+    prompts = random_prompts(5, seed=22)
+    want = outputs(tiny_engine(tiny_llama_dir, spec=False), prompts, MAX_TOKENS)
+    eng = adaptive_engine(tiny_llama_dir, SHAPES3, PLAIN, graphs=graphs)
+    shapes = eng.workers[0].eagle.shapes
+    policy = eng.schedulers[0].draft_policy = Cycle(len(shapes) + 1, plain=True)
+    assert outputs(eng, prompts, MAX_TOKENS) == want
+    assert set(eng.shape_steps) == set(range(len(shapes))) | {PLAIN_STEP}
+    assert PLAIN_STEP in {shape for shape, _, _ in policy.seen}
+    assert all(longest == 1 for shape, _, longest in policy.seen if shape == PLAIN_STEP)
+
+
+def test_sampled_and_penalized_rows_take_plain_steps(tiny_llama_dir):
+    from serve_app.engine.request import SamplingParams
+    eng = adaptive_engine(tiny_llama_dir, PLAIN)
+    eng.schedulers[0].draft_policy = Cycle(3, plain=True)  # tree, root, plain
+    reqs = eng.generate(random_prompts(3, seed=5),
+                        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=3,
+                                       repetition_penalty=1.3))
+    assert all(len(r.output_ids) == MAX_TOKENS for r in reqs)
+    assert eng.shape_steps[PLAIN_STEP] and eng.shape_steps[0] and not eng.eager_steps
+
+
+def test_policy_takes_a_plain_step_where_it_costs_less_and_then_explores_nothing():
+    shapes = [(4, 5, 8), (4, 1, 1)]
+    # Plain costs 1.0 at both sizes; the tree 1.5 at batch 1 and 4 at 64, the root 1.2.
+    policy = DraftPolicy(shapes, [[1.5, 4.0], [1.2, 1.2]], [1, 64], plain_costs=[1.0, 1.0])
+    assert policy.plain == 2 and policy.accept == [6.0, 1.0, 1.0] and not policy.learns[2]
+    assert policy.choose(1) == 0  # 6 / 1.5
+    for _ in range(60):
+        policy.observe(0, [2, 2])
+    picks = [policy.choose(64) for _ in range(3 * EXPLORE_EVERY)]
+    assert picks == [2] * len(picks)  # 2 / 4 and 1 / 1.2 < 1 / 1: plain, no exploring
+    # The first speculative step after plain ones drafted from a stale state: not counted.
+    before = policy.accept[0]
+    policy.observe(PLAIN_STEP, [1, 1])
+    policy.observe(0, [1, 1])
+    assert policy.accept[0] == before
+    policy.observe(0, [1, 1])
+    assert policy.accept[0] < before
+    assert DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0]], "plain_step_costs": [0.5],
+                                            "graph_batch_sizes": [8]}).plain == 1
+
+
+def test_cpu_rank_times_plain_steps_beside_its_shapes(tiny_llama_dir):
+    eng = tiny_engine(tiny_llama_dir, *TREE, ROOT, EAGER, PLAIN)
+    info = eng.workers[0].info()
+    assert len(info["draft_step_costs"]) == 2 and len(info["plain_step_costs"]) == 4
+    assert min(info["plain_step_costs"]) > 0
+    policy = eng.schedulers[0].draft_policy
+    assert policy.plain == 2 and policy.costs[2] == info["plain_step_costs"]
+    # Plain steps alone make a choice: the configured shape and plain.
+    eng = tiny_engine(tiny_llama_dir, *TREE, EAGER, PLAIN)
+    assert len(eng.workers[0].info()["draft_step_costs"]) == 1
+    assert eng.schedulers[0].draft_policy.plain == 1
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
