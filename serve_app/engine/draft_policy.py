@@ -20,8 +20,8 @@ changes speed only.
 
 With draft.plain_steps the rank also measured a plain decode step's cost, and the policy
 may choose it (`plain`, accept exactly 1): no draft runs, so the draft misses those
-tokens. A plain step is never left to explore a shape (the drafts after it start from a
-stale state), and the first speculative step after plain ones is not counted.
+tokens. The first speculative step after plain ones drafts from a stale state and is not
+counted, so a shape explored after plain steps runs two steps in a row.
 """
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ class DraftPolicy:
         self.unchosen = [0] * len(shapes)  # steps since each shape last ran
         self.seen = [0] * len(shapes)  # accept lengths observed per shape
         self.after_plain = False  # the last step observed was a plain one
+        self.last_pick: int | None = None
+        self.explore_again: int | None = None  # a shape to explore once more (after plain)
 
     @classmethod
     def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict) -> "DraftPolicy | None":
@@ -92,14 +94,20 @@ class DraftPolicy:
         rates = self.rates(batch)
         if rates is None:
             return 0
-        best = max(range(len(rates)), key=rates.__getitem__)
-        # After a plain step a shape's drafts start stale: exploring it there measures nothing.
-        stale = [] if best == self.plain else [
-            i for i in range(len(rates)) if self.learns[i] and i != best
-            and self.unchosen[i] >= EXPLORE_EVERY]
-        pick = max(stale, key=self.unchosen.__getitem__) if stale else best
+        if self.explore_again is not None:  # the second step of an exploration after plain
+            pick, self.explore_again = self.explore_again, None
+        else:
+            best = max(range(len(rates)), key=rates.__getitem__)
+            stale = [i for i in range(len(rates)) if self.learns[i] and i != best
+                     and self.unchosen[i] >= EXPLORE_EVERY]
+            pick = max(stale, key=self.unchosen.__getitem__) if stale else best
+            if pick != best and self.last_pick == self.plain is not None:
+                # Its first step drafts from the state before the plain steps and is not
+                # counted (observe): run it twice.
+                self.explore_again = pick
         for i in range(len(self.unchosen)):
             self.unchosen[i] = 0 if i == pick else self.unchosen[i] + 1
+        self.last_pick = pick
         return pick
 
     def observe(self, shape: int, accept_lengths: list[int]) -> None:

@@ -2,7 +2,7 @@
 default chain, so drafts are accepted and a switch drops real work): greedy output is the
 plain output token for token whatever eager shape each step takes, whether the shapes
 take turns or DraftPolicy switches them as the batch shrinks; /metrics counts the steps
-per shape of a CPU rank served through the step channel."""
+per shape (and the plain steps) of a CPU rank served through the step channel."""
 from __future__ import annotations
 
 import pytest
@@ -48,6 +48,17 @@ def test_shapes_in_turn(engine, tokenizer, chat_prompts, plain_chat_outputs, hf_
         assert longest <= shapes[s].N
 
 
+def test_plain_steps_between_shapes(engine, tokenizer, chat_prompts, plain_chat_outputs, hf_model):
+    """draft.plain_steps: the draft misses the plain steps' tokens; the output does not."""
+    from actors.protocol.step_plan import PLAIN_STEP
+    engine.schedulers[0].draft_policy = Cycle(5, plain=True)
+    engine.shape_steps.clear()
+    reqs = engine.generate(chat_prompts[:4], SamplingParams(max_tokens=MAX, ignore_eos=True))
+    for prompt, r, ref in zip(chat_prompts, reqs, plain_chat_outputs):
+        assert_same_or_near_tie(hf_model, prompt, r.output_ids, ref[:MAX])
+    assert set(engine.shape_steps) == {0, 1, 2, 3, PLAIN_STEP}
+
+
 def test_policy_switches_as_the_batch_shrinks(engine, tokenizer, chat_prompts,
                                               plain_chat_outputs, hf_model):
     """Costs that make the chain win at 1-2 requests and the root at 3 or more; the
@@ -73,13 +84,13 @@ def test_cpu_steps_per_shape_reach_metrics(engine, tokenizer, chat_prompts):
 
     from kestrel_testing import LocalEngine
     from serve_app.api.metrics import ServerMetrics
-    from serve_app.engine.draft_policy import shape_name
+    from serve_app.engine.draft_policy import PLAIN_NAME, shape_name
 
     worker = engine.workers[0]
 
     async def run():
         local = await LocalEngine.start(worker.cfg, worker.info(), worker, tokenizer)
-        local.core.schedulers[0].draft_policy = Cycle(4)
+        local.core.schedulers[0].draft_policy = Cycle(5, plain=True)  # and plain steps
         stream = local.client.add_request(chat_prompts[0], dict(max_tokens=16, ignore_eos=True), "a")
         _ = [out async for out in stream]
         for _ in range(100):  # the last step comes back and is counted
@@ -91,8 +102,8 @@ def test_cpu_steps_per_shape_reach_metrics(engine, tokenizer, chat_prompts):
         return stats
 
     stats = asyncio.run(run())
-    names = [shape_name((s.K, s.S, s.N)) for s in worker.eagle.shapes]
-    assert set(stats["draft_shape_steps"]) == set(names)  # k1s3n4, k1s2n3, k1s1n2, k1s1n1
+    names = [shape_name((s.K, s.S, s.N)) for s in worker.eagle.shapes] + [PLAIN_NAME]
+    assert set(stats["draft_shape_steps"]) == set(names)  # k1s3n4, k1s2n3, k1s1n2, k1s1n1, plain
     m = ServerMetrics("m")
     m.update_engine({**stats, "replica": "r"})
     text = m.render()[0].decode()
