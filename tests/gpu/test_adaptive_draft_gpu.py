@@ -75,3 +75,20 @@ def test_sampled_and_logprobs_steps_replay_at_smaller_shapes(chat_prompts, adapt
     outs = generate(adaptive, chat_prompts[:6], temperature=0.8, top_p=0.9, seed=1, logprobs=2)
     assert all(len(o) == MAX for o in outs) and not adaptive.eager_steps
     torch.cuda.synchronize()
+
+
+def test_plain_steps_cost_less_than_the_root_and_keep_greedy_output(tokenizer, chat_prompts):
+    """draft.plain_steps on real graphs: the plain step's cost is the decode graph's replay,
+    below the root-only shape's (which still runs the draft), and plain steps between the
+    shapes leave greedy output as plain decoding's, without an eager step."""
+    from actors.protocol.step_plan import PLAIN_STEP
+    eng = engine(tokenizer, *TREE, "draft.plain_steps=true")
+    info = eng.workers[0].info()
+    plain, root = info["plain_step_costs"], info["draft_step_costs"][2]
+    assert len(plain) == len(info["graph_batch_sizes"]) and all(p < r for p, r in zip(plain, root))
+    assert eng.schedulers[0].draft_policy.plain == 3
+    want = generate(engine(tokenizer, "draft.enabled=false"), chat_prompts[:5])
+    policy = eng.schedulers[0].draft_policy = Cycle(4)
+    policy.plain = 3
+    assert generate(eng, chat_prompts[:5]) == want
+    assert set(eng.shape_steps) == {0, 1, 2, PLAIN_STEP} and not eng.eager_steps
