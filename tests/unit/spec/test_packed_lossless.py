@@ -40,8 +40,7 @@ def top2_gap(model, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-# Batch 4 (the kernels' largest batch) takes minutes on 2 cores: make test-long runs it.
-@pytest.mark.parametrize("batch", [1, pytest.param(4, marks=pytest.mark.long)])
+@pytest.mark.parametrize("batch", [1, 4])
 def test_packed_model_speculates_losslessly_but_for_near_ties(tokenizer, chat_prompts, batch):
     cfg = load_config(overrides=BASE + ["draft.enabled=true", *CHAIN])
     assert cfg.model.cpu_packed_max_batch >= batch
