@@ -130,19 +130,21 @@ class EagleWorker:
 
     # ---- after a prefill chunk -------------------------------------------------------------
     def extend_after_prefill(self, plan: StepPlan, fb: ForwardBatch, hidden, aux, tokens, done,
-                             ends):
+                             ends, num_decode: int = 0):
         """Draft extend over a prefill chunk: ids shifted by one (the token after each
         position: the next prompt token, or the sampled first output on the last chunk).
         `ends` [B] are the chunks' last rows, `done` [D] int64 the plan positions of the
-        requests whose prompt is complete."""
+        requests whose prompt is complete. A mixed step without speculation (a plain step
+        the draft policy chose) puts `num_decode` decode rows first, one-token chunks whose
+        next token is the one just sampled: the draft follows them too."""
         w = self.w
-        nxt = to_device(plan.next_ids, torch.int64, w.device)
+        nxt = to_device([-1] * num_decode + list(plan.next_ids), torch.int64, w.device)
         nxt = torch.where(nxt >= 0, nxt, tokens)
         shifted = torch.roll(fb.input_ids, -1)  # a new tensor: fb keeps its ids
         shifted[ends] = nxt
         dfb = ForwardBatch(ForwardMode.DRAFT_EXTEND, draft_extend_ids(shifted), fb.positions,
                            fb.out_cache_loc, fb.req_pool_indices, fb.prefix_lens,
-                           list(plan.extend_lens), hidden_in=self._features(hidden, aux))
+                           [1] * num_decode + list(plan.extend_lens), hidden_in=self._features(hidden, aux))
         h = self.runner.forward(dfb, hidden_in=dfb.hidden_in)  # [T, H]
         last = h[ends]
         topk_p, topk_index = self.head.topk(last, self.K)

@@ -455,8 +455,10 @@ class RankWorker:
         else:
             emitted = self._decode(plan)
         shape = 0
-        if plan.mode == "decode" and self.eagle is not None:  # PLAIN_STEP: the policy chose a plain step
-            shape = self.eagle.last_shape if plan.use_spec else plan.draft_shape
+        if self.eagle is not None and not plan.use_spec:  # PLAIN_STEP: the policy chose a plain step
+            shape = plan.draft_shape
+        elif self.eagle is not None and plan.mode == "decode":
+            shape = self.eagle.last_shape
         step = LaunchedStep(plan, emitted, self.last_prompt_logprobs, time.perf_counter() - t0, start,
                             eager=self.eager.take(), draft_shape=shape)
         self.grammars.launched(step, plan.rows)
@@ -571,7 +573,8 @@ class RankWorker:
         done = self._tensor([i for i, e in enumerate(emits) if e])
         self.record(plan, fb.req_pool_indices[done], tokens[done])
         if self.eagle is not None:
-            self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done, last)
+            self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done, last,
+                                            num_decode=fb.batch_size - len(plan.last_chunk))
         else:
             self.future.store(fb.req_pool_indices[done], fb.seq_lens[done], tokens[done])
         return one_token_each(plan, tokens, emits, lps)

@@ -297,7 +297,8 @@ class Scheduler:
         self._inflight[self.step_id] = both
         d, e = decode, extend
         plan = StepPlan(self.step_id, "mixed", d.rows + e.rows, num_decode=len(d.rows),
-                        use_spec=d.use_spec, coins=np.concatenate([d.coins, e.coins]),
+                        use_spec=d.use_spec, draft_shape=d.draft_shape,
+                        coins=np.concatenate([d.coins, e.coins]),
                         input_ids=e.input_ids, prefix_lens=e.prefix_lens, extend_lens=e.extend_lens,
                         last_chunk=e.last_chunk, next_ids=e.next_ids)
         self._add_sampling([r for r, _ in both], plan)

@@ -89,6 +89,20 @@ def test_sampled_and_penalized_rows_take_plain_steps(tiny_llama_dir):
     assert eng.shape_steps[PLAIN_STEP] and eng.shape_steps[0] and not eng.eager_steps
 
 
+def test_plain_steps_mix_with_prefill_chunks(tiny_llama_dir):
+    """scheduler.mixed_steps: a plain step's decode rows beside prompt chunks run plainly
+    and report the plain step, so its accept lengths teach the policy nothing."""
+    prompts = random_prompts(5, seed=23)
+    want = outputs(tiny_engine(tiny_llama_dir, spec=False), prompts, MAX_TOKENS)
+    eng = adaptive_engine(tiny_llama_dir, PLAIN, "scheduler.mixed_steps=true",
+                          "scheduler.chunked_prefill_size=16", "scheduler.max_running_requests=2")
+    policy = eng.schedulers[0].draft_policy = Cycle(3, plain=True)
+    assert outputs(eng, prompts, MAX_TOKENS) == want
+    assert eng.mode_steps.get("mixed", 0) >= 1
+    assert all(longest == 1 for shape, _, longest in policy.seen if shape == PLAIN_STEP)
+    assert any(shape == PLAIN_STEP for shape, _, _ in policy.seen)
+
+
 def test_policy_takes_a_plain_step_where_it_costs_less_and_explores_twice_in_a_row():
     shapes = [(4, 5, 8), (4, 1, 1)]
     # Plain costs 1.0 at both sizes; the tree 1.5 at batch 1 and 4 at 64, the root 1.2.
