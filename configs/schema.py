@@ -148,8 +148,8 @@ class DraftConfig(_Strict):
     # costs more than it gains. The draft then misses those tokens: the first speculative
     # step after plain ones drafts from a stale state (its accept length is not counted)
     # and later ones attend over the gaps, so acceptance suffers a while; output does not
-    # (every draft is verified). Its cost is measured with the shapes' (needs
-    # adaptive_shapes' costs: graphs, or eager_shapes on the CPU).
+    # (every draft is verified). Its cost is measured beside the shapes': from the decode
+    # graph on a GPU, eagerly with eager_shapes on the CPU (without either, no choice).
     plain_steps: bool = False
 
     @model_validator(mode="after")

@@ -239,7 +239,7 @@ class EagleWorker:
         log.info("rank %d: adaptive draft shapes %s (topk, steps, nodes)%s, eager; step ms at "
                  "batch sizes %s: %s, measured in %.1fs", self.w.rank,
                  [(s.K, s.S, s.N) for s in self.shapes], " and plain steps" if plain else "", sizes,
-                 [[round(1000 * c, 1) for c in c_] for c_ in costs], time.time() - t0)
+                 [[round(1000 * c, 1) for c in per_size] for per_size in costs], time.time() - t0)
 
     # ---- one speculative decode iteration ---------------------------------------------------
     def decode(self, plan: StepPlan) -> Emitted:

@@ -567,14 +567,14 @@ class RankWorker:
         logits = self.model.compute_logits(hidden[last])
         tokens, lps = self.sample(plan, fb.req_pool_indices, logits)
         # Rows that emit: a mixed plan's decode rows, and the chunks that end their prompt.
-        emits = [True] * (fb.batch_size - len(plan.last_chunk)) + list(plan.last_chunk)
+        num_decode = fb.batch_size - len(plan.last_chunk)
+        emits = [True] * num_decode + list(plan.last_chunk)
         # [D] int64 their positions in the plan (an index, not a mask: a mask's result size
         # would wait for the device)
         done = self._tensor([i for i, e in enumerate(emits) if e])
         self.record(plan, fb.req_pool_indices[done], tokens[done])
         if self.eagle is not None:
-            self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done, last,
-                                            num_decode=fb.batch_size - len(plan.last_chunk))
+            self.eagle.extend_after_prefill(plan, fb, hidden, aux_hidden, tokens, done, last, num_decode)
         else:
             self.future.store(fb.req_pool_indices[done], fb.seq_lens[done], tokens[done])
         return one_token_each(plan, tokens, emits, lps)

@@ -101,7 +101,7 @@ class DraftPolicy:
             stale = [i for i in range(len(rates)) if self.learns[i] and i != best
                      and self.unchosen[i] >= EXPLORE_EVERY]
             pick = max(stale, key=self.unchosen.__getitem__) if stale else best
-            if pick != best and self.last_pick == self.plain is not None:
+            if pick != best and self.plain is not None and self.last_pick == self.plain:
                 # Its first step drafts from the state before the plain steps and is not
                 # counted (observe): run it twice.
                 self.explore_again = pick

@@ -428,12 +428,10 @@ class Scheduler:
         plan = StepPlan(self.step_id, "decode", [r.row for r in running], use_spec=self.spec)
         if self.draft_policy is not None:
             plan.draft_shape = self.draft_policy.choose(len(running))
-            # A plain step (draft.plain_steps); not with a grammar, whose rows the rank
-            # masks per speculative tree.
-            if plan.draft_shape == self.draft_policy.plain and not self._grammar_rows:
-                plan.use_spec, plan.draft_shape = False, PLAIN_STEP
-            elif plan.draft_shape == self.draft_policy.plain:
-                plan.draft_shape = 0
+            if plan.draft_shape == self.draft_policy.plain:  # draft.plain_steps
+                # Not with a grammar, whose rows the rank masks per speculative tree.
+                plan.use_spec = bool(self._grammar_rows)
+                plan.draft_shape = 0 if plan.use_spec else PLAIN_STEP
         self._add_sampling(running, plan)
         plan.coins = self._coins(running)
         self._inflight[plan.step_id] = [(r, r.admissions) for r in running]

@@ -100,6 +100,21 @@ def test_eager_draft_shapes_in_turn_under_a_grammar(grammar_model, tokenizer, pl
     assert set(eng.shape_steps) == {0, 1, 2}
 
 
+def test_no_plain_step_while_a_grammar_row_runs(grammar_model, tokenizer, plain_engine, compiled,
+                                                monkeypatch):
+    """draft.plain_steps: a step the policy would take plain runs at the configured shape
+    while a row has a grammar (the rank masks its rows per speculative tree)."""
+    from test_adaptive_draft import Cycle
+    prompts = random_prompts(3, vocab=len(tokenizer), seed=8)
+    p = params(compiled["json_schema"])
+    plain = [r.output_ids for r in plain_engine.generate(prompts, p)]
+    eng = LLMEngine(tiny_config(grammar_model, *TREE, "draft.eager_shapes=true", "draft.plain_steps=true"),
+                    tokenizer=tokenizer)
+    eng.schedulers[0].draft_policy = Cycle(2, plain=True)  # the configured shape, then plain
+    speculate_and_compare(eng, prompts, p, plain, "oracle", monkeypatch)
+    assert set(eng.shape_steps) == {0}
+
+
 def test_tree_walks_split_over_threads_equal_plain(grammar_model, tokenizer, plain_engine, compiled,
                                                    monkeypatch):
     """processing.grammar_threads > 1: the tree masks of a step's rows are walked on several
