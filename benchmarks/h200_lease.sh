@@ -19,8 +19,7 @@
 #   load7b     a 7B-shaped safetensors checkpoint written to local disk, then loaded to the GPU
 #              with the page cache dropped: load seconds and peak host memory (load_bench.py) ~150
 #   fp8gemm    the FP8 linear against bf16 at the 7B and 72B GEMM shapes (fp8_gemm_bench.py) ~60
-#   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target), then
-#              fp8_gemm_bench at the 7B shapes                                               ~90
+#   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target)    ~50
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
 #   census7b   the 7B shape's decode step per kernel (kernel_census.py): bf16 at 1 and 64
@@ -114,10 +113,7 @@ for stage in "$@"; do
     fp8)
       timeout 300 python3 -m pytest -q tests/gpu/test_fp8_gpu.py \
         tests/unit/test_triton_fp8_quant.py > "$work/fp8_tests.txt" 2>&1
-      tail -3 "$work/fp8_tests.txt"
-      PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 200 python3 benchmarks/fp8_gemm_bench.py --models 7b \
-        --m 1 8 16 64 > "$work/fp8_gemm_7b.txt" 2>&1
-      tail -18 "$work/fp8_gemm_7b.txt" ;;
+      tail -3 "$work/fp8_tests.txt" ;;
     fp8gemm)
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/fp8_gemm_bench.py > "$work/fp8_gemm.txt" 2>&1
       tail -45 "$work/fp8_gemm.txt" ;;
