@@ -157,6 +157,11 @@ class RankWorker:
             # No step graphs: the draft shapes run eagerly, timed so (a group steps one shape).
             from actors.spec.draft_shapes import eager_cost_sizes
             self.eagle.eager_shapes(eager_cost_sizes(cfg.scheduler.max_running_requests))
+        if self.eagle is not None and cfg.draft.plain_steps and self.eagle.plain_costs is None:
+            log.warning("rank %d: draft.plain_steps takes no effect: no plain step cost was measured "
+                        "(measured beside the speculative step graphs on a GPU, or with "
+                        "draft.eager_shapes=true without graphs; never under parallel.dp_attention)",
+                        self.rank)
         if self.device.type == "cuda":  # compile eager paths' kernels now, not at a first request
             from actors.graphs.warmup import (warm_up_mixed, warm_up_prefill, warm_up_processing,
                                               warm_up_sampled_decode)

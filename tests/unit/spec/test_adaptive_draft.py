@@ -140,6 +140,13 @@ def test_cpu_rank_times_plain_steps_beside_its_shapes(tiny_llama_dir):
     assert eng.schedulers[0].draft_policy.plain == 1
 
 
+def test_plain_steps_without_a_measured_cost_say_they_take_no_effect(tiny_llama_dir, caplog):
+    with caplog.at_level("WARNING", logger="kestrel.worker"):
+        eng = tiny_engine(tiny_llama_dir, *TREE, ROOT, PLAIN)  # no graphs, no eager_shapes
+    assert eng.schedulers[0].draft_policy is None
+    assert "draft.plain_steps takes no effect" in caplog.text
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_sampled_steps_run_at_every_shape(tiny_llama_dir, graphs):
     """Sampled rows take each shape's sampled step (its graph, or eagerly) with the first
