@@ -12,16 +12,24 @@ the shape can accept (so a shape is tried before it is judged), the root-only sh
 exactly 1. Until a shape has seen a few requests' accept lengths its estimate is their
 mean with the optimistic start counted as PRIOR of them: a step of 32 requests judges a
 shape at once (a chain that costs several root steps there is dropped after one step,
-not a dozen), a single stream over a few steps (one unlucky step does not drop it). A shape
-not chosen for EXPLORE_EVERY steps is run once, so its estimate follows the traffic (the
-prompts, not the batch size, decide how much drafts are accepted). Greedy output is the
+not a dozen), a single stream over a few steps (one unlucky step does not drop it).
+
+A shape not chosen is run now and then, so its estimate follows the traffic (the prompts,
+not the batch size, decide how much drafts are accepted). Exploring costs the time its
+step takes beyond what its tokens are worth at the best shape's rate; a shape is explored
+once the steps since it last ran took 1/EXPLORE_SHARE times that, so exploration never
+loses more than EXPLORE_SHARE of the step time, at any batch size (a tree at 512 streams
+costs five plain steps: explored rarely; a near-best shape: often). Greedy output is the
 same at every shape (each one verifies its drafts against the target), so the choice
 changes speed only.
 
 With draft.plain_steps the rank also measured a plain decode step's cost, and the policy
-may choose it (`plain`, accept exactly 1): no draft runs, so the draft misses those
-tokens. The first speculative step after plain ones drafts from a stale state and is not
-counted, so a shape explored after plain steps runs two steps in a row.
+may choose it (`plain`, accept exactly 1). No draft runs in a plain step, so the draft
+misses that token of every request in it: those requests draft from a stale state, over
+a gap, for the rest of their lives, and accept less. The scheduler counts only the accept
+lengths of requests without such a gap (a plain step that mixes with prompt chunks
+leaves none: the draft follows its decode rows), and explores only when one is running:
+otherwise the gaps' low acceptance would keep the policy on plain steps for good.
 """
 from __future__ import annotations
 
@@ -29,7 +37,7 @@ import bisect
 
 from actors.protocol.step_plan import PLAIN_STEP
 
-EXPLORE_EVERY = 64  # steps a learnable shape may go unchosen before it runs once
+EXPLORE_SHARE = 0.02  # the most of the step time exploring may lose
 EMA = 0.1  # weight of one step's mean accept length in a shape's estimate
 PRIOR = 4  # requests' worth of weight of a shape's optimistic start
 
@@ -61,11 +69,8 @@ class DraftPolicy:
         # The deepest path a tree of s steps and n nodes can accept, plus the bonus token.
         self.accept = [float(min(s, n - 1) + 1) for _, s, n in shapes]
         self.learns = [n > 1 for _, _, n in shapes]  # the root alone always emits one token
-        self.unchosen = [0] * len(shapes)  # steps since each shape last ran
+        self.since = [0.0] * len(shapes)  # seconds of steps since each shape last ran
         self.seen = [0] * len(shapes)  # accept lengths observed per shape
-        self.after_plain = False  # the last step observed was a plain one
-        self.last_pick: int | None = None
-        self.explore_again: int | None = None  # a shape to explore once more (after plain)
 
     @classmethod
     def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict) -> "DraftPolicy | None":
@@ -79,45 +84,44 @@ class DraftPolicy:
         return cls(shapes[:len(costs)], costs, eager or info["graph_batch_sizes"], eager=bool(eager),
                    plain_costs=plain)
 
-    def rates(self, batch: int) -> list[float] | None:
-        """Expected tokens per request-second of each shape at `batch`, None past the graphs."""
+    def step_costs(self, batch: int) -> list[float] | None:
+        """Seconds of a step of each shape at `batch`, None past the graphs."""
         i = bisect.bisect_left(self.sizes, batch)
         if i == len(self.sizes) and not self.eager:
             return None
         if not self.eager or i == len(self.sizes) or i == 0 or self.sizes[i] == batch:
             i = min(i, len(self.sizes) - 1)  # eager past the last size: the last's costs
-            return [a / c[i] for a, c in zip(self.accept, self.costs)]
+            return [c[i] for c in self.costs]
         t = (batch - self.sizes[i - 1]) / (self.sizes[i] - self.sizes[i - 1])
-        return [a / (c[i - 1] + t * (c[i] - c[i - 1])) for a, c in zip(self.accept, self.costs)]
+        return [c[i - 1] + t * (c[i] - c[i - 1]) for c in self.costs]
 
-    def choose(self, batch: int) -> int:
-        rates = self.rates(batch)
-        if rates is None:
+    def rates(self, batch: int) -> list[float] | None:
+        """Expected tokens per request-second of each shape at `batch`, None past the graphs."""
+        costs = self.step_costs(batch)
+        return None if costs is None else [a / c for a, c in zip(self.accept, costs)]
+
+    def choose(self, batch: int, learnable: bool = True) -> int:
+        """The shape for a step of `batch` requests; `learnable`: one of them would teach
+        observe() (the scheduler's requests without a gap), so a shape may be explored."""
+        costs = self.step_costs(batch)
+        if costs is None:
             return 0
-        if self.explore_again is not None:  # the second step of an exploration after plain
-            pick, self.explore_again = self.explore_again, None
-        else:
-            best = max(range(len(rates)), key=rates.__getitem__)
-            stale = [i for i in range(len(rates)) if self.learns[i] and i != best
-                     and self.unchosen[i] >= EXPLORE_EVERY]
-            pick = max(stale, key=self.unchosen.__getitem__) if stale else best
-            if pick != best and self.plain is not None and self.last_pick == self.plain:
-                # Its first step drafts from the state before the plain steps and is not
-                # counted (observe): run it twice.
-                self.explore_again = pick
-        for i in range(len(self.unchosen)):
-            self.unchosen[i] = 0 if i == pick else self.unchosen[i] + 1
-        self.last_pick = pick
+        rates = [a / c for a, c in zip(self.accept, costs)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        pick, margin = best, 0.0
+        for i in range(len(rates)):
+            if learnable and self.learns[i] and i != best:
+                lost = costs[i] * (1 - rates[i] / rates[best])  # seconds exploring i loses
+                if EXPLORE_SHARE * self.since[i] - lost > margin:
+                    pick, margin = i, EXPLORE_SHARE * self.since[i] - lost
+        for i in range(len(self.since)):
+            self.since[i] = 0.0 if i == pick else self.since[i] + costs[pick]
         return pick
 
     def observe(self, shape: int, accept_lengths: list[int]) -> None:
         """A step that ran at `shape` (PLAIN_STEP: a plain one) emitted these accept lengths
-        (one per request)."""
+        (one per request without a gap in its draft's state)."""
         if shape == PLAIN_STEP:
-            self.after_plain = True
-            return
-        if self.after_plain:  # drafted from the state before the plain steps
-            self.after_plain = False
             return
         if accept_lengths and self.learns[shape]:
             n = len(accept_lengths)

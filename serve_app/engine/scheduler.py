@@ -265,6 +265,9 @@ class Scheduler:
                 plan.grammar_vocab, self._vocab_to_send = self._vocab_to_send, None
             self._chunks_left = plan.mode == "extend" and any(
                 r.scheduled < len(r.fill_ids) for r in self.prefilling)
+            if plan.mode == "decode" and plan.draft_shape == PLAIN_STEP:
+                for req in self.running:  # the draft misses this token (a mixed step's it follows)
+                    req.draft_gap = True
         return plan
 
     def _can_mix(self) -> bool:
@@ -427,7 +430,8 @@ class Scheduler:
             return None
         plan = StepPlan(self.step_id, "decode", [r.row for r in running], use_spec=self.spec)
         if self.draft_policy is not None:
-            plan.draft_shape = self.draft_policy.choose(len(running))
+            clean = any(not r.draft_gap for r in running)
+            plan.draft_shape = self.draft_policy.choose(len(running), learnable=clean)
             if plan.draft_shape == self.draft_policy.plain:  # draft.plain_steps
                 # Not with a grammar, whose rows the rank masks per speculative tree.
                 plan.use_spec = bool(self._grammar_rows)
@@ -501,8 +505,10 @@ class Scheduler:
         events: list[RequestOutput] = []
         # Rows before `first_chunk` decoded, the rest ran prefill chunks (chunk i - first_chunk).
         first_chunk = {"extend": 0, "mixed": plan.num_decode}.get(plan.mode, len(plan.rows))
-        if first_chunk and self.draft_policy is not None:
-            self.draft_policy.observe(out.draft_shape, [len(t) for t in out.tokens[:first_chunk]])
+        if first_chunk and self.draft_policy is not None:  # what requests without a gap accepted
+            self.draft_policy.observe(out.draft_shape, [
+                len(t) for (req, admission), t in zip(reqs[:first_chunk], out.tokens)
+                if not req.draft_gap and req.admissions == admission])
         lps = out.logprobs
         for i, ((req, admission), toks) in enumerate(zip(reqs, out.tokens)):
             if req.finished or req.admissions != admission or req.row != plan.rows[i]:
