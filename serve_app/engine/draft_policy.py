@@ -25,11 +25,14 @@ changes speed only.
 
 With draft.plain_steps the rank also measured a plain decode step's cost, and the policy
 may choose it (`plain`, accept exactly 1). No draft runs in a plain step, so the draft
-misses that token of every request in it: those requests draft from a stale state, over
-a gap, for the rest of their lives, and accept less. The scheduler counts only the accept
-lengths of requests without such a gap (a plain step that mixes with prompt chunks
-leaves none: the draft follows its decode rows), and explores only when one is running:
-otherwise the gaps' low acceptance would keep the policy on plain steps for good.
+misses that token of every request in it: such a request drafts over a gap for the rest
+of its life, and accepts less (a plain step that mixes with prompt chunks leaves none: the
+draft follows its decode rows). The policy keeps two estimates per shape, one learnt from
+requests without a gap and one from requests with one, and judges a step by its batch's
+mix: requests that ran plain steps under load go on plainly when the batch shrinks (their
+drafts are poor), new ones speculate (theirs are not). One estimate would either be
+dragged down by the gaps, keeping every later request plain, or hold the new requests'
+acceptance, and run trees over gapped requests that accept little.
 """
 from __future__ import annotations
 
@@ -66,11 +69,14 @@ class DraftPolicy:
             raise ValueError(f"step costs {[len(c) for c in costs]} do not match {len(shapes)} "
                              f"shapes at {len(sizes)} batch sizes")
         self.shapes, self.costs, self.sizes, self.eager = shapes, costs, sizes, eager
-        # The deepest path a tree of s steps and n nodes can accept, plus the bonus token.
-        self.accept = [float(min(s, n - 1) + 1) for _, s, n in shapes]
+        # The deepest path a tree of s steps and n nodes can accept, plus the bonus token;
+        # per shape, for requests without a gap in their draft's state, and with one.
+        start = [float(min(s, n - 1) + 1) for _, s, n in shapes]
+        self.accept, self.gapped_accept = start, list(start)
         self.learns = [n > 1 for _, _, n in shapes]  # the root alone always emits one token
         self.since = [0.0] * len(shapes)  # seconds of steps since each shape last ran
-        self.seen = [0] * len(shapes)  # accept lengths observed per shape
+        self.seen = [0] * len(shapes)  # accept lengths observed per shape (without a gap)
+        self.gapped_seen = [0] * len(shapes)  # (with one)
 
     @classmethod
     def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict) -> "DraftPolicy | None":
@@ -95,22 +101,24 @@ class DraftPolicy:
         t = (batch - self.sizes[i - 1]) / (self.sizes[i] - self.sizes[i - 1])
         return [c[i - 1] + t * (c[i] - c[i - 1]) for c in self.costs]
 
-    def rates(self, batch: int) -> list[float] | None:
-        """Expected tokens per request-second of each shape at `batch`, None past the graphs."""
-        costs = self.step_costs(batch)
-        return None if costs is None else [a / c for a, c in zip(self.accept, costs)]
-
-    def choose(self, batch: int, learnable: bool = True) -> int:
-        """The shape for a step of `batch` requests; `learnable`: one of them would teach
-        observe() (the scheduler's requests without a gap), so a shape may be explored."""
+    def rates(self, batch: int, gapped: float = 0.0) -> list[float] | None:
+        """Expected tokens per request-second of each shape at `batch`, of which the share
+        `gapped` has a gap in its draft's state; None past the graphs."""
         costs = self.step_costs(batch)
         if costs is None:
+            return None
+        return [((1 - gapped) * a + gapped * g) / c
+                for a, g, c in zip(self.accept, self.gapped_accept, costs)]
+
+    def choose(self, batch: int, gapped: float = 0.0) -> int:
+        """The shape for a step of `batch` requests, the share `gapped` of them with a gap."""
+        costs, rates = self.step_costs(batch), self.rates(batch, gapped)
+        if costs is None:
             return 0
-        rates = [a / c for a, c in zip(self.accept, costs)]
         best = max(range(len(rates)), key=rates.__getitem__)
         pick, margin = best, 0.0
         for i in range(len(rates)):
-            if learnable and self.learns[i] and i != best:
+            if self.learns[i] and i != best:
                 lost = costs[i] * (1 - rates[i] / rates[best])  # seconds exploring i loses
                 if EXPLORE_SHARE * self.since[i] - lost > margin:
                     pick, margin = i, EXPLORE_SHARE * self.since[i] - lost
@@ -118,15 +126,16 @@ class DraftPolicy:
             self.since[i] = 0.0 if i == pick else self.since[i] + costs[pick]
         return pick
 
-    def observe(self, shape: int, accept_lengths: list[int]) -> None:
-        """A step that ran at `shape` (PLAIN_STEP: a plain one) emitted these accept lengths
-        (one per request without a gap in its draft's state)."""
-        if shape == PLAIN_STEP:
+    def observe(self, shape: int, accept_lengths: list[int], gapped_lengths: list[int] = ()) -> None:
+        """A step that ran at `shape` (PLAIN_STEP: a plain one) emitted these accept lengths,
+        one per request without a gap in its draft's state, and `gapped_lengths` with one."""
+        if shape == PLAIN_STEP or not self.learns[shape]:
             return
-        if accept_lengths and self.learns[shape]:
-            n = len(accept_lengths)
-            mean = sum(accept_lengths) / n
-            self.seen[shape] += n
-            weight = max(EMA, n / (PRIOR + self.seen[shape]))  # a running mean until EMA's
-            self.accept[shape] += weight * (mean - self.accept[shape])
+        for lengths, accept, seen in ((accept_lengths, self.accept, self.seen),
+                                      (gapped_lengths, self.gapped_accept, self.gapped_seen)):
+            if lengths:
+                n = len(lengths)
+                seen[shape] += n
+                weight = max(EMA, n / (PRIOR + seen[shape]))  # a running mean until EMA's
+                accept[shape] += weight * (sum(lengths) / n - accept[shape])
 

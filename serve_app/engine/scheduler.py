@@ -92,6 +92,9 @@ class Scheduler:
         self._chunks_left = False
         # step id -> its requests, in plan order, with the admission each was planned under
         self._inflight: dict[int, list[tuple[Request, int]]] = {}
+        # decode step id -> whether each of its decode rows had a gap in its draft's state
+        # when planned (draft.plain_steps; a later plain step may set it before the output)
+        self._gaps: dict[int, list[bool]] = {}
         # req_to_token updates not yet sent: they ride on the next plan that is dispatched,
         # whichever it is (an admission can happen in an extend plan that is then dropped).
         self._kv_writes: list[tuple[int, int, torch.Tensor]] = []
@@ -430,8 +433,8 @@ class Scheduler:
             return None
         plan = StepPlan(self.step_id, "decode", [r.row for r in running], use_spec=self.spec)
         if self.draft_policy is not None:
-            clean = any(not r.draft_gap for r in running)
-            plan.draft_shape = self.draft_policy.choose(len(running), learnable=clean)
+            gaps = self._gaps[plan.step_id] = [r.draft_gap for r in running]
+            plan.draft_shape = self.draft_policy.choose(len(running), sum(gaps) / len(gaps))
             if plan.draft_shape == self.draft_policy.plain:  # draft.plain_steps
                 # Not with a grammar, whose rows the rank masks per speculative tree.
                 plan.use_spec = bool(self._grammar_rows)
@@ -505,10 +508,13 @@ class Scheduler:
         events: list[RequestOutput] = []
         # Rows before `first_chunk` decoded, the rest ran prefill chunks (chunk i - first_chunk).
         first_chunk = {"extend": 0, "mixed": plan.num_decode}.get(plan.mode, len(plan.rows))
-        if first_chunk and self.draft_policy is not None:  # what requests without a gap accepted
-            self.draft_policy.observe(out.draft_shape, [
-                len(t) for (req, admission), t in zip(reqs[:first_chunk], out.tokens)
-                if not req.draft_gap and req.admissions == admission])
+        gaps = self._gaps.pop(plan.step_id, None)
+        if first_chunk and gaps is not None:
+            lengths: tuple[list[int], list[int]] = ([], [])  # requests without a gap, with one
+            for (req, admission), t, gap in zip(reqs, out.tokens, gaps):
+                if req.admissions == admission:
+                    lengths[gap].append(len(t))
+            self.draft_policy.observe(out.draft_shape, *lengths)
         lps = out.logprobs
         for i, ((req, admission), toks) in enumerate(zip(reqs, out.tokens)):
             if req.finished or req.admissions != admission or req.row != plan.rows[i]:

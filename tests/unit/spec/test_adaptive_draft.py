@@ -30,12 +30,12 @@ class Cycle(DraftPolicy):
         self.n, self.i, self.seen = n, 0, []
         self.plain = n - 1 if plain else None
 
-    def choose(self, batch: int, learnable: bool = True) -> int:
+    def choose(self, batch: int, gapped: float = 0.0) -> int:
         self.i += 1
         return self.i % self.n
 
-    def observe(self, shape: int, accept_lengths: list[int]) -> None:
-        self.seen.append((shape, list(accept_lengths)))
+    def observe(self, shape: int, accept_lengths: list[int], gapped_lengths: list[int] = ()) -> None:
+        self.seen.append((shape, [*accept_lengths, *gapped_lengths], list(gapped_lengths)))
 
 
 def adaptive_engine(model_dir, *overrides, graphs: bool = True):
@@ -59,7 +59,7 @@ def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, 
     policy = eng.schedulers[0].draft_policy = Cycle(len(shapes))
     assert outputs(eng, prompts, MAX_TOKENS) == want
     assert set(eng.shape_steps) == set(range(len(shapes)))  # every shape ran
-    for shape, lengths in policy.seen:  # a shape never emits more than its tree can accept
+    for shape, lengths, _ in policy.seen:  # a shape never emits more than its tree can accept
         assert max(lengths) <= min(shapes[shape].S, shapes[shape].N - 1) + 1
 
 
@@ -67,7 +67,7 @@ def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, 
 def test_greedy_output_is_plain_output_with_plain_steps_between_shapes(tiny_llama_dir, graphs):
     """Plain steps leave the draft's state behind (its top-k and the KV of their tokens):
     the drafts after them accept less, the output does not change. Those requests' accept
-    lengths no longer reach the policy."""
+    lengths teach the policy's estimate for requests with a gap."""
     prompts = random_prompts(5, seed=22)
     want = outputs(tiny_engine(tiny_llama_dir, spec=False), prompts, MAX_TOKENS)
     eng = adaptive_engine(tiny_llama_dir, SHAPES3, PLAIN, graphs=graphs)
@@ -75,9 +75,10 @@ def test_greedy_output_is_plain_output_with_plain_steps_between_shapes(tiny_llam
     policy = eng.schedulers[0].draft_policy = Cycle(len(shapes) + 1, plain=True)
     assert outputs(eng, prompts, MAX_TOKENS) == want
     assert set(eng.shape_steps) == set(range(len(shapes))) | {PLAIN_STEP}
-    # The five prompts decode together: from their first plain step on, no step teaches.
-    first_plain = [shape for shape, _ in policy.seen].index(PLAIN_STEP)
-    assert policy.seen[0][1] and not any(lengths for _, lengths in policy.seen[first_plain:])
+    # The five prompts decode together: after their first plain step, all have a gap.
+    first_plain = [shape for shape, _, _ in policy.seen].index(PLAIN_STEP)
+    assert policy.seen[0][1] and not policy.seen[0][2]
+    assert all(lengths == gapped for _, lengths, gapped in policy.seen[first_plain + 1:])
 
 
 def test_sampled_and_penalized_rows_take_plain_steps(tiny_llama_dir):
@@ -101,7 +102,7 @@ def test_plain_steps_mix_with_prefill_chunks(tiny_llama_dir):
     policy = eng.schedulers[0].draft_policy = Cycle(3, plain=True)
     assert outputs(eng, prompts, MAX_TOKENS) == want
     assert eng.mode_steps.get("mixed", 0) >= 1
-    plain = [lengths for shape, lengths in policy.seen if shape == PLAIN_STEP]
+    plain = [lengths for shape, lengths, _ in policy.seen if shape == PLAIN_STEP]
     assert plain and all(set(lengths) <= {1} for lengths in plain)
 
 
@@ -115,7 +116,7 @@ def explorations(policy: DraftPolicy, batch: int, steps: int, **kw) -> tuple[lis
     return picks, lost / sum(costs[p] for p in picks)
 
 
-def test_policy_takes_a_plain_step_where_it_costs_less_and_explores_only_where_it_learns():
+def test_policy_takes_a_plain_step_where_it_costs_less_and_explores_now_and_then():
     shapes = [(4, 5, 8), (4, 1, 1)]
     # Plain costs 1.0 at both sizes; the tree 1.5 at batch 1 and 4 at 64, the root 1.2.
     policy = DraftPolicy(shapes, [[1.5, 4.0], [1.2, 1.2]], [1, 64], plain_costs=[1.0, 1.0])
@@ -123,8 +124,6 @@ def test_policy_takes_a_plain_step_where_it_costs_less_and_explores_only_where_i
     assert policy.choose(1) == 0  # 6 / 1.5
     for _ in range(60):
         policy.observe(0, [2, 2])
-    picks, _ = explorations(policy, 64, 1000, learnable=False)  # every request has a gap
-    assert set(picks) == {2}  # 2 / 4 < 1 / 1.2 < 1 / 1, and nothing to learn from the tree
     picks, lost = explorations(policy, 64, 1000)
     assert picks.count(2) > 900 and 1 not in picks  # the root never learns
     assert picks.count(0) >= 2 and lost <= EXPLORE_SHARE  # the tree, now and then
@@ -133,6 +132,24 @@ def test_policy_takes_a_plain_step_where_it_costs_less_and_explores_only_where_i
     assert policy.accept[0] == before
     assert DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0]], "plain_step_costs": [0.5],
                                             "graph_batch_sizes": [8]}).plain == 1
+
+
+def test_requests_with_a_gap_are_judged_by_their_own_acceptance():
+    """Requests that ran plain steps draft over gaps: their accept lengths teach their own
+    estimate, and a batch is judged by its mix. New requests speculate where requests with
+    gaps go on plainly."""
+    shapes = [(4, 5, 8), (4, 1, 1)]
+    policy = DraftPolicy(shapes, [[1.5, 4.0], [1.2, 1.2]], [1, 64], plain_costs=[1.0, 1.0])
+    for _ in range(60):
+        policy.observe(0, [3, 3], [1, 1])  # 3 without a gap, 1 with one
+    assert policy.accept[0] == pytest.approx(3, rel=0.01)
+    assert policy.gapped_accept[0] == pytest.approx(1, rel=0.01)
+    assert policy.choose(1, gapped=0.0) == 0  # 3 / 1.5 > 1
+    assert policy.choose(1, gapped=1.0) == 2  # 1 / 1.5 < 1 / 1
+    assert policy.rates(1, gapped=0.5)[0] == pytest.approx(2 / 1.5, rel=0.01)
+    before = policy.accept[0]
+    policy.observe(0, [], [6, 6])  # one population's lengths leave the other's estimate
+    assert policy.accept[0] == before
 
 
 def test_exploring_loses_a_bounded_share_of_the_step_time_at_any_cost():
@@ -329,7 +346,7 @@ def test_penalties_and_logprobs_at_eager_shapes_equal_plain(tiny_llama_dir, monk
     eng = adaptive_engine(tiny_llama_dir, graphs=False)
     policy = eng.schedulers[0].draft_policy = Cycle(2)
     spec = run(eng, prompts, params, [r.output_ids for r in plain], monkeypatch)
-    assert max(max(lengths) for shape, lengths in policy.seen if shape == 0) >= 3  # the oracle's tree
+    assert max(max(lengths) for shape, lengths, _ in policy.seen if shape == 0) >= 3  # the oracle's tree
     assert set(eng.shape_steps) == {0, 1}
     for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids

@@ -41,10 +41,10 @@ def test_shapes_in_turn(engine, tokenizer, chat_prompts, plain_chat_outputs, hf_
     assert set(engine.shape_steps) == {0, 1, 2, 3}
     # The draft state each shape leaves is the next one's: the drafting shapes' steps
     # accept drafts (a random head, or a stale state, accepts ~1.0).
-    drafted = [sum(lengths) / len(lengths) for s, lengths in policy.seen if s != 3]
+    drafted = [sum(lengths) / len(lengths) for s, lengths, _ in policy.seen if s != 3]
     assert sum(drafted) / len(drafted) > 1.3
     shapes = engine.workers[0].eagle.shapes
-    for s, lengths in policy.seen:  # each step ran the shape it was asked for
+    for s, lengths, _ in policy.seen:  # each step ran the shape it was asked for
         assert max(lengths) <= shapes[s].N
 
 
