@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, disable_created_metrics, generate_latest)
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from serve_app.api.token_histogram import TokenHistogram
 
@@ -152,6 +152,14 @@ class _StepCollector:
             for value_label, v in (stats.get(key) or {}).items():
                 family.add_metric([self.m.model, rep, value_label], v)
             yield family
+        accept = GaugeMetricFamily(
+            "kestrel_engine_draft_accept_estimate", "The accept length the draft policy expects "
+            "per draft shape, for requests without and with a gap in their draft's state (gap: "
+            "they ran plain steps, draft.plain_steps)", labels=["model", "replica", "rank", "shape", "gap"])
+        for e in stats.get("draft_accept") or []:
+            accept.add_metric([self.m.model, rep, str(e["rank"]), e["shape"], "yes" if e["gap"] else "no"],
+                              e["value"])
+        yield accept
 
 
 class RequestTracker:

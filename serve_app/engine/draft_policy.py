@@ -126,6 +126,13 @@ class DraftPolicy:
             self.since[i] = 0.0 if i == pick else self.since[i] + costs[pick]
         return pick
 
+    def estimates(self) -> dict[tuple[str, bool], float]:
+        """(shape label, gap) -> the accept length the policy expects of each shape that
+        learns one, for /metrics."""
+        learnt = [i for i in range(len(self.shapes)) if self.learns[i]]
+        return {**{(shape_name(self.shapes[i]), False): self.accept[i] for i in learnt},
+                **{(shape_name(self.shapes[i]), True): self.gapped_accept[i] for i in learnt}}
+
     def observe(self, shape: int, accept_lengths: list[int], gapped_lengths: list[int] = ()) -> None:
         """A step that ran at `shape` (PLAIN_STEP: a plain one) emitted these accept lengths,
         one per request without a gap in its draft's state, and `gapped_lengths` with one."""

@@ -37,6 +37,9 @@ class Cycle(DraftPolicy):
     def observe(self, shape: int, accept_lengths: list[int], gapped_lengths: list[int] = ()) -> None:
         self.seen.append((shape, [*accept_lengths, *gapped_lengths], list(gapped_lengths)))
 
+    def estimates(self) -> dict[tuple[str, bool], float]:
+        return {("cycle", True): float(len(self.seen))}
+
 
 def adaptive_engine(model_dir, *overrides, graphs: bool = True):
     """graphs: the shapes replay step graphs (on CPU their eager stand-ins); else they run
@@ -325,9 +328,17 @@ def test_adaptive_shapes_must_be_smaller_trees(value, fits):
 
 def test_metrics_export_steps_per_shape():
     m = ServerMetrics("m")
+    policy = DraftPolicy([(4, 5, 8), (4, 1, 1)], [[1.5], [1.0]], [1], plain_costs=[0.9])
+    policy.observe(0, [3], [2])
+    assert set(policy.estimates()) == {("k4s5n8", False), ("k4s5n8", True)}  # the ones that learn
     m.update_engine({"replica": "r", "running": 0, "waiting": 0, "kv": [],
-                     "draft_shape_steps": {shape_name((4, 5, 8)): 7, shape_name((4, 1, 1)): 2}})
+                     "draft_shape_steps": {shape_name((4, 5, 8)): 7, shape_name((4, 1, 1)): 2},
+                     "draft_accept": [{"rank": 0, "shape": s, "gap": g, "value": v}
+                                      for (s, g), v in policy.estimates().items()]})
     text = m.render()[0].decode()
+    want = policy.gapped_accept[0]
+    assert f'kestrel_engine_draft_accept_estimate{{gap="yes",model="m",rank="0",replica="r",shape="k4s5n8"}} {want}' \
+        in text, text
     assert 'kestrel_engine_draft_shape_steps_total{model="m",replica="r",shape="k4s5n8"} 7.0' in text
     assert 'shape="k4s1n1"} 2.0' in text
 

@@ -109,3 +109,7 @@ def test_cpu_steps_per_shape_reach_metrics(engine, tokenizer, chat_prompts):
     text = m.render()[0].decode()
     for name in names:
         assert f'kestrel_engine_draft_shape_steps_total{{model="m",replica="r",shape="{name}"}}' in text
+    # The policy's estimates (here the stand-in's count of observed steps)
+    [estimate] = stats["draft_accept"]
+    assert estimate["value"] > 0
+    assert f'kestrel_engine_draft_accept_estimate{{gap="yes",model="m",rank="0",replica="r",shape="cycle"}}' in text
