@@ -145,11 +145,13 @@ class DraftConfig(_Strict):
     # Let the same per-step choice take a plain decode step (one target token per request,
     # no draft at all) where it costs less per token than every draft shape: at hundreds of
     # streams on a GPU, or tens on a CPU, where even the root-only shape's draft forward
-    # costs more than it gains. The draft then misses those tokens: the first speculative
-    # step after plain ones drafts from a stale state (its accept length is not counted)
-    # and later ones attend over the gaps, so acceptance suffers a while; output does not
-    # (every draft is verified). Its cost is measured beside the shapes': from the decode
-    # graph on a GPU, eagerly with eager_shapes on the CPU (without either, no choice).
+    # costs more than it gains. The draft then misses those tokens, and a request that ran
+    # one drafts over the gap for the rest of its life: on the H200 such requests accepted
+    # 1.0-1.1 tokens a step against 2.7 (docs/benchmarks.md), so a plain step chosen at one
+    # stream costs that request its speculation, and this stays off in every preset. Output
+    # does not change (every draft is verified). The policy keeps a separate estimate for
+    # requests with a gap. Its cost is measured beside the shapes': from the decode graph
+    # on a GPU, eagerly with eager_shapes on the CPU (without either, no choice).
     plain_steps: bool = False
 
     @model_validator(mode="after")
