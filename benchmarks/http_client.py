@@ -143,8 +143,6 @@ async def scrape(session, url: str) -> dict[str, float]:
         name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
         sub = re.search(r'(?:mode|phase|reason|shape)="([a-z0-9_]+)"', labels)
         key = f"{name}:{sub.group(1)}" if sub else name
-        if 'gap="yes"' in labels:
-            key += ":gap"
         out[key] = out.get(key, 0.0) + value
     return out
 
@@ -165,7 +163,7 @@ def server_side(before: dict[str, float], after: dict[str, float], seconds: floa
             # speculative steps per draft shape (draft.adaptive_shapes)
             "eager_steps": by("kestrel_engine_eager_steps_total"),
             "draft_shapes": by("kestrel_engine_draft_shape_steps_total"),
-            # the draft policy's accept estimates at the end (':gap': requests with a gap)
+            # the draft policy's accept estimates at the end
             "draft_accept": {k.split(":", 1)[1]: round(v, 2) for k, v in after.items()
                              if k.startswith("kestrel_engine_draft_accept_estimate:")},
             # the collector's full passes stop a step loop: their seconds in all

@@ -145,13 +145,13 @@ class DraftConfig(_Strict):
     # Let the same per-step choice take a plain decode step (one target token per request,
     # no draft at all) where it costs less per token than every draft shape: at hundreds of
     # streams on a GPU, or tens on a CPU, where even the root-only shape's draft forward
-    # costs more than it gains. The draft then misses those tokens, and a request that ran
-    # one drafts over the gap for the rest of its life: on the H200 such requests accepted
-    # 1.0-1.1 tokens a step against 2.7 (docs/benchmarks.md), so a plain step chosen at one
-    # stream costs that request its speculation, and this stays off in every preset. Output
-    # does not change (every draft is verified). The policy keeps a separate estimate for
-    # requests with a gap. Its cost is measured beside the shapes': from the decode graph
-    # on a GPU, eagerly with eager_shapes on the CPU (without either, no choice).
+    # costs more than it gains. No draft forward runs, but the step writes the draft's KV at
+    # its tokens' positions (a few small kernels; without it the draft attends over what
+    # earlier requests left in those slots and accepts ~1 token a step, docs/benchmarks.md).
+    # The next speculative step drafts once from the top-k before the plain steps; output
+    # does not change (every draft is verified). Its cost is measured beside the shapes':
+    # from the decode graph on a GPU, eagerly with eager_shapes on the CPU (without either,
+    # no choice). Off in every preset until measured on the GPU with the KV write.
     plain_steps: bool = False
 
     @model_validator(mode="after")

@@ -103,7 +103,7 @@ class PrefillGraphs:
         hidden, aux = w.target.forward(fb, aux_layers=self.eagle.aux_layers if self.eagle else ())
         self.logits[:B].copy_(w.model.compute_logits(hidden[self._last(B, T)]))
         if self.eagle is not None:
-            self.feats[:B * T].copy_(self.eagle._features(hidden, aux))
+            self.feats[:B * T].copy_(self.eagle.features(hidden, aux))
 
     def _draft_body(self, B: int, T: int):
         e = self.eagle

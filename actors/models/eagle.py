@@ -65,14 +65,19 @@ class _DraftAttention(nn.Module):
         self.qkv_proj = SmallRowsLinear(in_dim, sum(self.qkv_sizes), bias=False)  # q, k, v fused
         self.o_proj = SmallRowsLinear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
 
-    def forward(self, x, rot: layer_ops.Rotary, attn: AttnFn):
+    def qkv(self, x, rot: layer_ops.Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, in] -> q [T, Hq, D], k [T, Hkv, D] (both rotated), v [T, Hkv, D]."""
         T, s = x.shape[0], self.s
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, -1)  # column slices, no copies
-        q = q.view(T, s.num_heads, s.head_dim)  # [T, Hq, D]
-        k = k.view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
-        v = v.view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+        q = q.view(T, s.num_heads, s.head_dim)
+        k = k.view(T, s.num_kv_heads, s.head_dim)
+        v = v.view(T, s.num_kv_heads, s.head_dim)
         q, k = layer_ops.rope_at(q, k, rot)
-        return self.o_proj(attn(q, k, v, 0).reshape(T, s.num_heads * s.head_dim))  # one layer: id 0
+        return q, k, v
+
+    def forward(self, x, rot: layer_ops.Rotary, attn: AttnFn):
+        q, k, v = self.qkv(x, rot)
+        return self.o_proj(attn(q, k, v, 0).reshape(x.shape[0], -1))  # one layer: id 0
 
 
 class _DraftLayer(nn.Module):
@@ -87,12 +92,13 @@ class _DraftLayer(nn.Module):
             self.input_layernorm = RMSNorm(H, s.rms_norm_eps)
             self.hidden_norm = RMSNorm(H, s.rms_norm_eps)
 
-    def forward(self, emb, hidden, rot: layer_ops.Rotary, attn):
+    def attention_input(self, emb, hidden) -> torch.Tensor:
         if self.eagle3:
-            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)  # [T, 2H]
-        else:
-            x = hidden  # EAGLE-1 drops the input norm
-        a = self.self_attn(x, rot, attn)
+            return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)  # [T, 2H]
+        return hidden  # EAGLE-1 drops the input norm
+
+    def forward(self, emb, hidden, rot: layer_ops.Rotary, attn):
+        a = self.self_attn(self.attention_input(emb, hidden), rot, attn)
         normed, h = self.post_attention_layernorm(a, hidden)  # h = hidden + a
         return h + self.mlp(normed)
 
@@ -123,14 +129,23 @@ class EagleHead(nn.Module):
     def forward(self, input_ids, positions, attn: AttnFn, hidden_in: torch.Tensor):
         """input_ids, positions [T]; hidden_in [T, H] (draft's own) or target features
         ([T, H] final hidden for EAGLE-1, [T, 3H] captured layers for EAGLE-3) -> [T, H]."""
+        return self.layer(*self._layer_inputs(input_ids, positions, hidden_in), attn)
+
+    def kv(self, input_ids, positions, hidden_in) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V ([T, Hkv, D] each) that forward() stores for these positions: they
+        depend on the layer's input alone, not on attention, the MLP or the LM head."""
+        emb, h, rot = self._layer_inputs(input_ids, positions, hidden_in)
+        _, k, v = self.layer.self_attn.qkv(self.layer.attention_input(emb, h), rot)
+        return k, v
+
+    def _layer_inputs(self, input_ids, positions, hidden_in):
+        """-> (embeddings [T, H], the layer's hidden input [T, H], the rotary tables)."""
         emb = self._target.embed(input_ids).to(self.fc.weight.dtype)  # [T, H]
         hidden_in = hidden_in.to(emb.dtype)
         rot = layer_ops.rotary(positions, self.rotary.inv_freq)
         if self.eagle3:
-            h = self.fc(hidden_in) if hidden_in.shape[-1] != emb.shape[-1] else hidden_in
-            return self.layer(emb, h, rot, attn)
-        h = self.fc(torch.cat([emb, hidden_in], -1))  # [T, H]
-        return self.layer(emb, h, rot, attn)
+            return emb, self.fc(hidden_in) if hidden_in.shape[-1] != emb.shape[-1] else hidden_in, rot
+        return emb, self.fc(torch.cat([emb, hidden_in], -1)), rot  # [T, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, Vd] fp32."""

@@ -76,21 +76,34 @@ def step_costs(graph: StepGraph) -> list[float]:
 
 def plain_step_costs(worker: Any, sizes: list[int]) -> list[float]:
     """What a plain decode step (draft.plain_steps) costs at each size: the target's decode
-    graph replayed with every lane padded, as the shapes' step graphs are timed."""
-    return replay_costs(worker.decode_graphs.replay_all_padded, sizes)
+    graph replayed with every lane padded, as the shapes' step graphs are timed, and the
+    draft's KV written after it (eagerly, as it runs)."""
+    def step(bs: int) -> None:
+        worker.decode_graphs.replay_all_padded(bs)
+        follow_padded(worker, bs)
+    return replay_costs(step, sizes)
+
+
+def follow_padded(worker: Any, bs: int) -> None:
+    """EagleWorker.follow_plain_step over `bs` padded lanes: token 0 at position 0, slot 0
+    (reserved)."""
+    zeros = torch.zeros(bs, dtype=torch.int64, device=worker.device)  # [bs] int64
+    worker.eagle.follow_plain_step(zeros, zeros, zeros, worker.plain_features[:bs])
 
 
 class PlainStep:
     """The plain decode step as eager_step_costs times it beside the shapes' iterations:
-    the target's decode of all-padded lanes (row 0 and slot 0, both reserved) and the
-    greedy pick, no draft."""
+    the target's decode of all-padded lanes (row 0 and slot 0, both reserved), the greedy
+    pick, and the draft's KV at its position; no draft forward."""
 
     def __init__(self, worker: Any):
         self.w = worker
 
     def step_body(self, rows: torch.Tensor) -> torch.Tensor:
         zeros = torch.zeros_like(rows)  # [bs] int64: token 0 at position 0, row 0, slot 0
-        return self.w._decode_logits(zeros, zeros, zeros, zeros).argmax(-1)
+        tokens = self.w._decode_logits(zeros, zeros, zeros, zeros).argmax(-1)
+        follow_padded(self.w, rows.numel())
+        return tokens
 
 
 def eager_cost_sizes(max_running: int) -> list[int]:

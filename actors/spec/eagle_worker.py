@@ -124,7 +124,7 @@ class EagleWorker:
         self.last_shape = 0  # the shape the last launched iteration ran at
         self.last_timings: dict[str, float] = {}  # per-phase seconds of the last iteration
 
-    def _features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+    def features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
         """What the head reads from the target: final hidden (EAGLE-1) or 3 layers (EAGLE-3)."""
         return torch.cat(aux, -1) if self.aux_layers else hidden
 
@@ -144,12 +144,22 @@ class EagleWorker:
         shifted[ends] = nxt
         dfb = ForwardBatch(ForwardMode.DRAFT_EXTEND, draft_extend_ids(shifted), fb.positions,
                            fb.out_cache_loc, fb.req_pool_indices, fb.prefix_lens,
-                           [1] * num_decode + list(plan.extend_lens), hidden_in=self._features(hidden, aux))
+                           [1] * num_decode + list(plan.extend_lens), hidden_in=self.features(hidden, aux))
         h = self.runner.forward(dfb, hidden_in=dfb.hidden_in)  # [T, H]
         last = h[ends]
         topk_p, topk_index = self.head.topk(last, self.K)
         w.future.store(fb.req_pool_indices[done], fb.seq_lens[done], tokens[done],
                        topk_p[done], topk_index[done], last[done])
+
+    def follow_plain_step(self, tokens: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor,
+                          feats: torch.Tensor) -> None:
+        """After a plain decode step (draft.plain_steps): the draft's KV at each request's
+        position, from the token just sampled and the target's features there (`feats` [B, F]),
+        as draft extend would have stored it. Without it the draft would attend over a gap
+        at its newest position for the rest of the request. Its top-k stays that of the
+        last speculative step: the next one drafts from it once."""
+        k, v = self.head.kv(draft_extend_ids(tokens), positions, feats)
+        self.kv_pool.store(0, loc, k, v)
 
     # ---- graphs and the plan stream ---------------------------------------------------------
     def capture_graphs(self, sizes: list[int], *, use_cuda_graph: bool | None = None,
@@ -371,7 +381,7 @@ class EagleWorker:
                           custom_mask=verify.custom_mask.reshape(B, N, N))  # the trees only
         hidden, aux = w.target.forward(fb, aux_layers=self.aux_layers)  # [B*N + T, H]
         logits = w.model.compute_logits(hidden[:BN])  # [B*N, V] fp32
-        feats = self._features(hidden[:BN], [a[:BN] for a in aux])
+        feats = self.features(hidden[:BN], [a[:BN] for a in aux])
 
         def finish() -> tuple[torch.Tensor, list[bool]]:
             hid, hid_aux = hidden[BN:], [a[BN:] for a in aux]
@@ -631,7 +641,7 @@ class EagleWorker:
         # (C15); ModelRunner builds it again: one model entry point for every path, at the
         # cost of a few small metadata ops on eager steps only.
         hidden, aux = self.w.target.forward(fb, aux_layers=self.aux_layers)
-        return self.w.model.compute_logits(hidden), self._features(hidden, aux)
+        return self.w.model.compute_logits(hidden), self.features(hidden, aux)
 
     def extend_body(self, b: GraphBatch):
         """Draft forward over N rows per request -> (topk_p [B,K], topk_index [B,K], hidden

@@ -132,6 +132,13 @@ class RankWorker:
         if spec:
             from actors.spec.eagle_worker import EagleWorker
             self.eagle = EagleWorker(cfg, self, draft_head)
+        # draft.plain_steps: the target's features at a plain step's positions, written by
+        # its forward (inside the decode graph too), for the draft's KV after it
+        # (EagleWorker.follow_plain_step). [num_rows, F] in the model's dtype.
+        self.plain_features = None
+        if self.eagle is not None and cfg.draft.plain_steps:
+            self.plain_features = torch.zeros(self.num_rows, self.eagle.feature_size, dtype=self.dtype,
+                                              device=self.device)
         self.counts = OutputCounts(self.num_rows, a.vocab_size, self.device)
         self.processing = ProcessingTable(self.num_rows, cfg.processing, self.device)
         self.grammars = GrammarRows(cfg.processing.grammar_threads)
@@ -589,7 +596,11 @@ class RankWorker:
         the body captured as a graph)."""
         fb = ForwardBatch(ForwardMode.DECODE, ids, prefix_lens, loc, rows, prefix_lens,
                           [1] * rows.numel())
-        hidden, _ = self.target.forward(fb)
+        if self.plain_features is None:
+            hidden, _ = self.target.forward(fb)
+        else:  # a plain step of a speculative rank: keep what the draft reads
+            hidden, aux = self.target.forward(fb, aux_layers=self.eagle.aux_layers)
+            self.plain_features[:rows.numel()] = self.eagle.features(hidden, aux)
         return self.model.compute_logits(hidden)
 
     def _decode(self, plan: StepPlan) -> Emitted:
@@ -614,6 +625,8 @@ class RankWorker:
                 logits = self._decode_logits(c.bonus, c.seq_lens, loc, rows)
             tokens, lps = self.sample(plan, rows, logits)
             self.record(plan, rows, tokens)
+        if self.plain_features is not None:
+            self.eagle.follow_plain_step(tokens, c.seq_lens, loc, self.plain_features[:B])
         self.future.store(rows, c.seq_lens + 1, tokens)
         return one_token_each(plan, tokens, [True] * B, lps)
 

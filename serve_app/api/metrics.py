@@ -154,11 +154,10 @@ class _StepCollector:
             yield family
         accept = GaugeMetricFamily(
             "kestrel_engine_draft_accept_estimate", "The accept length the draft policy expects "
-            "per draft shape, for requests without and with a gap in their draft's state (gap: "
-            "they ran plain steps, draft.plain_steps)", labels=["model", "replica", "rank", "shape", "gap"])
+            "of each draft shape it learns one for (draft.adaptive_shapes)",
+            labels=["model", "replica", "rank", "shape"])
         for e in stats.get("draft_accept") or []:
-            accept.add_metric([self.m.model, rep, str(e["rank"]), e["shape"], "yes" if e["gap"] else "no"],
-                              e["value"])
+            accept.add_metric([self.m.model, rep, str(e["rank"]), e["shape"]], e["value"])
         yield accept
 
 

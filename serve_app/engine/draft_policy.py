@@ -24,15 +24,12 @@ same at every shape (each one verifies its drafts against the target), so the ch
 changes speed only.
 
 With draft.plain_steps the rank also measured a plain decode step's cost, and the policy
-may choose it (`plain`, accept exactly 1). No draft runs in a plain step, so the draft
-misses that token of every request in it: such a request drafts over a gap for the rest
-of its life, and accepts less (a plain step that mixes with prompt chunks leaves none: the
-draft follows its decode rows). The policy keeps two estimates per shape, one learnt from
-requests without a gap and one from requests with one, and judges a step by its batch's
-mix: requests that ran plain steps under load go on plainly when the batch shrinks (their
-drafts are poor), new ones speculate (theirs are not). One estimate would either be
-dragged down by the gaps, keeping every later request plain, or hold the new requests'
-acceptance, and run trees over gapped requests that accept little.
+may choose it (`plain`, accept exactly 1). A plain step runs no draft forward, but writes
+the draft's KV at its tokens' positions (a few small kernels): without that a request
+would draft over a gap at its newest position from then on, and accept about 1 token a
+step (docs/benchmarks.md). Its top-k stays the last speculative step's, so the first
+speculative step after plain ones drafts from a stale state: the scheduler leaves those
+requests' accept lengths out of what the policy learns.
 """
 from __future__ import annotations
 
@@ -69,14 +66,11 @@ class DraftPolicy:
             raise ValueError(f"step costs {[len(c) for c in costs]} do not match {len(shapes)} "
                              f"shapes at {len(sizes)} batch sizes")
         self.shapes, self.costs, self.sizes, self.eager = shapes, costs, sizes, eager
-        # The deepest path a tree of s steps and n nodes can accept, plus the bonus token;
-        # per shape, for requests without a gap in their draft's state, and with one.
-        start = [float(min(s, n - 1) + 1) for _, s, n in shapes]
-        self.accept, self.gapped_accept = start, list(start)
+        # The deepest path a tree of s steps and n nodes can accept, plus the bonus token.
+        self.accept = [float(min(s, n - 1) + 1) for _, s, n in shapes]
         self.learns = [n > 1 for _, _, n in shapes]  # the root alone always emits one token
         self.since = [0.0] * len(shapes)  # seconds of steps since each shape last ran
-        self.seen = [0] * len(shapes)  # accept lengths observed per shape (without a gap)
-        self.gapped_seen = [0] * len(shapes)  # (with one)
+        self.seen = [0] * len(shapes)  # accept lengths observed per shape
 
     @classmethod
     def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict) -> "DraftPolicy | None":
@@ -101,18 +95,13 @@ class DraftPolicy:
         t = (batch - self.sizes[i - 1]) / (self.sizes[i] - self.sizes[i - 1])
         return [c[i - 1] + t * (c[i] - c[i - 1]) for c in self.costs]
 
-    def rates(self, batch: int, gapped: float = 0.0) -> list[float] | None:
-        """Expected tokens per request-second of each shape at `batch`, of which the share
-        `gapped` has a gap in its draft's state; None past the graphs."""
+    def rates(self, batch: int) -> list[float] | None:
+        """Expected tokens per request-second of each shape at `batch`, None past the graphs."""
         costs = self.step_costs(batch)
-        if costs is None:
-            return None
-        return [((1 - gapped) * a + gapped * g) / c
-                for a, g, c in zip(self.accept, self.gapped_accept, costs)]
+        return None if costs is None else [a / c for a, c in zip(self.accept, costs)]
 
-    def choose(self, batch: int, gapped: float = 0.0) -> int:
-        """The shape for a step of `batch` requests, the share `gapped` of them with a gap."""
-        costs, rates = self.step_costs(batch), self.rates(batch, gapped)
+    def choose(self, batch: int) -> int:
+        costs, rates = self.step_costs(batch), self.rates(batch)
         if costs is None:
             return 0
         best = max(range(len(rates)), key=rates.__getitem__)
@@ -126,23 +115,18 @@ class DraftPolicy:
             self.since[i] = 0.0 if i == pick else self.since[i] + costs[pick]
         return pick
 
-    def estimates(self) -> dict[tuple[str, bool], float]:
-        """(shape label, gap) -> the accept length the policy expects of each shape that
-        learns one, for /metrics."""
-        learnt = [i for i in range(len(self.shapes)) if self.learns[i]]
-        return {**{(shape_name(self.shapes[i]), False): self.accept[i] for i in learnt},
-                **{(shape_name(self.shapes[i]), True): self.gapped_accept[i] for i in learnt}}
+    def estimates(self) -> dict[str, float]:
+        """Shape label -> the accept length the policy expects of it, for each shape that
+        learns one (/metrics)."""
+        return {shape_name(s): a for s, a, learns in zip(self.shapes, self.accept, self.learns) if learns}
 
-    def observe(self, shape: int, accept_lengths: list[int], gapped_lengths: list[int] = ()) -> None:
-        """A step that ran at `shape` (PLAIN_STEP: a plain one) emitted these accept lengths,
-        one per request without a gap in its draft's state, and `gapped_lengths` with one."""
-        if shape == PLAIN_STEP or not self.learns[shape]:
+    def observe(self, shape: int, accept_lengths: list[int]) -> None:
+        """A step that ran at `shape` (PLAIN_STEP: a plain one) emitted these accept lengths
+        (one per request that did not draft from a stale state)."""
+        if shape == PLAIN_STEP or not self.learns[shape] or not accept_lengths:
             return
-        for lengths, accept, seen in ((accept_lengths, self.accept, self.seen),
-                                      (gapped_lengths, self.gapped_accept, self.gapped_seen)):
-            if lengths:
-                n = len(lengths)
-                seen[shape] += n
-                weight = max(EMA, n / (PRIOR + seen[shape]))  # a running mean until EMA's
-                accept[shape] += weight * (sum(lengths) / n - accept[shape])
+        n = len(accept_lengths)
+        self.seen[shape] += n
+        weight = max(EMA, n / (PRIOR + self.seen[shape]))  # a running mean until EMA's
+        self.accept[shape] += weight * (sum(accept_lengths) / n - self.accept[shape])
 

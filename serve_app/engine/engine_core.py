@@ -190,9 +190,9 @@ class EngineCore:
                 "step_seconds": {p: sum(s[p] for s in self.step_seconds) for p in STEP_PHASES},
                 "eager_steps": dict(sum(self.eager_steps, Counter())),
                 "draft_shape_steps": dict(sum(self.shape_steps, Counter())),
-                "draft_accept": [{"rank": r, "shape": shape, "gap": gap, "value": v}
+                "draft_accept": [{"rank": r, "shape": shape, "value": v}
                                  for r, s in enumerate(scheds) if s.draft_policy is not None
-                                 for (shape, gap), v in s.draft_policy.estimates().items()],
+                                 for shape, v in s.draft_policy.estimates().items()],
                 "steps": {k: sum(c[k] for c in self.step_counts)
                           for k in ("extend", "decode", "mixed", "pipelined")}}
 

@@ -58,9 +58,9 @@ class Request:
     fill_ids: list[int] = field(default_factory=list)  # what the current prefill covers
     cache_node: object | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (all prefills)
-    # A plain decode step (draft.plain_steps) ran without the draft: the draft's state misses
-    # that token, and this request's accept lengths no longer teach the draft policy.
-    draft_gap: bool = False
+    # A plain decode step (draft.plain_steps) left the draft's top-k behind: the next
+    # speculative step drafts from it, and its accept length does not teach the draft policy.
+    draft_stale: bool = False
     prompt_cached: int = 0  # of the prompt, at its first admission (usage reports it)
     token_logprobs: list = field(default_factory=list)  # per output token, when asked
     prompt_logprobs: list = field(default_factory=list)  # per prompt token after the first, when asked

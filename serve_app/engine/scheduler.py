@@ -92,9 +92,9 @@ class Scheduler:
         self._chunks_left = False
         # step id -> its requests, in plan order, with the admission each was planned under
         self._inflight: dict[int, list[tuple[Request, int]]] = {}
-        # decode step id -> whether each of its decode rows had a gap in its draft's state
-        # when planned (draft.plain_steps; a later plain step may set it before the output)
-        self._gaps: dict[int, list[bool]] = {}
+        # decode step id -> whether each of its decode rows drafted from a stale top-k
+        # (draft.plain_steps), as planned: a later plain step may mark it before the output
+        self._stale: dict[int, list[bool]] = {}
         # req_to_token updates not yet sent: they ride on the next plan that is dispatched,
         # whichever it is (an admission can happen in an extend plan that is then dropped).
         self._kv_writes: list[tuple[int, int, torch.Tensor]] = []
@@ -268,9 +268,12 @@ class Scheduler:
                 plan.grammar_vocab, self._vocab_to_send = self._vocab_to_send, None
             self._chunks_left = plan.mode == "extend" and any(
                 r.scheduled < len(r.fill_ids) for r in self.prefilling)
-            if plan.mode == "decode" and plan.draft_shape == PLAIN_STEP:
-                for req in self.running:  # the draft misses this token (a mixed step's it follows)
-                    req.draft_gap = True
+            if plan.step_id in self._stale:  # a decode (or mixed) step with a draft policy
+                # A plain step keeps the draft's top-k; any other refreshes it (a mixed plain
+                # step's draft extend covers its decode rows).
+                stale = plan.mode == "decode" and plan.draft_shape == PLAIN_STEP
+                for req in self.running:
+                    req.draft_stale = stale
         return plan
 
     def _can_mix(self) -> bool:
@@ -433,8 +436,8 @@ class Scheduler:
             return None
         plan = StepPlan(self.step_id, "decode", [r.row for r in running], use_spec=self.spec)
         if self.draft_policy is not None:
-            gaps = self._gaps[plan.step_id] = [r.draft_gap for r in running]
-            plan.draft_shape = self.draft_policy.choose(len(running), sum(gaps) / len(gaps))
+            self._stale[plan.step_id] = [r.draft_stale for r in running]
+            plan.draft_shape = self.draft_policy.choose(len(running))
             if plan.draft_shape == self.draft_policy.plain:  # draft.plain_steps
                 # Not with a grammar, whose rows the rank masks per speculative tree.
                 plan.use_spec = bool(self._grammar_rows)
@@ -508,13 +511,11 @@ class Scheduler:
         events: list[RequestOutput] = []
         # Rows before `first_chunk` decoded, the rest ran prefill chunks (chunk i - first_chunk).
         first_chunk = {"extend": 0, "mixed": plan.num_decode}.get(plan.mode, len(plan.rows))
-        gaps = self._gaps.pop(plan.step_id, None)
-        if first_chunk and gaps is not None:
-            lengths: tuple[list[int], list[int]] = ([], [])  # requests without a gap, with one
-            for (req, admission), t, gap in zip(reqs, out.tokens, gaps):
-                if req.admissions == admission:
-                    lengths[gap].append(len(t))
-            self.draft_policy.observe(out.draft_shape, *lengths)
+        stale = self._stale.pop(plan.step_id, None)
+        if first_chunk and stale is not None:
+            self.draft_policy.observe(out.draft_shape, [
+                len(t) for (req, admission), t, s in zip(reqs, out.tokens, stale)
+                if not s and req.admissions == admission])
         lps = out.logprobs
         for i, ((req, admission), toks) in enumerate(zip(reqs, out.tokens)):
             if req.finished or req.admissions != admission or req.row != plan.rows[i]:

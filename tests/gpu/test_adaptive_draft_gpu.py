@@ -19,14 +19,14 @@ MAX = 40
 
 class Cycle(DraftPolicy):
     def __init__(self, n: int):
-        self.n, self.i = n, 0
+        self.n, self.i, self.seen = n, 0, []
 
     def choose(self, batch: int) -> int:
         self.i += 1
         return self.i % self.n
 
     def observe(self, shape: int, accept_lengths: list[int]) -> None:
-        pass
+        self.seen.append((shape, list(accept_lengths)))
 
 
 def engine(tokenizer, *overrides):
@@ -78,9 +78,11 @@ def test_sampled_and_logprobs_steps_replay_at_smaller_shapes(chat_prompts, adapt
 
 
 def test_plain_steps_cost_less_than_the_root_and_keep_greedy_output(tokenizer, chat_prompts):
-    """draft.plain_steps on real graphs: the plain step's cost is the decode graph's replay,
-    below the root-only shape's (which still runs the draft), and plain steps between the
-    shapes leave greedy output as plain decoding's, without an eager step."""
+    """draft.plain_steps on real graphs: the plain step's cost (the decode graph's replay and
+    the draft's KV write) is below the root-only shape's (which runs the draft), plain steps
+    between the shapes leave greedy output as plain decoding's, without an eager step, and
+    the drafts after them are still accepted though the draft's slots held noise."""
+    import torch
     from actors.protocol.step_plan import PLAIN_STEP
     eng = engine(tokenizer, *TREE, "draft.plain_steps=true")
     info = eng.workers[0].info()
@@ -90,5 +92,12 @@ def test_plain_steps_cost_less_than_the_root_and_keep_greedy_output(tokenizer, c
     want = generate(engine(tokenizer, "draft.enabled=false"), chat_prompts[:5])
     policy = eng.schedulers[0].draft_policy = Cycle(4)
     policy.plain = 3
+    eng.schedulers[0].cache.reset()  # the prompts' KV is computed again, over the noise
+    for buf in (eng.workers[0].eagle.kv_pool.k_all, eng.workers[0].eagle.kv_pool.v_all):
+        buf.copy_(torch.randn_like(buf, dtype=torch.float32) * 4)  # what reused slots hold
     assert generate(eng, chat_prompts[:5]) == want
     assert set(eng.shape_steps) == {0, 1, 2, PLAIN_STEP} and not eng.eager_steps
+    # The (2, 3) shape runs two steps after each plain one (the tree, right after it,
+    # drafts from the stale top-k and is not observed); without the KV write ~1.0.
+    lengths = [n for shape, seen in policy.seen if shape == 1 for n in seen]
+    assert sum(lengths) / len(lengths) > 1.3

@@ -30,15 +30,15 @@ class Cycle(DraftPolicy):
         self.n, self.i, self.seen = n, 0, []
         self.plain = n - 1 if plain else None
 
-    def choose(self, batch: int, gapped: float = 0.0) -> int:
+    def choose(self, batch: int) -> int:
         self.i += 1
         return self.i % self.n
 
-    def observe(self, shape: int, accept_lengths: list[int], gapped_lengths: list[int] = ()) -> None:
-        self.seen.append((shape, [*accept_lengths, *gapped_lengths], list(gapped_lengths)))
+    def observe(self, shape: int, accept_lengths: list[int]) -> None:
+        self.seen.append((shape, list(accept_lengths)))
 
-    def estimates(self) -> dict[tuple[str, bool], float]:
-        return {("cycle", True): float(len(self.seen))}
+    def estimates(self) -> dict[str, float]:
+        return {"cycle": float(len(self.seen))}
 
 
 def adaptive_engine(model_dir, *overrides, graphs: bool = True):
@@ -62,15 +62,15 @@ def test_greedy_output_is_plain_output_under_any_shape_sequence(tiny_llama_dir, 
     policy = eng.schedulers[0].draft_policy = Cycle(len(shapes))
     assert outputs(eng, prompts, MAX_TOKENS) == want
     assert set(eng.shape_steps) == set(range(len(shapes)))  # every shape ran
-    for shape, lengths, _ in policy.seen:  # a shape never emits more than its tree can accept
+    for shape, lengths in policy.seen:  # a shape never emits more than its tree can accept
         assert max(lengths) <= min(shapes[shape].S, shapes[shape].N - 1) + 1
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_greedy_output_is_plain_output_with_plain_steps_between_shapes(tiny_llama_dir, graphs):
-    """Plain steps leave the draft's state behind (its top-k and the KV of their tokens):
-    the drafts after them accept less, the output does not change. Those requests' accept
-    lengths teach the policy's estimate for requests with a gap."""
+    """Plain steps leave the draft's top-k behind (they write the draft's KV): the step
+    after them drafts from a stale state, the output does not change, and that step's
+    accept lengths do not teach the policy."""
     prompts = random_prompts(5, seed=22)
     want = outputs(tiny_engine(tiny_llama_dir, spec=False), prompts, MAX_TOKENS)
     eng = adaptive_engine(tiny_llama_dir, SHAPES3, PLAIN, graphs=graphs)
@@ -78,10 +78,29 @@ def test_greedy_output_is_plain_output_with_plain_steps_between_shapes(tiny_llam
     policy = eng.schedulers[0].draft_policy = Cycle(len(shapes) + 1, plain=True)
     assert outputs(eng, prompts, MAX_TOKENS) == want
     assert set(eng.shape_steps) == set(range(len(shapes))) | {PLAIN_STEP}
-    # The five prompts decode together: after their first plain step, all have a gap.
-    first_plain = [shape for shape, _, _ in policy.seen].index(PLAIN_STEP)
-    assert policy.seen[0][1] and not policy.seen[0][2]
-    assert all(lengths == gapped for _, lengths, gapped in policy.seen[first_plain + 1:])
+    # The five prompts decode together: the step after each plain one teaches nothing,
+    # the one after that again.
+    after = [i + 1 for i, (shape, _) in enumerate(policy.seen[:-2]) if shape == PLAIN_STEP]
+    assert after and all(not policy.seen[i][1] and policy.seen[i + 1][1] for i in after)
+
+
+def test_a_plain_step_writes_the_drafts_kv_as_draft_extend_would(tiny_llama_dir):
+    """EagleHead.kv: the K and V the draft's forward stores at those positions, computed
+    without its attention, MLP or LM head (what a plain step writes)."""
+    import torch
+    head = tiny_engine(tiny_llama_dir, *TREE).workers[0].eagle.head
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (5,), generator=g)  # [5] int64
+    positions = torch.tensor([0, 3, 7, 8, 20])  # [5] int64
+    feats = torch.randn(5, head.spec.hidden_size * max(1, len(head.aux_layers)), generator=g)  # [5, F]
+    stored = {}
+
+    def attn(q, k, v, layer):
+        stored["k"], stored["v"] = k, v
+        return q
+    head(ids, positions, attn, feats)
+    k, v = head.kv(ids, positions, feats)
+    assert torch.equal(k, stored["k"]) and torch.equal(v, stored["v"])
 
 
 def test_sampled_and_penalized_rows_take_plain_steps(tiny_llama_dir):
@@ -105,7 +124,7 @@ def test_plain_steps_mix_with_prefill_chunks(tiny_llama_dir):
     policy = eng.schedulers[0].draft_policy = Cycle(3, plain=True)
     assert outputs(eng, prompts, MAX_TOKENS) == want
     assert eng.mode_steps.get("mixed", 0) >= 1
-    plain = [lengths for shape, lengths, _ in policy.seen if shape == PLAIN_STEP]
+    plain = [lengths for shape, lengths in policy.seen if shape == PLAIN_STEP]
     assert plain and all(set(lengths) <= {1} for lengths in plain)
 
 
@@ -135,24 +154,6 @@ def test_policy_takes_a_plain_step_where_it_costs_less_and_explores_now_and_then
     assert policy.accept[0] == before
     assert DraftPolicy.from_worker(shapes, {"draft_step_costs": [[1.0]], "plain_step_costs": [0.5],
                                             "graph_batch_sizes": [8]}).plain == 1
-
-
-def test_requests_with_a_gap_are_judged_by_their_own_acceptance():
-    """Requests that ran plain steps draft over gaps: their accept lengths teach their own
-    estimate, and a batch is judged by its mix. New requests speculate where requests with
-    gaps go on plainly."""
-    shapes = [(4, 5, 8), (4, 1, 1)]
-    policy = DraftPolicy(shapes, [[1.5, 4.0], [1.2, 1.2]], [1, 64], plain_costs=[1.0, 1.0])
-    for _ in range(60):
-        policy.observe(0, [3, 3], [1, 1])  # 3 without a gap, 1 with one
-    assert policy.accept[0] == pytest.approx(3, rel=0.01)
-    assert policy.gapped_accept[0] == pytest.approx(1, rel=0.01)
-    assert policy.choose(1, gapped=0.0) == 0  # 3 / 1.5 > 1
-    assert policy.choose(1, gapped=1.0) == 2  # 1 / 1.5 < 1 / 1
-    assert policy.rates(1, gapped=0.5)[0] == pytest.approx(2 / 1.5, rel=0.01)
-    before = policy.accept[0]
-    policy.observe(0, [], [6, 6])  # one population's lengths leave the other's estimate
-    assert policy.accept[0] == before
 
 
 def test_exploring_loses_a_bounded_share_of_the_step_time_at_any_cost():
@@ -329,16 +330,14 @@ def test_adaptive_shapes_must_be_smaller_trees(value, fits):
 def test_metrics_export_steps_per_shape():
     m = ServerMetrics("m")
     policy = DraftPolicy([(4, 5, 8), (4, 1, 1)], [[1.5], [1.0]], [1], plain_costs=[0.9])
-    policy.observe(0, [3], [2])
-    assert set(policy.estimates()) == {("k4s5n8", False), ("k4s5n8", True)}  # the ones that learn
+    policy.observe(0, [3])
+    assert set(policy.estimates()) == {"k4s5n8"}  # the shapes that learn
     m.update_engine({"replica": "r", "running": 0, "waiting": 0, "kv": [],
                      "draft_shape_steps": {shape_name((4, 5, 8)): 7, shape_name((4, 1, 1)): 2},
-                     "draft_accept": [{"rank": 0, "shape": s, "gap": g, "value": v}
-                                      for (s, g), v in policy.estimates().items()]})
+                     "draft_accept": [{"rank": 0, "shape": s, "value": v} for s, v in policy.estimates().items()]})
     text = m.render()[0].decode()
-    want = policy.gapped_accept[0]
-    assert f'kestrel_engine_draft_accept_estimate{{gap="yes",model="m",rank="0",replica="r",shape="k4s5n8"}} {want}' \
-        in text, text
+    want = policy.accept[0]
+    assert f'kestrel_engine_draft_accept_estimate{{model="m",rank="0",replica="r",shape="k4s5n8"}} {want}' in text
     assert 'kestrel_engine_draft_shape_steps_total{model="m",replica="r",shape="k4s5n8"} 7.0' in text
     assert 'shape="k4s1n1"} 2.0' in text
 
@@ -357,7 +356,7 @@ def test_penalties_and_logprobs_at_eager_shapes_equal_plain(tiny_llama_dir, monk
     eng = adaptive_engine(tiny_llama_dir, graphs=False)
     policy = eng.schedulers[0].draft_policy = Cycle(2)
     spec = run(eng, prompts, params, [r.output_ids for r in plain], monkeypatch)
-    assert max(max(lengths) for shape, lengths, _ in policy.seen if shape == 0) >= 3  # the oracle's tree
+    assert max(max(lengths) for shape, lengths in policy.seen if shape == 0) >= 3  # the oracle's tree
     assert set(eng.shape_steps) == {0, 1}
     for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids
