@@ -12,7 +12,8 @@
 // rows share its tile (batch-invariant): a decode step of one row and a verify of several
 // give each row the same bits. kestrel_kernels/cpu_q4.py holds the torch reference.
 #include <immintrin.h>
-#include <torch/extension.h>
+
+#include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -43,8 +44,6 @@ inline float hsum8(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
-inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* qsum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -191,6 +190,8 @@ void over_rows(int64_t M, int64_t N, const Tile& tile) {
   });
 }
 
+}  // namespace
+
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& dm) {
   check_x(x);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
@@ -264,12 +265,4 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
   QuantRows r = quantize_rows(x);
   const int64_t nb = x.size(1) / kBlock;
   return {r.q, r.scale.narrow(1, 0, nb), r.qsum.narrow(1, 0, nb)};
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_1_linear", &q4_1_linear, "x [M, K] float32 @ Q4_1 weights^T -> [M, N] float32");
-  m.def("q8_0_linear", &q8_0_linear, "x [M, K] float32 @ the first rows of Q8_0 weights^T -> [M, rows] float32");
-  m.def("quantize_activations", &quantize_activations, "x [M, K] -> (q int8, scale, scale * sum(q))");
 }

@@ -1,4 +1,4 @@
-"""Block-quantized CPU matmuls (cpu_q4.cpp, built on first use) and their torch references.
+"""Block-quantized CPU matmuls (cpu_q4.cpp) and their torch references.
 
 Weights in GGUF blocks of BLOCK inputs: Q4_1 (per block a scale d and a min m in float16,
 4-bit codes c, w = c * d + m) for the decoder's projections, Q8_0 (a float16 scale d, int8
@@ -10,85 +10,22 @@ integers and scaled in float32. A row's result does not depend on the other rows
 call (the kernels are batch-invariant), so a one-row decode step and a verify of several
 rows give a row the same bits.
 
-`python -m kestrel_kernels.cpu_q4` builds the extension (make setup does, so a server's
-start-up does not); a process that finds it unbuilt builds it on first use, and logs so.
+The kernels live in the CPU extension (kestrel_kernels/cpu_build.py).
 """
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "Q4_1Weights", "Q8_0Weights", "quantize_q4_1", "quantize_q8_0", "load",
-           "unavailable_reason", "q4_1_linear", "q4_1_linear_ref", "q8_0_linear",
-           "q8_0_linear_ref", "quantize_activations_ref"]
+from kestrel_kernels.cpu_build import kernels
 
-log = logging.getLogger(__name__)
+__all__ = ["BLOCK", "Q4_1Weights", "Q8_0Weights", "quantize_q4_1", "quantize_q8_0", "q4_1_linear", "q4_1_linear_ref", "q8_0_linear",
+           "q8_0_linear_ref", "quantize_activations_ref"]
 
 BLOCK = 32  # inputs per block: GGUF's Q4_1 and Q8_0
 GROUP = 8  # blocks whose scales the kernels load at once (a row's scales padded to whole groups)
-_SOURCE = Path(__file__).with_suffix(".cpp")
-# Ignored by git (/build/); the source's own name and flags key ninja's rebuilds.
-_BUILD_DIR = Path(os.environ.get("KESTREL_EXT_DIR", Path(__file__).resolve().parent.parent / "build" / "ext"))
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
-
-_lock = threading.Lock()
-_module = None
-_error: str | None = None
-
-
-def _cpu_supports() -> str | None:
-    """Why this CPU cannot run the kernels, or None."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return None  # not Linux: let the compiler and the first call decide
-    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
-    return f"the CPU lacks {', '.join(missing)}" if missing else None
-
-
-def load():
-    """The built extension module, building it first where needed; None (and the reason in
-    unavailable_reason()) where it cannot be built or this CPU cannot run it."""
-    global _module, _error
-    with _lock:
-        if _module is not None or _error is not None:
-            return _module
-        _error = _cpu_supports()
-        if _error is not None:
-            return None
-        from torch.utils import cpp_extension
-
-        _BUILD_DIR.mkdir(parents=True, exist_ok=True)
-        built = any(_BUILD_DIR.glob("kestrel_cpu_q4*.so"))
-        if not built:
-            log.warning("building the CPU kernels (%s) into %s: once, about a minute", _SOURCE.name, _BUILD_DIR)
-        try:
-            _module = cpp_extension.load(name="kestrel_cpu_q4", sources=[str(_SOURCE)],
-                                         extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                                         build_directory=str(_BUILD_DIR), verbose=not built)
-        except Exception as e:  # no compiler, no ninja, a failed build: the caller refuses
-            _error = f"building {_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[-400:]}"
-            log.error("%s", _error)
-        return _module
-
-
-def unavailable_reason() -> str | None:
-    """None where the kernels load (building them if needed), else why not."""
-    return None if load() is not None else _error
-
-
-def _kernels():
-    m = load()
-    if m is None:
-        raise RuntimeError(f"the CPU block kernels are unavailable: {_error}")
-    return m
-
 
 def _grouped(t: torch.Tensor) -> torch.Tensor:
     """[N, nb] -> [N, G, GROUP], zero-padded to whole groups."""
@@ -170,13 +107,13 @@ def quantize_q8_0(w: torch.Tensor) -> Q8_0Weights:
 
 def q4_1_linear(x: torch.Tensor, w: Q4_1Weights) -> torch.Tensor:
     """x [M, K] float32 -> x @ W.T [M, N] float32, the AVX2 kernel."""
-    return _kernels().q4_1_linear(x.contiguous(), w.codes, w.dm)
+    return kernels().q4_1_linear(x.contiguous(), w.codes, w.dm)
 
 
 def q8_0_linear(x: torch.Tensor, w: Q8_0Weights, rows: int | None = None) -> torch.Tensor:
     """x [M, K] float32 -> x @ W[:rows].T [M, rows] float32, the AVX2 kernel."""
     n = w.codes.shape[0] if rows is None else min(rows, w.codes.shape[0])
-    return _kernels().q8_0_linear(x.contiguous(), w.codes, w.d_groups, n)
+    return kernels().q8_0_linear(x.contiguous(), w.codes, w.d_groups, n)
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -205,11 +142,3 @@ def q8_0_linear_ref(x: torch.Tensor, w: Q8_0Weights, rows: int | None = None) ->
     c = w.codes[:rows].view(-1, q.shape[1], BLOCK).double()  # [N, K/B, B]
     dot = torch.einsum("mbj,nbj->mnb", q.double(), c)
     return (dot * (w.d[:rows].double()[None] * s.double()[:, None])).sum(-1).float()
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    reason = unavailable_reason()
-    if reason is not None:
-        raise SystemExit(f"kestrel_kernels/cpu_q4.cpp: {reason}")
-    print(f"kestrel_kernels/cpu_q4.cpp: built in {_BUILD_DIR}")

@@ -92,12 +92,12 @@ def build_model(
                          f"model.quantization (here: {torch.device(device).type}, {dtype}, "
                          f"{quantization}): set model.cpu_weights=float")
     if cpu_weights == "packed":
-        from kestrel_kernels import cpu_q4
+        from kestrel_kernels import cpu_build
 
-        reason = cpu_q4.unavailable_reason()  # builds them on first use
+        reason = cpu_build.unavailable_reason()  # builds them on first use
         if reason is not None:
             raise ValueError(f"model.cpu_weights=packed needs the CPU block kernels "
-                             f"(kestrel_kernels/cpu_q4.cpp), and {reason}: set model.cpu_weights=float")
+                             f"(kestrel_kernels/cpu_*.cpp), and {reason}: set model.cpu_weights=float")
     if load_format == "dummy":
         arch, state = read_arch(path), None
     elif load_format == "auto":

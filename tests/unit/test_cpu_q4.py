@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from kestrel_kernels import cpu_q4
+from kestrel_kernels import cpu_build
 from kestrel_kernels.cpu_q4 import (BLOCK, q4_1_linear, q4_1_linear_ref, q8_0_linear, q8_0_linear_ref,
                                     quantize_activations_ref, quantize_q4_1, quantize_q8_0)
 
-pytestmark = pytest.mark.skipif(cpu_q4.unavailable_reason() is not None,
-                                reason=f"the block kernels: {cpu_q4.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(cpu_build.unavailable_reason() is not None,
+                                reason=f"the block kernels: {cpu_build.unavailable_reason()}")
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ def test_activation_codes_equal_the_reference_bit_for_bit():
     x[0, :BLOCK] = 0  # an all-zero block: scale 0, codes 0
     x[1, BLOCK] = 127 / 8  # amax: the codes are x * 8 exactly ...
     x[1, BLOCK + 1:2 * BLOCK] = (torch.arange(BLOCK - 1) - 15 + 0.5) / 8  # ... and these ties, to even
-    q, s, qs = cpu_q4._kernels().quantize_activations(x)
+    q, s, qs = cpu_build.kernels().quantize_activations(x)
     rq, rs, rqs = quantize_activations_ref(x)
     assert torch.equal(q.float(), rq.reshape(3, -1)) and torch.equal(s, rs) and torch.equal(qs, rqs)
     assert q.abs().max() <= 127 and (q[0, :BLOCK] == 0).all() and s[0, 0] == 0

@@ -84,9 +84,9 @@ def test_packed_model_holds_the_ggufs_blocks(packed_model):
 
 def test_packed_settings_that_cannot_run_are_refused(monkeypatch):
     path = default_model_path()
-    from kestrel_kernels import cpu_q4
+    from kestrel_kernels import cpu_build
 
-    monkeypatch.setattr(cpu_q4, "unavailable_reason", lambda: "no compiler (a test)")
+    monkeypatch.setattr(cpu_build, "unavailable_reason", lambda: "no compiler (a test)")
     with pytest.raises(ValueError, match="cpu_weights=packed needs the CPU block kernels.*no compiler"):
         build_model(path, torch.float32, "cpu", cpu_weights="packed")
     monkeypatch.undo()
