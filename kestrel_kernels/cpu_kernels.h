@@ -14,3 +14,9 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& kv_index, const torch::Tensor& mask,
                               const torch::Tensor& q_batch, const torch::Tensor& q_slot, double scale);
+
+// cpu_layer_ops.cpp
+std::vector<torch::Tensor> add_rmsnorm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+                                       const torch::Tensor& weight, double eps);
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up);

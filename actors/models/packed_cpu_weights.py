@@ -1,6 +1,7 @@
 """model.cpu_weights=packed: the target's linear layers as Q4_1 blocks and its LM head (the
-tied embedding) as Q8_0 blocks, multiplied by the block kernels (kestrel_kernels/cpu_q4.py)
-while the model's KernelSwitch is on.
+tied embedding) as Q8_0 blocks, multiplied by the block kernels (kestrel_kernels/cpu_q4.py),
+and its norms, RoPE and SiLU-and-mul as one CPU kernel call each (cpu_layer_ops.py), while
+the model's KernelSwitch is on.
 
 A decode step reads about a quarter of the float32 weights' bytes. Weights dequantized from
 a GGUF's Q4_1 / Q8_0 blocks are packed back into exactly those blocks, and the linear
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.models.llama import MLP, Attention, RMSNorm
+from kestrel_kernels import cpu_layer_ops
 from kestrel_kernels.cpu_q4 import q4_1_linear, q8_0_linear, quantize_q4_1, quantize_q8_0
 
 
@@ -51,6 +54,48 @@ class Q4Linear(nn.Module):
         else:
             y = F.linear(x2, self.weight, self.bias)  # [M, N]
         return y.view(*shape[:-1], self.out_features)
+
+
+class PackedRMSNorm(RMSNorm):
+    """RMSNorm (with its residual add) as one CPU kernel call while the switch is on."""
+    switch: KernelSwitch
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if not self.switch.on:
+            return super().forward(x, residual)
+        normed, total = cpu_layer_ops.add_rmsnorm(x, residual, self.weight, self.eps)
+        return normed if residual is None else (normed, total)
+
+
+class PackedAttention(Attention):
+    """Attention with RoPE as one CPU kernel call per q and k while the switch is on."""
+    switch: KernelSwitch
+
+    def forward(self, x, rot, attn):
+        if not self.switch.on:
+            return super().forward(x, rot, attn)
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, -1)  # column slices, no copies
+        q = cpu_layer_ops.rope(q.view(T, self.num_heads, self.head_dim), rot.cos, rot.sin)  # [T, Hq, D]
+        k = cpu_layer_ops.rope(k.view(T, self.num_kv_heads, self.head_dim), rot.cos, rot.sin)  # [T, Hkv, D]
+        o = attn(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class PackedMLP(MLP):
+    """The MLP with SiLU-and-mul as one CPU kernel call while the switch is on."""
+    switch: KernelSwitch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.switch.on:
+            return super().forward(x)
+        return self.down_proj(cpu_layer_ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+def _recast(module: nn.Module, cls: type, switch: KernelSwitch) -> None:
+    """The same module (its parameters, under their names) with cls's forward."""
+    module.__class__ = cls
+    module.switch = switch
 
 
 # Logits the kernel puts within this much of a row's top are computed again in float32 from
@@ -94,9 +139,9 @@ class Q8LMHead(nn.Module):
 
 @torch.no_grad()
 def pack_cpu_weights(model: nn.Module) -> KernelSwitch:
-    """Every decoder layer's projections to Q4Linear and the LM head to Q8LMHead, in
-    place, on a loaded float32 LlamaForCausalLM on the CPU -> their switch (also
-    `model.kernel_switch`)."""
+    """Every decoder layer's projections to Q4Linear, its norms, attention and MLP onto the
+    CPU layer kernels, and the LM head to Q8LMHead, in place, on a loaded float32
+    LlamaForCausalLM on the CPU -> their switch (also `model.kernel_switch`)."""
     switch = KernelSwitch()
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -104,6 +149,11 @@ def pack_cpu_weights(model: nn.Module) -> KernelSwitch:
         attn.o_proj = Q4Linear(attn.o_proj, switch)
         mlp.gate_up_proj = Q4Linear(mlp.gate_up_proj, switch)
         mlp.down_proj = Q4Linear(mlp.down_proj, switch)
+        _recast(attn, PackedAttention, switch)
+        _recast(mlp, PackedMLP, switch)
+        _recast(layer.input_layernorm, PackedRMSNorm, switch)
+        _recast(layer.post_attention_layernorm, PackedRMSNorm, switch)
+    _recast(model.model.norm, PackedRMSNorm, switch)
     model.lm_head = Q8LMHead(model.lm_head, switch)
     model.kernel_switch = switch
     return switch
