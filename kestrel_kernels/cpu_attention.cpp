@@ -93,7 +93,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   const int64_t L = kv_index.size(1), Q = mask.size(2);
   TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim && k_cache.size(2) == D && H % Hkv == 0, "unsupported head sizes");
-  auto qb = q_batch.to(torch::kInt64).contiguous(), qs = q_slot.to(torch::kInt64).contiguous();
+  TORCH_CHECK(q_batch.scalar_type() == torch::kInt64 && q_slot.scalar_type() == torch::kInt64 &&
+                  q_batch.is_contiguous() && q_slot.is_contiguous(),
+              "q_batch and q_slot must be contiguous int64 [T]");
+  const auto& qb = q_batch;
+  const auto& qs = q_slot;
   auto o = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -31,10 +32,13 @@ constexpr int64_t kGroup = 8;
 
 inline int64_t groups(int64_t nb) { return (nb + kGroup - 1) / kGroup; }
 
+// A call's quantized activations, in buffers the calling thread reuses (no allocation per
+// call: a decode step makes a few hundred calls).
 struct QuantRows {
-  torch::Tensor q;      // [M, K] int8
-  torch::Tensor scale;  // [M, P] float32: s, P = K/32 padded to whole groups with zeros
-  torch::Tensor qsum;   // [M, P] float32: s * sum(q), the min term's factor
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> scale;  // [M, P]: s, P = K/32 padded to whole groups with zeros
+  std::vector<float> qsum;   // [M, P]: s * sum(q), the min term's factor
+  int64_t np = 0;
 };
 
 inline float hsum8(__m256 v) {
@@ -83,22 +87,24 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* qsu
   }
 }
 
-QuantRows quantize_rows(const torch::Tensor& x) {
+const QuantRows& quantize_rows(const torch::Tensor& x) {
+  thread_local QuantRows r;
   const int64_t M = x.size(0), K = x.size(1), np = groups(K / kBlock) * kGroup;
-  QuantRows r{torch::empty({M, K}, x.options().dtype(torch::kInt8)), torch::zeros({M, np}, x.options()),
-              torch::zeros({M, np}, x.options())};
+  r.np = np;
+  r.q.resize(M * K);
+  r.scale.assign(M * np, 0.0f);
+  r.qsum.assign(M * np, 0.0f);
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = r.q.data_ptr<int8_t>();
-  float* sp = r.scale.data_ptr<float>();
-  float* mp = r.qsum.data_ptr<float>();
-  for (int64_t i = 0; i < M; ++i) quantize_row(xp + i * K, K, qp + i * K, sp + i * np, mp + i * np);
+  for (int64_t i = 0; i < M; ++i)
+    quantize_row(xp + i * K, K, r.q.data() + i * K, r.scale.data() + i * np, r.qsum.data() + i * np);
   return r;
 }
 
-void check_x(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
-              "x must be a contiguous float32 [M, K] CPU tensor");
+torch::Tensor checked_x(const torch::Tensor& x_in) {
+  const torch::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(), "x must be a float32 [M, K] CPU tensor");
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
+  return x;
 }
 
 inline __m256 load_halves(const uint16_t* p) {
@@ -192,8 +198,8 @@ void over_rows(int64_t M, int64_t N, const Tile& tile) {
 
 }  // namespace
 
-torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& dm) {
-  check_x(x);
+torch::Tensor q4_1_linear(const torch::Tensor& x_in, const torch::Tensor& codes, const torch::Tensor& dm) {
+  const torch::Tensor x = checked_x(x_in);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.size(1) == K / 2,
               "codes must be contiguous uint8 [N, K/2]");
@@ -201,14 +207,14 @@ torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes, co
               "dm must be contiguous float16 [N, G, 2, 8]");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  QuantRows a = quantize_rows(x);
-  const int8_t* q = a.q.data_ptr<int8_t>();
-  const float* s = a.scale.data_ptr<float>();
-  const float* qs = a.qsum.data_ptr<float>();
+  const QuantRows& a = quantize_rows(x);
+  const int8_t* q = a.q.data();
+  const float* s = a.scale.data();
+  const float* qs = a.qsum.data();
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* h = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  const int64_t np = a.scale.size(1);
+  const int64_t np = a.np;
   over_rows(M, N, [&](int64_t n, int64_t r, int64_t rows) {
     const int8_t* qr = q + r * K;
     const float *sr = s + r * np, *qsr = qs + r * np;
@@ -225,9 +231,9 @@ torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes, co
   return y;
 }
 
-torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
+torch::Tensor q8_0_linear(const torch::Tensor& x_in, const torch::Tensor& codes, const torch::Tensor& d,
                           int64_t rows) {
-  check_x(x);
+  const torch::Tensor x = checked_x(x_in);
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.size(1) == K,
               "codes must be contiguous int8 [N, K]");
@@ -237,13 +243,13 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes, co
   const int64_t N = rows;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  QuantRows a = quantize_rows(x);
-  const int8_t* q = a.q.data_ptr<int8_t>();
-  const float* s = a.scale.data_ptr<float>();
+  const QuantRows& a = quantize_rows(x);
+  const int8_t* q = a.q.data();
+  const float* s = a.scale.data();
   const int8_t* c = codes.data_ptr<int8_t>();
   const uint16_t* h = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  const int64_t np = a.scale.size(1);
+  const int64_t np = a.np;
   over_rows(M, N, [&](int64_t n, int64_t r, int64_t rows) {
     const int8_t* qr = q + r * K;
     const float* sr = s + r * np;
@@ -260,9 +266,12 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes, co
   return y;
 }
 
-std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
-  check_x(x);
-  QuantRows r = quantize_rows(x);
-  const int64_t nb = x.size(1) / kBlock;
-  return {r.q, r.scale.narrow(1, 0, nb), r.qsum.narrow(1, 0, nb)};
+std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
+  const torch::Tensor x = checked_x(x_in);
+  const QuantRows& r = quantize_rows(x);
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  auto q = torch::from_blob(const_cast<int8_t*>(r.q.data()), {M, K}, torch::kInt8).clone();
+  auto s = torch::from_blob(const_cast<float*>(r.scale.data()), {M, r.np}, torch::kFloat32).narrow(1, 0, nb).clone();
+  auto qs = torch::from_blob(const_cast<float*>(r.qsum.data()), {M, r.np}, torch::kFloat32).narrow(1, 0, nb).clone();
+  return {q, s, qs};
 }

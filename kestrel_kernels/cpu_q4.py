@@ -107,13 +107,13 @@ def quantize_q8_0(w: torch.Tensor) -> Q8_0Weights:
 
 def q4_1_linear(x: torch.Tensor, w: Q4_1Weights) -> torch.Tensor:
     """x [M, K] float32 -> x @ W.T [M, N] float32, the AVX2 kernel."""
-    return kernels().q4_1_linear(x.contiguous(), w.codes, w.dm)
+    return kernels().q4_1_linear(x, w.codes, w.dm)
 
 
 def q8_0_linear(x: torch.Tensor, w: Q8_0Weights, rows: int | None = None) -> torch.Tensor:
     """x [M, K] float32 -> x @ W[:rows].T [M, rows] float32, the AVX2 kernel."""
     n = w.codes.shape[0] if rows is None else min(rows, w.codes.shape[0])
-    return kernels().q8_0_linear(x.contiguous(), w.codes, w.d_groups, n)
+    return kernels().q8_0_linear(x, w.codes, w.d_groups, n)
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
