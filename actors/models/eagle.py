@@ -77,7 +77,8 @@ class _DraftAttention(nn.Module):
 
     def forward(self, x, rot: layer_ops.Rotary, attn: AttnFn):
         q, k, v = self.qkv(x, rot)
-        return self.o_proj(attn(q, k, v, 0).reshape(x.shape[0], -1))  # one layer: id 0
+        # one layer: id 0; sizes spelled out, as an idle DP rank's forward has no tokens
+        return self.o_proj(attn(q, k, v, 0).reshape(x.shape[0], self.s.num_heads * self.s.head_dim))
 
 
 class _DraftLayer(nn.Module):
