@@ -101,9 +101,10 @@ class DraftPolicy:
         return None if costs is None else [a / c for a, c in zip(self.accept, costs)]
 
     def choose(self, batch: int) -> int:
-        costs, rates = self.step_costs(batch), self.rates(batch)
+        costs = self.step_costs(batch)
         if costs is None:
             return 0
+        rates = [a / c for a, c in zip(self.accept, costs)]
         best = max(range(len(rates)), key=rates.__getitem__)
         pick, margin = best, 0.0
         for i in range(len(rates)):

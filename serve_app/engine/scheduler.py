@@ -92,8 +92,9 @@ class Scheduler:
         self._chunks_left = False
         # step id -> its requests, in plan order, with the admission each was planned under
         self._inflight: dict[int, list[tuple[Request, int]]] = {}
-        # decode step id -> whether each of its decode rows drafted from a stale top-k
-        # (draft.plain_steps), as planned: a later plain step may mark it before the output
+        # decode step id -> whether each of its decode rows drafted from a stale top-k, as
+        # planned (a later plain step may mark it before the output); only where the draft
+        # policy may take plain steps (draft.plain_steps)
         self._stale: dict[int, list[bool]] = {}
         # req_to_token updates not yet sent: they ride on the next plan that is dispatched,
         # whichever it is (an admission can happen in an extend plan that is then dropped).
@@ -268,7 +269,7 @@ class Scheduler:
                 plan.grammar_vocab, self._vocab_to_send = self._vocab_to_send, None
             self._chunks_left = plan.mode == "extend" and any(
                 r.scheduled < len(r.fill_ids) for r in self.prefilling)
-            if plan.step_id in self._stale:  # a decode (or mixed) step with a draft policy
+            if plan.step_id in self._stale:  # a decode (or mixed) step that may be plain
                 # A plain step keeps the draft's top-k; any other refreshes it (a mixed plain
                 # step's draft extend covers its decode rows).
                 stale = plan.mode == "decode" and plan.draft_shape == PLAIN_STEP
@@ -436,7 +437,8 @@ class Scheduler:
             return None
         plan = StepPlan(self.step_id, "decode", [r.row for r in running], use_spec=self.spec)
         if self.draft_policy is not None:
-            self._stale[plan.step_id] = [r.draft_stale for r in running]
+            if self.draft_policy.plain is not None:
+                self._stale[plan.step_id] = [r.draft_stale for r in running]
             plan.draft_shape = self.draft_policy.choose(len(running))
             if plan.draft_shape == self.draft_policy.plain:  # draft.plain_steps
                 # Not with a grammar, whose rows the rank masks per speculative tree.
@@ -512,10 +514,12 @@ class Scheduler:
         # Rows before `first_chunk` decoded, the rest ran prefill chunks (chunk i - first_chunk).
         first_chunk = {"extend": 0, "mixed": plan.num_decode}.get(plan.mode, len(plan.rows))
         stale = self._stale.pop(plan.step_id, None)
-        if first_chunk and stale is not None:
-            self.draft_policy.observe(out.draft_shape, [
-                len(t) for (req, admission), t, s in zip(reqs, out.tokens, stale)
-                if not s and req.admissions == admission])
+        if first_chunk and self.draft_policy is not None:
+            lengths = [len(t) for t in out.tokens[:first_chunk]]
+            if stale is not None:  # leave out the rows that drafted from a stale top-k
+                lengths = [n for n, s, (req, admission) in zip(lengths, stale, reqs)
+                           if not s and req.admissions == admission]
+            self.draft_policy.observe(out.draft_shape, lengths)
         lps = out.logprobs
         for i, ((req, admission), toks) in enumerate(zip(reqs, out.tokens)):
             if req.finished or req.admissions != admission or req.row != plan.rows[i]:
