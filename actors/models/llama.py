@@ -52,9 +52,12 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = layer_ops.rope_at(q, k, rot)
+        q, k = self.rope(q, k, rot)
         o = attn(q, k, v, self.layer_id)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, rot: layer_ops.Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer_ops.rope_at(q, k, rot)
 
 
 # Fused projections and the checkpoint projections they hold, in row order.

@@ -71,15 +71,10 @@ class PackedAttention(Attention):
     """Attention with RoPE as one CPU kernel call per q and k while the switch is on."""
     switch: KernelSwitch
 
-    def forward(self, x, rot, attn):
+    def rope(self, q, k, rot):
         if not self.switch.on:
-            return super().forward(x, rot, attn)
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, -1)  # column slices, no copies
-        q = cpu_layer_ops.rope(q.view(T, self.num_heads, self.head_dim), rot.cos, rot.sin)  # [T, Hq, D]
-        k = cpu_layer_ops.rope(k.view(T, self.num_kv_heads, self.head_dim), rot.cos, rot.sin)  # [T, Hkv, D]
-        o = attn(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+            return super().rope(q, k, rot)
+        return cpu_layer_ops.rope(q, rot.cos, rot.sin), cpu_layer_ops.rope(k, rot.cos, rot.sin)
 
 
 class PackedMLP(MLP):
