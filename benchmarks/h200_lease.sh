@@ -19,6 +19,7 @@
 #   load7b     a 7B-shaped safetensors checkpoint written to local disk, then loaded to the GPU
 #              with the page cache dropped: load seconds and peak host memory (load_bench.py) ~150
 #   fp8gemm    the FP8 linear against bf16 at the 7B and 72B GEMM shapes (fp8_gemm_bench.py) ~60
+#   attention  decode attention by context (1k-32k), key splits and tile (attention_bench.py)  ~90
 #   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target)    ~50
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
@@ -114,6 +115,10 @@ for stage in "$@"; do
       timeout 300 python3 -m pytest -q tests/gpu/test_fp8_gpu.py \
         tests/unit/test_triton_fp8_quant.py > "$work/fp8_tests.txt" 2>&1
       tail -3 "$work/fp8_tests.txt" ;;
+    attention)
+      PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/attention_bench.py \
+        --out "$work/attention.json" > "$work/attention.txt" 2>&1
+      grep -E "ctx=(1024|32768)" "$work/attention.txt" | cut -c1-100 | tail -40 ;;
     fp8gemm)
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/fp8_gemm_bench.py > "$work/fp8_gemm.txt" 2>&1
       tail -45 "$work/fp8_gemm.txt" ;;

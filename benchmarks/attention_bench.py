@@ -1,0 +1,90 @@
+"""Decode attention at length (GPU): the Triton paged-attention kernel over one layer's K/V at
+a model's head layout, by batch, context length, key splits and tile shape.
+
+    PYTHONPATH=. python benchmarks/attention_bench.py [--heads 28 4 128] [--batch 1 8]
+        [--context 1024 8192 32768] [--splits 16 32 64] [--tiles 64/2/2 128/4/3 ...]
+
+A tile is BLOCK_N/num_warps/num_stages; "default" is the launcher's own choice. Each launch
+is timed as a replayed CUDA graph (decode steps run that way), and the figure printed beside
+it is the K/V bytes read over that time, the figure a long-context decode is judged by
+against the device's copy bandwidth (benchmarks/copy_bandwidth.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from kestrel_kernels import triton_attention
+
+
+def bench(fn) -> float:
+    """Microseconds per call, from a replayed CUDA graph."""
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, rep=100) * 1e3
+
+
+def decode_case(batch: int, context: int, heads: int, kv_heads: int, dim: int):
+    """One layer's decode inputs: `batch` requests of `context` keys each, slots contiguous."""
+    dev = torch.device("cuda")
+    slots = batch * context
+    k = torch.randn(slots, kv_heads, dim, device=dev, dtype=torch.bfloat16)  # [S, Hkv, D] bf16
+    v = torch.randn_like(k)
+    req_to_token = torch.arange(slots, device=dev, dtype=torch.int32).view(batch, context)  # [B, L]
+    q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)  # [B, H, D] bf16
+    rows = torch.arange(batch, device=dev, dtype=torch.int64)  # [B]
+    prefix = torch.full((batch,), context - 1, device=dev, dtype=torch.int32)  # [B]
+    new = torch.ones(batch, device=dev, dtype=torch.int32)  # [B]
+    indptr = torch.arange(batch + 1, device=dev, dtype=torch.int32)  # [B+1]
+    return q, k, v, req_to_token, rows, prefix, new, indptr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", type=int, nargs=3, default=[28, 4, 128], metavar=("H", "HKV", "D"))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192, 32768])
+    ap.add_argument("--splits", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--tiles", nargs="+", default=["default", "64/4/3", "128/4/3", "128/8/3", "64/4/4"])
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args()
+    H, Hkv, D = args.heads
+    original = triton_attention._launch_config
+    rows = []
+    for batch in args.batch:
+        for context in args.context:
+            case = decode_case(batch, context, H, Hkv, D)
+            ref = triton_attention.paged_attention_ref(*case, max_q_len=1)
+            kv_bytes = 2 * batch * context * Hkv * D * 2
+            for tile in args.tiles:
+                if tile == "default":
+                    triton_attention._launch_config = original
+                else:
+                    bn, warps, stages = (int(x) for x in tile.split("/"))
+
+                    def config(max_q_len, group, head_dim, bn=bn, warps=warps, stages=stages):
+                        return dict(original(max_q_len, group, head_dim), BLOCK_N=bn,
+                                    num_warps=warps, num_stages=stages)
+                    triton_attention._launch_config = config
+                for splits in args.splits:
+                    def run(splits=splits):
+                        return triton_attention.paged_attention(
+                            *case, max_q_len=1, max_kv_splits=splits)
+                    err = (run().float() - ref.float()).abs().max().item()
+                    us = bench(run)
+                    row = dict(batch=batch, context=context, tile=tile, max_splits=splits,
+                               us=round(us, 2), tb_s=round(kv_bytes / us / 1e6, 3), max_err=err)
+                    rows.append(row)
+                    print(f"B={batch:<3} ctx={context:<6} tile={tile:<8} splits<={splits:<3} "
+                          f"{us:8.1f} us  {row['tb_s']:.2f} TB/s  err {err:.2e}", flush=True)
+            del case
+            torch.cuda.empty_cache()
+    triton_attention._launch_config = original
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
