@@ -29,7 +29,11 @@ the draft's KV at its tokens' positions (a few small kernels): without that a re
 would draft over a gap at its newest position from then on, and accept about 1 token a
 step (docs/benchmarks.md). Its top-k stays the last speculative step's, so the first
 speculative step after plain ones drafts from a stale state: the scheduler leaves those
-requests' accept lengths out of what the policy learns.
+requests' accept lengths out of what the policy learns. So a shape explored after plain
+steps runs two steps in a row, the second one observed, and its exploration is charged for
+both (the first emits about one token at the shape's cost). Explored once, it would never
+be observed again: a few poor steps at one stream would leave the policy on plain steps for
+good, though the tree there runs 1.5x plain.
 """
 from __future__ import annotations
 
@@ -71,6 +75,8 @@ class DraftPolicy:
         self.learns = [n > 1 for _, _, n in shapes]  # the root alone always emits one token
         self.since = [0.0] * len(shapes)  # seconds of steps since each shape last ran
         self.seen = [0] * len(shapes)  # accept lengths observed per shape
+        self.last_pick: int | None = None
+        self.explore_again: int | None = None  # the second step of an exploration after plain
 
     @classmethod
     def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict) -> "DraftPolicy | None":
@@ -103,17 +109,27 @@ class DraftPolicy:
     def choose(self, batch: int) -> int:
         costs = self.step_costs(batch)
         if costs is None:
+            self.last_pick = self.explore_again = None
             return 0
         rates = [a / c for a, c in zip(self.accept, costs)]
         best = max(range(len(rates)), key=rates.__getitem__)
+        after_plain = self.plain is not None and self.last_pick == self.plain
         pick, margin = best, 0.0
-        for i in range(len(rates)):
-            if self.learns[i] and i != best:
-                lost = costs[i] * (1 - rates[i] / rates[best])  # seconds exploring i loses
-                if EXPLORE_SHARE * self.since[i] - lost > margin:
-                    pick, margin = i, EXPLORE_SHARE * self.since[i] - lost
+        if self.explore_again is not None:
+            pick, self.explore_again = self.explore_again, None
+        else:
+            for i in range(len(rates)):
+                if self.learns[i] and i != best:
+                    lost = costs[i] * (1 - rates[i] / rates[best])  # seconds exploring i loses
+                    if after_plain:  # and a stale step first: about one token at i's cost
+                        lost += max(0.0, costs[i] - 1 / rates[best])
+                    if EXPLORE_SHARE * self.since[i] - lost > margin:
+                        pick, margin = i, EXPLORE_SHARE * self.since[i] - lost
+            if pick != best and after_plain:
+                self.explore_again = pick
         for i in range(len(self.since)):
             self.since[i] = 0.0 if i == pick else self.since[i] + costs[pick]
+        self.last_pick = pick
         return pick
 
     def estimates(self) -> dict[str, float]:

@@ -363,3 +363,24 @@ def test_penalties_and_logprobs_at_eager_shapes_equal_plain(tiny_llama_dir, monk
         for (lp, ids, lps), (lp2, ids2, lps2) in zip(p.token_logprobs, s.token_logprobs):
             assert ids2 == ids
             assert max(abs(a - b) for a, b in zip([lp, *lps], [lp2, *lps2])) < TOL
+
+
+def test_a_shape_explored_after_plain_steps_runs_twice_and_learns_again():
+    """At one stream a few poor steps can drop the tree's estimate below plain's. Its
+    explorations after plain steps then run two steps in a row: the first drafts from the
+    stale top-k and teaches nothing, the second is observed, so a tree that accepts well
+    again wins back the stream instead of staying under plain steps for good."""
+    policy = DraftPolicy([(4, 5, 8)], [[2.0]], [1], plain_costs=[1.2])
+    for _ in range(40):
+        policy.observe(0, [1])  # a run of rejections: 1 / 2.0 against plain's 1 / 1.2
+    assert policy.choose(1) == policy.plain
+    picks, stale = [], False
+    for _ in range(400):
+        pick = policy.choose(1)
+        if pick == 0 and not stale:  # the scheduler leaves the stale step out
+            policy.observe(0, [3])
+        stale = pick == policy.plain
+        picks.append(pick)
+    first = picks.index(0)
+    assert picks[first + 1] == 0  # explored twice in a row
+    assert picks[-50:].count(0) == 50  # learned again: the tree for good
