@@ -328,6 +328,9 @@ def test_default_num_kv_splits():
     assert ta.default_num_kv_splits(3, 1, 9, 64, dev) == ta.BASE_KV_SPLITS  # B=1 decode
     assert ta.default_num_kv_splits(3, 1, 9, 64, dev, max_splits=64) == 64  # attention.max_kv_splits
     assert ta.default_num_kv_splits(3, 1, 9, 64, dev, max_splits=100) == ta.MAX_KV_SPLITS
+    # 8 requests x 4 kv heads: 17 splits would leave a second wave of 16 programs
+    assert ta.default_num_kv_splits(8 * 4, 8, 28, 128, dev, max_splits=64) == 16
+    assert ta.default_num_kv_splits(2 * 4, 2, 28, 128, dev, max_splits=64) == 64
     assert ta.default_num_kv_splits(64 * 3, 64, 9, 64, dev) == 3  # B=64 decode
     assert ta.default_num_kv_splits(4 * 132, 4096, 9, 64, dev) == 1  # batch fills the GPU
     assert ta.default_num_kv_splits(1, 1 << 20, 32, 128, dev) == 1  # partial buffer cap
