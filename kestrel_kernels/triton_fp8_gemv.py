@@ -98,12 +98,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA) -> dict:
+def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 8,
+                   block_k: int = 512) -> dict:
     """The launch config for a weight [N, K] on a GPU of `sms` SMs: 8 channels by 512 bytes
     of K a tile (4 warps: 32 bytes of weight per thread per iteration), K split in two, four,
     ... while the programs fill the SMs fewer than four times and each split keeps at least
-    two tiles of K. A function of the shape only, not of M (see the module docstring)."""
-    block_n, block_k = 8, min(512, max(16, triton.next_power_of_2(K) if HAS_TRITON else 512))
+    two tiles of K. A function of the shape only, not of M (see the module docstring).
+    Other tile sizes get their split by the same rule (the benchmark's sweep)."""
+    block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))  # no wider than K
     n_blocks = -(-N // block_n)
     split = 1
     while split < 16 and n_blocks * split < 4 * sms and -(-K // (2 * split)) >= 2 * block_k:
@@ -115,7 +117,8 @@ def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
              bias: torch.Tensor | None, out_dtype: torch.dtype, **config) -> torch.Tensor:
     """xq [M, K] fp8 and xs [M, 1] fp32 (quantize_rows' output, M <= MAX_ROWS), wq [N, K] fp8,
     ws [N, 1] fp32, bias [N] or None -> [M, N] out_dtype. `config` overrides default_config's
-    keys (block_n, block_k, split_k, num_warps, num_stages): the benchmark's sweep."""
+    keys (block_n, block_k, split_k, num_warps, num_stages): the benchmark's sweep. Without
+    split_k, K is split by default_config's rule for the tile asked for."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; use kestrel_kernels.fp8_linear.fp8_linear_ref")
     M, K = xq.shape
@@ -129,8 +132,12 @@ def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     unknown = set(config) - {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
     if unknown:
         raise ValueError(f"fp8_gemv: unknown config keys {sorted(unknown)}")
-    cfg = {**default_config(N, K, _sm_count(xq.device)), **config}
+    blocks = {k: config[k] for k in ("block_n", "block_k") if k in config}
+    cfg = {**default_config(N, K, _sm_count(xq.device), **blocks), **config}
     block_n, block_k, split = cfg["block_n"], cfg["block_k"], cfg["split_k"]
+    if any(v < 1 or v & (v - 1) for v in (block_n, block_k)) or block_k < 16 or split < 1:
+        raise ValueError(f"fp8_gemv: block_n and block_k must be powers of two (block_k >= 16), "
+                         f"split_k >= 1; got {cfg}")
     # Splits a whole number of tiles long, so every tile but a split's last is unmasked.
     k_per_split = -(-K // (split * block_k)) * block_k
     split = -(-K // k_per_split)  # a split that would start past K is dropped
