@@ -8,15 +8,25 @@ Each op is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph), a
 steps run when serving, so launch overhead does not hide the kernels.
 
     PYTHONPATH=. python benchmarks/fp8_gemm_bench.py [--models 7b 72b] [--m 1 8 64 256 512]
+
+--gemv instead sweeps the Triton FP8 GEMV (kestrel_kernels/triton_fp8_gemv.py) over a few
+launch configs at 1, 8 and 16 rows (pre-quantized rows, beside _scaled_mm on the same codes):
+µs and TB/s of FP8 weight bytes per config, the best per shape, and per config the sum over
+each model's four GEMMs, which picks default_config's tile (about 1-2 minutes on an H200,
+compiles included):
+
+    PYTHONPATH=. python benchmarks/fp8_gemm_bench.py --gemv [--models 7b 72b] [--m 1 8 16]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 import torch.nn.functional as F
 
 from kestrel_kernels.fp8_linear import fp8_linear, quantize_rows
+from kestrel_kernels.triton_fp8_gemv import fp8_gemv
 
 # name -> [(GEMM, N, K)]: fused q/k/v, o, fused gate/up, down.
 SHAPES = {
@@ -25,10 +35,10 @@ SHAPES = {
 }
 
 
-def bench(fn) -> float:
-    """Microseconds per call, from a replayed CUDA graph."""
+def bench(fn, rep: int = 100) -> float:
+    """Microseconds per call, from a replayed CUDA graph (`rep` ms of calls)."""
     from triton.testing import do_bench_cudagraph
-    return do_bench_cudagraph(fn, rep=100) * 1e3
+    return do_bench_cudagraph(fn, rep=rep) * 1e3
 
 
 def torch_ops_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -37,12 +47,107 @@ def torch_ops_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> tor
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
 
 
-def main() -> None:
+# The GEMV sweep: name -> config overrides ({}: default_config's). Without split_k, K is
+# split by default_config's rule for that tile; "nosplit" variants show what splitting buys.
+GEMV_CONFIGS = {
+    "default": {},
+    "n4k512": dict(block_n=4, block_k=512),
+    "n16k512": dict(block_n=16, block_k=512),
+    "n16k512w8": dict(block_n=16, block_k=512, num_warps=8),
+    "n8k1024": dict(block_n=8, block_k=1024),
+    "n32k256": dict(block_n=32, block_k=256),
+    "n8k256w2s4": dict(block_n=8, block_k=256, num_warps=2, num_stages=4),
+    "n8k512s5": dict(block_n=8, block_k=512, num_stages=5),
+    "n8k512nosplit": dict(block_n=8, block_k=512, split_k=1),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--m", nargs="+", type=int, default=[1, 8, 64, 256, 512])
-    args = ap.parse_args()
+    ap.add_argument("--m", nargs="+", type=int, default=None,
+                    help="rows (default 1 8 64 256 512; with --gemv 1 8 16)")
+    ap.add_argument("--gemv", action="store_true", help="sweep the Triton FP8 GEMV's configs")
+    ap.add_argument("--configs", nargs="+", default=None, choices=list(GEMV_CONFIGS),
+                    help="with --gemv: these configs only (default all)")
+    args = ap.parse_args(argv)
+    if args.m is None:
+        args.m = [1, 8, 16] if args.gemv else [1, 8, 64, 256, 512]
+    if args.gemv and not all(1 <= m <= 16 for m in args.m):
+        ap.error("--gemv takes 1..16 rows")
+    return args
+
+
+def gemv_sweep(args: argparse.Namespace, dev: torch.device) -> None:
+    """Each config at each shape and row count: µs and TB/s of weight bytes; a config that
+    fails (compile, resources) prints why and the sweep goes on."""
+    names = args.configs or list(GEMV_CONFIGS)
+    totals: dict[tuple[str, str, int], float] = {}  # (model, config, M) -> µs over its GEMMs
+    print(f"{'model':>5} {'gemm':>8} {'N':>6} {'K':>6} {'M':>3} | {'scaled_mm':>15} | "
+          + " | ".join(f"{n:>15}" for n in names) + " | best")
+    print(" " * 33 + "| " + " | ".join(f"{'us':>7} {'TB/s':>7}" for _ in ["mm"] + names))
+    for model in args.models:
+        for gemm, N, K in SHAPES[model]:
+            w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02  # [N, K] bf16
+            wq, ws = quantize_rows(w)  # [N, K] fp8, [N, 1] fp32
+            del w
+            # A decode step reads each layer's weight once: the timed calls cycle through
+            # copies of it, 256 MB in all, so that the 7B shapes (16-70 MB) are not served
+            # from the 50 MB L2 as one weight re-read would be. Captured in the graph.
+            copies = [wq] + [wq.clone() for _ in range(min(15, -(-(256 << 20) // (N * K)) - 1))]
+            turn = itertools.count()
+
+            def weight() -> torch.Tensor:
+                return copies[next(turn) % len(copies)]  # [N, K] fp8
+
+            for M in args.m:
+                x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)  # [M, K]
+                xq, xs = quantize_rows(x)  # [M, K] fp8, [M, 1] fp32
+                want = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1),
+                                        out_dtype=torch.bfloat16)  # [M, N]
+                cells = []
+                t_mm = bench(lambda: torch._scaled_mm(xq, weight().t(), scale_a=xs, scale_b=ws.view(1, -1),
+                                                      out_dtype=torch.bfloat16), rep=10)
+                cells.append(f"{t_mm:7.1f} {N * K / t_mm / 1e6:7.2f}")
+                best = ("scaled_mm", t_mm)
+                for name in names:
+                    cfg = GEMV_CONFIGS[name]
+                    try:
+                        got = fp8_gemv(xq, xs, wq, ws, None, torch.bfloat16, **cfg)
+                        err = (got.float() - want.float()).abs().max().item()
+                        if err > 2 ** -6 * want.float().abs().max().item():
+                            raise RuntimeError(f"wrong: max error {err:.3g}")
+                        t = bench(lambda cfg=cfg: fp8_gemv(xq, xs, weight(), ws, None, torch.bfloat16, **cfg),
+                                  rep=10)
+                    except Exception as e:  # one config's failure must not end the sweep
+                        print(f"  {name} at {gemm} M={M}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                              flush=True)
+                        cells.append(f"{'fail':>15}")
+                        totals[(model, name, M)] = float("inf")
+                        continue
+                    cells.append(f"{t:7.1f} {N * K / t / 1e6:7.2f}")
+                    totals[(model, name, M)] = totals.get((model, name, M), 0.0) + t
+                    if t < best[1]:
+                        best = (name, t)
+                print(f"{model:>5} {gemm:>8} {N:>6} {K:>6} {M:>3} | " + " | ".join(cells)
+                      + f" | {best[0]} {best[1]:.1f} us {N * K / best[1] / 1e6:.2f} TB/s", flush=True)
+            del wq, ws, copies
+            torch.cuda.empty_cache()
+    print("\nPer config, µs over each model's four GEMMs (a decoder layer's linears), by rows:")
+    for model in args.models:
+        for M in args.m:
+            ranked = sorted(names, key=lambda n: totals.get((model, n, M), float("inf")))
+            print(f"{model:>5} M={M:>2}: " + ", ".join(f"{n} {totals.get((model, n, M), float('inf')):.1f}"
+                                                      for n in ranked))
+
+
+def main() -> None:
+    args = parse_args()
     dev = torch.device("cuda")
+    if args.gemv:
+        print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
+        gemv_sweep(args, dev)
+        return
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
     print(f"{'model':>5} {'gemm':>8} {'N':>6} {'K':>6} {'M':>4} | {'bf16 us':>8} {'fp8 mm us':>9} "
           f"{'quant+mm us':>11} {'torch quant+mm':>14} | {'mm x':>5} {'linear x':>8} | {'fp8 TFLOP/s':>11} | "

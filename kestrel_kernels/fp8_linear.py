@@ -4,7 +4,9 @@ per token at run time, the product accumulated in fp32 and scaled back.
 y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n] + bias[n]
 
 On CUDA the product is one `torch._scaled_mm` (cuBLASLt / CUTLASS row-wise scaling, which
-needs a compute capability of 8.9 or more and writes bf16); elsewhere, and as the test
+needs a compute capability of 8.9 or more and writes bf16), or at few rows, where that GEMM
+is far from the bandwidth, the Triton GEMV of `triton_fp8_gemv.py` (rows up to
+`set_gemv_max_rows`, model.fp8_gemv_max_rows; off by default); elsewhere, and as the test
 oracle, `fp8_linear_ref` dequantizes both operands to fp32 and multiplies. Both quantize the
 activations alike: the reference with torch ops (`quantize_rows`), CUDA with one Triton
 kernel whose codes and scales are bit-equal to them (`triton_fp8_quant.py`), so the two differ
@@ -19,10 +21,23 @@ import torch
 
 from kestrel_kernels.fp8_format import FP8, FP8_MAX, MIN_AMAX
 from kestrel_kernels.triton_available import use_triton
+from kestrel_kernels.triton_fp8_gemv import MAX_ROWS as GEMV_MAX_ROWS
+from kestrel_kernels.triton_fp8_gemv import fp8_gemv
 from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 
-__all__ = ["FP8", "FP8_MAX", "quantize_rows", "fp8_linear", "fp8_linear_ref", "fp8_linear_scaled_mm"]
+__all__ = ["FP8", "FP8_MAX", "quantize_rows", "fp8_linear", "fp8_linear_ref", "fp8_linear_scaled_mm",
+           "set_gemv_max_rows"]
 
+_gemv_max_rows = 0  # rows at or below it take the Triton GEMV on CUDA; 0: never
+
+
+def set_gemv_max_rows(rows: int) -> None:
+    """model.fp8_gemv_max_rows (set by each rank worker at start-up): the CUDA path multiplies
+    1..rows rows by the Triton GEMV instead of torch._scaled_mm; 0 turns it off."""
+    global _gemv_max_rows
+    if not 0 <= rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"fp8_gemv_max_rows must be within 0..{GEMV_MAX_ROWS}, got {rows}")
+    _gemv_max_rows = rows
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,13 +79,16 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_linear_ref` as one `torch._scaled_mm` with row-wise scales (CUDA, bf16 x; K and
-    N multiples of 16)."""
+    N multiples of 16), or as the Triton GEMV at 1..set_gemv_max_rows rows."""
     _check(x, weight, weight_scale)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     quantize = quantize_rows_triton if use_triton(rows) else quantize_rows
     xq, xs = quantize(rows)  # [M, K] fp8, [M, 1] fp32
+    if 0 < rows.shape[0] <= _gemv_max_rows and use_triton(rows):
+        out = fp8_gemv(xq, xs, weight, weight_scale, bias, x.dtype)  # [M, N]
+        return out.view(*x.shape[:-1], weight.shape[0])
     # weight [N, K] row-major is the column-major [K, N] the second operand must be.
     out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
                            bias=bias, out_dtype=x.dtype)  # [M, N]

@@ -34,7 +34,7 @@ from actors.models.loader import build_model, default_model_path, read_arch
 from actors.sampling.sampler import sample_tokens, sampling_flags
 from actors.protocol.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
-from kestrel_kernels import layer_ops, small_rows_linear
+from kestrel_kernels import fp8_linear, layer_ops, small_rows_linear
 from kestrel_kernels.compile_watch import CompileWatch
 from kestrel_kernels.penalties import apply_processing
 from kestrel_kernels.token_bitmask import mask_logits_
@@ -106,6 +106,7 @@ class RankWorker:
         torch.set_num_threads(cfg.resolved_cpu_threads(self.device.type, os.cpu_count() or 1))
         torch.manual_seed(cfg.seed)
         layer_ops.set_fused(cfg.model.fused_layer_ops)
+        fp8_linear.set_gemv_max_rows(cfg.model.fp8_gemv_max_rows)
         spec = cfg.draft.enabled
         if loaded is None:
             loaded = self._load(spec)

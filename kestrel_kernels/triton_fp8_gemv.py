@@ -1,0 +1,161 @@
+"""Triton GEMV for the FP8 linear at a few rows (kestrel_kernels/fp8_linear.py): what
+`fp8_linear_ref` computes, from activations already quantized per row.
+
+    y[m, n] = (sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n] (+ bias[n])
+
+At one to a few rows the layer is a read of the weight: cuBLASLt's row-scaled FP8 GEMM runs
+it as 128x128 tiles, far from the bandwidth (docs/benchmarks.md, "FP8 at one stream").
+Here each program owns BLOCK_N output channels and a slice of K: per iteration it loads a
+[BLOCK_N, BLOCK_K] weight tile (16-byte loads along K, which is contiguous), converts it to
+fp32 (E4M3 values and their products are exact in fp32) and multiplies it by every row's
+[BLOCK_K] codes, so the weight is read once for all M rows. Each row's tile is summed into
+an fp32 accumulator of [M, BLOCK_N]; the rows are unrolled (M is a compile-time constant)
+so a row's sum takes the same steps whichever other rows are in the batch.
+
+Where N / BLOCK_N programs would not fill the GPU a few times over, K is split SPLIT_K ways:
+each split writes its fp32 sums to a [SPLIT_K, M, N] buffer and a second kernel adds them
+in split order, then scales, adds the bias and casts (no atomics: the same bits every run).
+
+A row's summation order depends on BLOCK_N, BLOCK_K, SPLIT_K and num_warps, so the default
+config depends on the layer's shape (and the GPU's SM count), never on M: a token's output
+is the same at one row as among sixteen. No host reads of device values: the call can be
+captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kestrel_kernels.fp8_format import FP8
+from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
+
+__all__ = ["HAS_TRITON", "MAX_ROWS", "default_config", "fp8_gemv"]
+
+MAX_ROWS = 16  # rows are unrolled in the kernel; past this a GEMM's tiles win anyway
+_SMS_WITHOUT_CUDA = 132  # the interpreter has no SM count; an H100/H200's keeps configs alike
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fp8_gemv_kernel(XQ, XS, WQ, WS, BIAS, OUT, PART, N, K, stride_xm, stride_xs, stride_wn,
+                         stride_om, k_per_split, M: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        # Channels past N re-read channel N-1 instead of being masked: the weight loads keep
+        # only the K mask (uniform over each 16-byte vector), and those columns are never stored.
+        rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+        w_ptrs = WQ + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_ok = k0 + offs_k < k_end
+            w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            for m in tl.static_range(M):
+                x = tl.load(XQ + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                part = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N] this tile's sum for row m
+                acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            xs = tl.load(XS + offs_m * stride_xs, mask=m_ok, other=0.0)
+            ws = tl.load(WS + offs_n, mask=n_ok, other=0.0)
+            # The reference's order: (sum * xs) * ws, then the bias, in fp32.
+            out = acc * xs[:, None] * ws[None, :]
+            if HAS_BIAS:
+                out = out + tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :],
+                     out.to(OUT.dtype.element_ty), mask=ok)
+        else:
+            tl.store(PART + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=ok)
+
+    @triton.jit
+    def _fp8_gemv_reduce_kernel(PART, XS, WS, BIAS, OUT, N, stride_xs, stride_om, M: tl.constexpr,
+                                SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+        m = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        n_ok = offs_n < N
+        total = tl.load(PART + m * N + offs_n, mask=n_ok, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):  # split order, fixed: deterministic
+            total += tl.load(PART + (s * M + m) * N + offs_n, mask=n_ok, other=0.0)
+        out = total * tl.load(XS + m * stride_xs) * tl.load(WS + offs_n, mask=n_ok, other=0.0)
+        if HAS_BIAS:
+            out = out + tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(OUT + m * stride_om + offs_n, out.to(OUT.dtype.element_ty), mask=n_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _SMS_WITHOUT_CUDA
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 8,
+                   block_k: int = 512) -> dict:
+    """The launch config for a weight [N, K] on a GPU of `sms` SMs: 8 channels by 512 bytes
+    of K a tile (4 warps: 32 bytes of weight per thread per iteration), K split in two, four,
+    ... while the programs fill the SMs fewer than four times and each split keeps at least
+    two tiles of K. A function of the shape only, not of M (see the module docstring).
+    Other tile sizes get their split by the same rule (the benchmark's sweep)."""
+    block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))  # no wider than K
+    n_blocks = -(-N // block_n)
+    split = 1
+    while split < 16 and n_blocks * split < 4 * sms and -(-K // (2 * split)) >= 2 * block_k:
+        split *= 2
+    return dict(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
+
+
+def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype, **config) -> torch.Tensor:
+    """xq [M, K] fp8 and xs [M, 1] fp32 (quantize_rows' output, M <= MAX_ROWS), wq [N, K] fp8,
+    ws [N, 1] fp32, bias [N] or None -> [M, N] out_dtype. `config` overrides default_config's
+    keys (block_n, block_k, split_k, num_warps, num_stages): the benchmark's sweep. Without
+    split_k, K is split by default_config's rule for the tile asked for."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed; use kestrel_kernels.fp8_linear.fp8_linear_ref")
+    M, K = xq.shape
+    N = wq.shape[0]
+    if xq.dtype != FP8 or wq.dtype != FP8 or wq.shape[1] != K or xq.stride(1) != 1 or wq.stride(1) != 1:
+        raise ValueError(f"fp8_gemv needs xq [M, K] and wq [N, K] in {FP8} with a contiguous last dim; "
+                         f"got {xq.dtype} {tuple(xq.shape)}, {wq.dtype} {tuple(wq.shape)}")
+    if not 1 <= M <= MAX_ROWS or xs.shape != (M, 1) or ws.shape != (N, 1):
+        raise ValueError(f"fp8_gemv takes 1..{MAX_ROWS} rows with xs [M, 1] and ws [N, 1]; got "
+                         f"M={M}, xs {tuple(xs.shape)}, ws {tuple(ws.shape)}")
+    unknown = set(config) - {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
+    if unknown:
+        raise ValueError(f"fp8_gemv: unknown config keys {sorted(unknown)}")
+    blocks = {k: config[k] for k in ("block_n", "block_k") if k in config}
+    cfg = {**default_config(N, K, _sm_count(xq.device), **blocks), **config}
+    block_n, block_k, split = cfg["block_n"], cfg["block_k"], cfg["split_k"]
+    if any(v < 1 or v & (v - 1) for v in (block_n, block_k)) or block_k < 16 or split < 1:
+        raise ValueError(f"fp8_gemv: block_n and block_k must be powers of two (block_k >= 16), "
+                         f"split_k >= 1; got {cfg}")
+    # Splits a whole number of tiles long, so every tile but a split's last is unmasked.
+    k_per_split = -(-K // (split * block_k)) * block_k
+    split = -(-K // k_per_split)  # a split that would start past K is dropped
+    ws = ws.reshape(N)  # [N] fp32, a stride of 1
+    bias = bias.contiguous() if bias is not None else None  # [N]
+    out = torch.empty((M, N), dtype=out_dtype, device=xq.device)  # [M, N]
+    part = (torch.empty((split, M, N), dtype=torch.float32, device=xq.device)  # [SPLIT_K, M, N] fp32 sums
+            if split > 1 else out)
+    has_bias = bias is not None
+    b = bias if has_bias else ws  # any pointer: not read without a bias
+    grid = (triton.cdiv(N, block_n), split)
+    _fp8_gemv_kernel[grid](xq, xs, wq, ws, b, out, part, N, K, xq.stride(0), xs.stride(0), wq.stride(0),
+                           out.stride(0), k_per_split, M=M, BLOCK_M=triton.next_power_of_2(M),
+                           BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=has_bias,
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split > 1:
+        block = 1024
+        _fp8_gemv_reduce_kernel[(M, triton.cdiv(N, block))](part, xs, ws, b, out, N, xs.stride(0),
+                                                             out.stride(0), M=M, SPLIT_K=split,
+                                                             BLOCK=block, HAS_BIAS=has_bias, num_warps=4)
+    return out

@@ -1,0 +1,173 @@
+"""The FP8 GEMV (kestrel_kernels/triton_fp8_gemv.py) against fp8_linear_ref's math: the same
+exact products summed in fp32 in another order; a row's bits independent of the other rows
+and of the run; and model.fp8_gemv_max_rows routing rows to it in fp8_linear_scaled_mm. On
+CPU in Triton's interpreter (small shapes: it is slow), on a GPU compiled (model shapes too)."""
+from tests.triton_interpreter import triton_setup  # noqa: I001 - before triton is imported
+import pytest
+import torch
+
+import kestrel_kernels.fp8_linear as fp8_linear
+import kestrel_kernels.triton_fp8_gemv as kernels
+from kestrel_kernels.fp8_linear import fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows
+from kestrel_kernels.triton_fp8_gemv import default_config, fp8_gemv
+
+INTERPRETED, DEVICE, pytestmark = triton_setup(kernels, "_fp8_gemv_kernel")
+gpu_only = pytest.mark.skipif(DEVICE == "cpu", reason="model shapes: too slow in the interpreter")
+
+
+def randn(*shape, seed, scale=1.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def layer(N, K, seed, bias_dtype=None):
+    wq, ws = quantize_rows(randn(N, K, seed=seed, scale=0.05))  # [N, K] fp8, [N, 1] fp32
+    b = randn(N, seed=seed + 1, dtype=bias_dtype) if bias_dtype else None  # [N]
+    return wq, ws, b
+
+
+def check_close(got, want):
+    """Equal up to the fp32 summation order, then one rounding to the output dtype."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    eps = 2.0 ** -7 if want.dtype == torch.bfloat16 else 1e-5
+    big = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=eps * big)
+
+
+# Odd N and K (neither a multiple of a block), K looping over several tiles, and K split
+# (split_k 3: the last split shorter; 4 on K = 1000 in tiles of 128: a split dropped).
+CASES = [(37, 200, {}), (45, 1000, dict(block_k=128, split_k=3)), (20, 1000, dict(block_k=128, split_k=4))]
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("N,K,config", CASES)
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
+def test_equals_the_reference(M, N, K, config, dtype, bias):
+    x = randn(M, K, seed=M + K, dtype=dtype)  # [M, K]
+    x[0, : K // 3] *= 50  # a row with a wide range
+    wq, ws, b = layer(N, K, seed=N, bias_dtype=dtype if bias else None)
+    xq, xs = quantize_rows(x)  # [M, K] fp8, [M, 1] fp32
+    check_close(fp8_gemv(xq, xs, wq, ws, b, dtype, **config), fp8_linear_ref(x, wq, ws, b))
+
+
+@pytest.mark.parametrize("config", [{}, dict(block_k=128, split_k=3)])
+def test_a_row_is_the_same_alone_among_others_and_run_to_run(config):
+    N, K = 29, 600
+    wq, ws, b = layer(N, K, seed=3, bias_dtype=torch.bfloat16)
+    xq, xs = quantize_rows(randn(8, K, seed=4, dtype=torch.bfloat16))  # [8, K] fp8, [8, 1] fp32
+    others_q, others_s = quantize_rows(randn(8, K, seed=5, dtype=torch.bfloat16))
+    batch = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16, **config)  # [8, N]
+    assert torch.equal(fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16, **config), batch)  # run to run
+    for r in (0, 5):
+        alone = fp8_gemv(xq[r:r + 1], xs[r:r + 1], wq, ws, b, torch.bfloat16, **config)
+        assert torch.equal(alone[0], batch[r])
+    # Row 5 among other rows, at another batch size.
+    mixed_q, mixed_s = others_q[:3].clone(), others_s[:3].clone()
+    mixed_q[1], mixed_s[1] = xq[5], xs[5]
+    assert torch.equal(fp8_gemv(mixed_q, mixed_s, wq, ws, b, torch.bfloat16, **config)[1], batch[5])
+
+
+def test_the_default_config_depends_on_the_shape_only_and_fills_the_gpu():
+    # Qwen2.5-7B's o (3584 x 3584) and down projections: 448 tiles of 8 channels, so K splits.
+    assert default_config(3584, 3584)["split_k"] > 1 and default_config(3584, 18944)["split_k"] > 1
+    assert default_config(59136, 8192)["split_k"] == 1  # 7392 tiles already
+    for N, K in [(3584, 3584), (3584, 18944), (10240, 8192), (37, 200)]:
+        c = default_config(N, K, sms=132)
+        programs = -(-N // c["block_n"]) * c["split_k"]
+        # Four waves of programs, unless a further split would leave under two tiles of K.
+        assert programs >= 4 * 132 or -(-K // (2 * c["split_k"])) < 2 * c["block_k"]
+
+
+def test_refuses_what_it_cannot_run():
+    wq, ws, _ = layer(16, 64, seed=6)
+    xq, xs = quantize_rows(randn(17, 64, seed=7))
+    with pytest.raises(ValueError, match="1..16 rows"):
+        fp8_gemv(xq, xs, wq, ws, None, torch.float32)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        fp8_gemv(xq[:2], xs[:2], wq.t().contiguous().t(), ws, None, torch.float32)
+    with pytest.raises(ValueError, match="unknown config"):
+        fp8_gemv(xq[:2], xs[:2], wq, ws, None, torch.float32, block=64)
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """fp8_linear_scaled_mm with its torch._scaled_mm calls counted (on CPU also answered with
+    zeros, which no CPU torch may run) and, on CPU, the Triton path taken as on CUDA."""
+    calls = []
+    real = torch._scaled_mm
+
+    def scaled_mm(a, b, **kw):
+        calls.append(a.shape[0])
+        if a.is_cuda:
+            return real(a, b, **kw)
+        return torch.zeros(a.shape[0], b.shape[1], dtype=kw["out_dtype"])
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(fp8_linear, "use_triton", lambda t, force_torch=False: True)
+    yield calls
+    fp8_linear.set_gemv_max_rows(0)
+
+
+def test_the_setting_routes_few_rows_to_the_gemv(routed):
+    K, N = 96, 48
+    wq, ws, b = layer(N, K, seed=8, bias_dtype=torch.bfloat16)
+    x = randn(5, K, seed=9, dtype=torch.bfloat16)  # [5, K]
+    fp8_linear.set_gemv_max_rows(4)
+    for M in (1, 4):
+        got = fp8_linear_scaled_mm(x[:M].view(1, M, K), wq, ws, b)  # leading dims pass through
+        xq, xs = quantize_rows(x[:M])
+        assert got.shape == (1, M, N) and torch.equal(got[0], fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16))
+        check_close(got[0], fp8_linear_ref(x[:M], wq, ws, b))
+    assert routed == []
+    fp8_linear_scaled_mm(x, wq, ws, b)  # 5 rows: the GEMM
+    fp8_linear.set_gemv_max_rows(0)  # off: one row takes the GEMM too
+    fp8_linear_scaled_mm(x[:1], wq, ws, b)
+    assert routed == [5, 1]
+    with pytest.raises(ValueError, match="0..16"):
+        fp8_linear.set_gemv_max_rows(17)
+
+
+def test_the_schema_setting():
+    from pydantic import ValidationError
+
+    from configs.schema import ModelConfig
+    assert ModelConfig().fp8_gemv_max_rows == 0
+    assert ModelConfig(fp8_gemv_max_rows=8).fp8_gemv_max_rows == 8
+    with pytest.raises(ValidationError):
+        ModelConfig(fp8_gemv_max_rows=17)
+
+
+# Qwen2.5-7B's and 72B's GEMMs (N, K), on a GPU with their default configs.
+MODEL_SHAPES = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (10240, 8192), (8192, 29568)]
+
+
+@gpu_only
+@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("N,K", MODEL_SHAPES)
+def test_model_shapes_on_the_gpu(M, N, K):
+    x = randn(M, K, seed=M, dtype=torch.bfloat16)  # [M, K] bf16
+    wq, ws, b = layer(N, K, seed=N + K, bias_dtype=torch.bfloat16)
+    xq, xs = quantize_rows(x)
+    got = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16)
+    check_close(got, fp8_linear_ref(x, wq, ws, b))
+    assert torch.equal(fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16), got)
+    assert torch.equal(fp8_gemv(xq[-1:], xs[-1:], wq, ws, b, torch.bfloat16)[0], got[-1])
+
+
+@gpu_only
+def test_in_a_cuda_graph():
+    wq, ws, b = layer(4608, 3584, seed=10, bias_dtype=torch.bfloat16)
+    x = randn(8, 3584, seed=11, dtype=torch.bfloat16)  # [8, K] static input
+    xq, xs = quantize_rows(x)
+    fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16)
+    for seed in (12, 13):
+        q, s = quantize_rows(randn(8, 3584, seed=seed, dtype=torch.bfloat16))
+        xq.copy_(q)
+        xs.copy_(s)
+        graph.replay()
+        assert torch.equal(out, fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16))
