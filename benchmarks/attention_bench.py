@@ -3,6 +3,7 @@ a model's head layout, by batch, context length, key splits and tile shape.
 
     PYTHONPATH=. python benchmarks/attention_bench.py [--heads 28 4 128] [--batch 1 8]
         [--context 1024 8192 32768] [--splits 16 32 64] [--tiles 64/2/2 128/4/3 ...]
+        [--prefill-chunk 8192]
 
 A tile is BLOCK_N/num_warps/num_stages; "default" is the launcher's own choice. Each launch
 is timed as a replayed CUDA graph (decode steps run that way), and the figure printed beside
@@ -40,6 +41,33 @@ def decode_case(batch: int, context: int, heads: int, kv_heads: int, dim: int):
     return q, k, v, req_to_token, rows, prefix, new, indptr
 
 
+def prefill_case(context: int, chunk: int, heads: int, kv_heads: int, dim: int):
+    """One request's last `chunk` prompt tokens attending causally over `context` keys (a
+    chunked prefill's last chunk)."""
+    q, k, v, req_to_token, rows, _, _, _ = decode_case(1, context, heads, kv_heads, dim)
+    dev = q.device
+    q = torch.randn(chunk, heads, dim, device=dev, dtype=torch.bfloat16)  # [chunk, H, D] bf16
+    prefix = torch.tensor([context - chunk], device=dev, dtype=torch.int32)  # [1]
+    new = torch.tensor([chunk], device=dev, dtype=torch.int32)  # [1]
+    indptr = torch.tensor([0, chunk], device=dev, dtype=torch.int32)  # [2]
+    return q, k, v, req_to_token, rows, prefix, new, indptr
+
+
+def prefill(args) -> None:
+    """--prefill-chunk: the causal chunk's time and TFLOP/s (QK^T and PV over the keys each
+    query sees) at each context, default tiles and splits."""
+    H, Hkv, D = args.heads
+    for context in args.context:
+        chunk = min(args.prefill_chunk, context)
+        case = prefill_case(context, chunk, H, Hkv, D)
+        us = bench(lambda: triton_attention.paged_attention(*case, max_q_len=chunk))
+        flops = 4 * H * D * chunk * (context - chunk + (chunk + 1) / 2)
+        print(f"prefill chunk={chunk:<5} ctx={context:<6} {us:9.1f} us  {flops / us / 1e6:6.1f} TFLOP/s",
+              flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, nargs=3, default=[28, 4, 128], metavar=("H", "HKV", "D"))
@@ -47,8 +75,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--splits", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--tiles", nargs="+", default=["default", "64/4/3", "128/4/3", "128/8/3", "64/4/4"])
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="time a causal prefill chunk of this many queries instead of decode")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
+    if args.prefill_chunk:
+        return prefill(args)
     H, Hkv, D = args.heads
     original = triton_attention._launch_config
     rows = []

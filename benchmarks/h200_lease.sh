@@ -120,7 +120,9 @@ for stage in "$@"; do
     attention)
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/attention_bench.py \
         --out "$work/attention.json" > "$work/attention.txt" 2>&1
-      grep -E "ctx=(1024|32768)" "$work/attention.txt" | cut -c1-100 | tail -40 ;;
+      PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 120 python3 benchmarks/attention_bench.py --prefill-chunk 8192 \
+        --context 8192 16384 32768 >> "$work/attention.txt" 2>&1
+      grep -E "ctx=(1024|32768)|prefill" "$work/attention.txt" | cut -c1-100 | tail -40 ;;
     fp8gemm)
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/fp8_gemm_bench.py > "$work/fp8_gemm.txt" 2>&1
       tail -45 "$work/fp8_gemm.txt" ;;
