@@ -10,7 +10,9 @@ so with the switch off (prefill, large batches) a float32 GEMM computes the same
 without the kernels' int8 rounding of activations; the LM head's logits near each row's top
 are the float rows' either way (Q8LMHead). The kernels are batch-invariant (a row's result
 does not depend on the other rows of the call), so a decode step and a verify over the
-same requests agree bit for bit.
+same requests agree bit for bit. Decode and verify forwards over the CPU attention kernel
+run the decoder layers as one call (PackedLlamaForCausalLM): the same kernels in the same
+order, so the same bits as the modules.
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.models.llama import MLP, Attention, RMSNorm
-from kestrel_kernels import cpu_layer_ops
+from actors.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from kestrel_kernels import cpu_layer_ops, layer_ops
+from kestrel_kernels.cpu_build import kernels
 from kestrel_kernels.cpu_q4 import q4_1_linear, q8_0_linear, quantize_q4_1, quantize_q8_0
 
 
@@ -132,11 +135,49 @@ class Q8LMHead(nn.Module):
         return logits
 
 
+class PackedLlamaForCausalLM(LlamaForCausalLM):
+    """The decoder layers' decode and verify forwards as one kernel call (cpu_decoder.cpp)
+    while the switch is on and the attention backend hands over the paged cache (the CPU
+    attention kernel's forwards); the modules, layer by layer, otherwise. A layer's Python
+    modules cost about as much CPU as its matmuls at one row."""
+    switch: KernelSwitch
+    stack: object | None  # the extension's PackedStack; None where a projection has a bias
+
+    def forward(self, input_ids, positions, attn, aux_layers=()):
+        paged = attn.paged() if self.switch.on and self.stack is not None and hasattr(attn, "paged") else None
+        if paged is None:
+            return super().forward(input_ids, positions, attn, aux_layers)
+        self.check_aux_layers(aux_layers)
+        rot = layer_ops.rotary(positions, self.rotary.inv_freq)  # cos, sin [T, D] float32
+        normed, *aux = self.stack.forward(self.embed(input_ids), rot.cos, rot.sin, paged.k_all, paged.v_all,
+                                          paged.loc, paged.kv_index, paged.mask, paged.q_batch, paged.q_slot,
+                                          paged.scale, list(aux_layers))
+        return normed, aux
+
+
+def _stack(model: LlamaForCausalLM):
+    """The extension's PackedStack over the packed layers, or None where a projection has a
+    bias (cpu_decoder.cpp takes none)."""
+    tensors = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(p.bias is not None for p in projections):
+            return None
+        (qkv, o, gate_up, down) = (p.q4 for p in projections)
+        tensors += [layer.input_layernorm.weight.detach(), qkv.codes, qkv.dm, o.codes, o.dm,
+                    layer.post_attention_layernorm.weight.detach(), gate_up.codes, gate_up.dm, down.codes, down.dm]
+    a = model.arch
+    return kernels().PackedStack(tensors, model.model.norm.weight.detach(), a.num_heads, a.num_kv_heads,
+                                 a.head_dim, a.rms_norm_eps)
+
+
 @torch.no_grad()
 def pack_cpu_weights(model: nn.Module) -> KernelSwitch:
     """Every decoder layer's projections to Q4Linear, its norms, attention and MLP onto the
-    CPU layer kernels, and the LM head to Q8LMHead, in place, on a loaded float32
-    LlamaForCausalLM on the CPU -> their switch (also `model.kernel_switch`)."""
+    CPU layer kernels, the LM head to Q8LMHead and the model to PackedLlamaForCausalLM, in
+    place, on a loaded float32 LlamaForCausalLM on the CPU -> their switch (also
+    `model.kernel_switch`)."""
     switch = KernelSwitch()
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -151,5 +192,7 @@ def pack_cpu_weights(model: nn.Module) -> KernelSwitch:
     _recast(model.model.norm, PackedRMSNorm, switch)
     model.lm_head = Q8LMHead(model.lm_head, switch)
     model.kernel_switch = switch
+    _recast(model, PackedLlamaForCausalLM, switch)
+    model.stack = _stack(model)
     return switch
 
