@@ -35,28 +35,58 @@ class KernelSwitch:
         self.on = True
 
 
-class Q4Linear(nn.Module):
-    """An nn.Linear's weight as Q4_1 blocks; the float `weight` parameter stays, holding
-    the blocks' dequantized values, so checkpoint names and the float path are unchanged."""
+class BlockLinear(nn.Module):
+    """An nn.Linear's weight also as blocks for a kernel (Q4Linear, Q8Linear) while the
+    switch is on; the float `weight` parameter stays, so checkpoint names and the float path
+    are unchanged."""
 
     def __init__(self, linear: nn.Linear, switch: KernelSwitch):
         super().__init__()
         self.switch = switch
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.q4 = quantize_q4_1(linear.weight.data)
-        linear.weight.data.copy_(self.q4.dequantize())  # a no-op for a GGUF's Q4_1 weights
         self.weight, self.bias = linear.weight, linear.bias
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] float32."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if self.switch.on:
-            y = q4_1_linear(x2, self.q4)  # [M, N]
+            y = self.kernel(x2)  # [M, N]
             if self.bias is not None:
                 y = y + self.bias
         else:
             y = F.linear(x2, self.weight, self.bias)  # [M, N]
         return y.view(*shape[:-1], self.out_features)
+
+
+class Q4Linear(BlockLinear):
+    """The target's projections as Q4_1 blocks; the float weight holds the blocks'
+    dequantized values (the GGUF's own, for its Q4_1 weights), so the float path computes
+    the same model."""
+
+    def __init__(self, linear: nn.Linear, switch: KernelSwitch):
+        super().__init__(linear, switch)
+        self.q4 = quantize_q4_1(linear.weight.data)
+        linear.weight.data.copy_(self.q4.dequantize())  # a no-op for a GGUF's Q4_1 weights
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return q4_1_linear(x, self.q4)
+
+
+class Q8Linear(BlockLinear):
+    """A draft head's projections as Q8_0 blocks, the float weight left as loaded: the draft
+    only proposes (verify keeps the output lossless), and at 8 bits it proposes nearly what
+    its float weights would, from a quarter of their bytes."""
+
+    def __init__(self, linear: nn.Linear, switch: KernelSwitch):
+        super().__init__(linear, switch)
+        self.q8 = quantize_q8_0(linear.weight.data)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return q8_0_linear(x, self.q8)
 
 
 class PackedRMSNorm(RMSNorm):
@@ -196,3 +226,25 @@ def pack_cpu_weights(model: nn.Module) -> KernelSwitch:
     model.stack = _stack(model)
     return switch
 
+
+
+@torch.no_grad()
+def pack_draft_weights(head: nn.Module, switch: KernelSwitch) -> None:
+    """An EAGLE head (actors/models/eagle.py) of a packed target onto the kernels under the
+    target's switch, in place: its projections to Q8Linear, its norms and MLP onto the CPU
+    layer kernels. Its float32 layers otherwise read more bytes a draft step than the
+    target's LM head cut to the draft's ids."""
+    layer = head.layer
+    attn, mlp = layer.self_attn, layer.mlp
+    head.fc = Q8Linear(head.fc, switch)
+    attn.qkv_proj = Q8Linear(attn.qkv_proj, switch)
+    attn.o_proj = Q8Linear(attn.o_proj, switch)
+    mlp.gate_up_proj = Q8Linear(mlp.gate_up_proj, switch)
+    mlp.down_proj = Q8Linear(mlp.down_proj, switch)
+    _recast(mlp, PackedMLP, switch)
+    for norm in (layer.post_attention_layernorm, getattr(layer, "input_layernorm", None),
+                 getattr(layer, "hidden_norm", None), getattr(head, "norm", None)):
+        if norm is not None:
+            _recast(norm, PackedRMSNorm, switch)
+    if head.eagle3:
+        head.lm_head = Q8Linear(head.lm_head, switch)
