@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from actors.attention.torch_native import PagedInputs
+from actors.models.eagle import load_eagle_head
 from actors.models.loader import build_model, default_model_path
+from actors.models.packed_cpu_weights import pack_draft_weights
 from kestrel_kernels.cpu_attention import paged_attention
 
 
@@ -162,3 +164,27 @@ def test_one_call_forward_equals_the_modules_bit_for_bit(packed_model, tokens):
             out[whole] = (hidden, *aux, c)
     for fused, modules in zip(out[True], out[False]):
         assert torch.equal(fused, modules)
+
+
+@pytest.mark.parametrize("arch", ["eagle", "eagle3"])
+def test_packed_draft_head_stays_close_to_its_float_layers(packed_model, arch):
+    """A draft head on the Q8_0 kernel (pack_draft_weights): with the switch on, hidden
+    states within the int8 activations' rounding of its float32 layers'; off, the float
+    layers themselves."""
+    head = load_eagle_head("random", packed_model, arch, torch.float32, torch.device("cpu"))
+    ids, pos = torch.tensor([5, 7, 9]), torch.arange(3)
+    feats = torch.randn(3, head.spec.hidden_size * (3 if head.eagle3 else 1),
+                        generator=torch.Generator().manual_seed(6))  # [T, F] target features
+    attn = lambda q, k, v, layer: q  # the layers' projections are compared, not attention
+    switch = packed_model.kernel_switch
+    with torch.inference_mode():
+        ref = head(ids, pos, attn, feats)  # [T, H]
+        pack_draft_weights(head, switch)
+        on = head(ids, pos, attn, feats)
+        switch.on = False
+        off = head(ids, pos, attn, feats)
+        switch.on = True
+        logits = head.compute_logits(on)
+    assert torch.allclose(off, ref, atol=1e-5)
+    assert (on - ref).abs().max() < 0.05 * ref.abs().max()
+    assert logits.shape == (3, head.spec.draft_vocab_size)
