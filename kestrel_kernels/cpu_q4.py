@@ -7,9 +7,9 @@ come back to exactly those blocks (quantize_q4_1, quantize_q8_0), so the kernels
 with the file's weights. Activations are quantized to int8 per block of BLOCK (scale
 amax / 127, codes rounded half to even); the code products are summed exactly in integers,
 per int32 lane of a vector holding inputs of one block (the kernels' layout, _Layout), and
-scaled in float32 by the block's d * s. A row's result does not depend on the other rows of the
-call (the kernels are batch-invariant), so a one-row decode step and a verify of several
-rows give a row the same bits.
+scaled in float32 by the block's d * s. A row's result does not depend on the other rows
+of the call (the kernels are batch-invariant), so a one-row decode step and a verify of
+several rows give a row the same bits.
 
 The kernels live in the CPU extension (kestrel_kernels/cpu_build.py).
 """
@@ -53,6 +53,7 @@ class _Layout:
 
 @functools.lru_cache(maxsize=None)
 def _layout(nb: int) -> _Layout:
+    """The kernels' layout of a row of nb blocks (the same for weights and activations)."""
     perm, lo, hi, lane_block, d_slot, m_slot = [], [], [], [], [0] * nb, [0] * nb
     b0 = 0
     for p, t in enumerate(_piece_sizes(nb)):

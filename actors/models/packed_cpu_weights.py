@@ -174,7 +174,8 @@ class PackedLlamaForCausalLM(LlamaForCausalLM):
     stack: object | None  # the extension's PackedStack; None where a projection has a bias
 
     def forward(self, input_ids, positions, attn, aux_layers=()):
-        paged = attn.paged() if self.switch.on and self.stack is not None and hasattr(attn, "paged") else None
+        one_call = self.switch.on and self.stack is not None and hasattr(attn, "paged")
+        paged = attn.paged() if one_call else None
         if paged is None:
             return super().forward(input_ids, positions, attn, aux_layers)
         self.check_aux_layers(aux_layers)
@@ -225,7 +226,6 @@ def pack_cpu_weights(model: nn.Module) -> KernelSwitch:
     _recast(model, PackedLlamaForCausalLM, switch)
     model.stack = _stack(model)
     return switch
-
 
 
 @torch.no_grad()
