@@ -17,7 +17,8 @@ __all__ = ["load", "unavailable_reason", "kernels"]
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = [_HERE / f for f in ("cpu_module.cpp", "cpu_q4.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp")]
+_SOURCES = [_HERE / f for f in ("cpu_module.cpp", "cpu_q4.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp",
+                                          "cpu_decoder.cpp")]
 # Ignored by git (/build/); ninja rebuilds when a source or flag changes.
 _BUILD_DIR = Path(os.environ.get("KESTREL_EXT_DIR", _HERE.parent / "build" / "ext"))
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]

@@ -20,3 +20,28 @@ std::vector<torch::Tensor> add_rmsnorm(const torch::Tensor& x, const c10::option
                                        const torch::Tensor& weight, double eps);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
+
+// cpu_decoder.cpp: a packed model's decoder layers, forwarded in one call.
+class PackedStack {
+ public:
+  // Per layer, in order: input norm weight, qkv codes and dm, o codes and dm, post-attention
+  // norm weight, gate_up codes and dm, down codes and dm.
+  static constexpr int64_t kPerLayer = 10;
+  PackedStack(std::vector<torch::Tensor> layers, torch::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim, double eps);
+  // x [T, H] embeddings; cos, sin [T, D]; the caches [layers, slots, Hkv, D]; loc [T] the new
+  // tokens' slots; the attention metadata as paged_attention takes it -> (final-normed
+  // hidden [T, H], then the residual stream entering each of aux_layers (num_layers: the
+  // last layer's output)).
+  std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     const torch::Tensor& k_all, const torch::Tensor& v_all, const torch::Tensor& loc,
+                                     const torch::Tensor& kv_index, const torch::Tensor& mask,
+                                     const torch::Tensor& q_batch, const torch::Tensor& q_slot, double scale,
+                                     const std::vector<int64_t>& aux_layers) const;
+
+ private:
+  std::vector<torch::Tensor> layers_;
+  torch::Tensor final_norm_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_;
+};

@@ -5,12 +5,19 @@
 //   Q8_0 weights: per block a scale d (fp16) and int8 codes c, w = c * d.
 //   Activations: per block a scale s = amax / 127 and codes q = round(x * 127 / amax).
 //
-// Per block the code products are summed exactly in integers, then scaled in float32:
-//   Q4_1: y += (d * s) * sum(c * q) + m * (s * sum(q))
-//   Q8_0: y += (d * s) * sum(c * q)
+// A row's blocks are stored in pieces: whole groups of 8 blocks, then the rest as 4, 2 and
+// 1 blocks. Within a piece the codes are interleaved 4 bytes at a time so that each of a
+// vector's 8 int32 lanes holds inputs of one block (lane L of a t-block piece: block
+// L / (8 / t)), weights and activations alike. A piece's code products then add up per
+// lane without any horizontal step: for Q4_1 in int16 (at most 8 * 2 * 15 * 127 < 2^15)
+// before one madd to int32, for Q8_0 in int32 after each madd. Per piece the lanes are
+// scaled in float32 by their block's d * s (the scales are stored once per lane):
+//   Q4_1: y += sum over lanes (d * s) * sum(c * q) + m * (s * sum(q))
+//   Q8_0: y += sum over lanes (d * s) * sum(c * q)
 // Every output row is computed by the same instruction sequence whatever M is and whichever
 // rows share its tile (batch-invariant): a decode step of one row and a verify of several
-// give each row the same bits. kestrel_kernels/cpu_q4.py holds the torch reference.
+// give each row the same bits. kestrel_kernels/cpu_q4.py holds the layout and the torch
+// reference.
 #include <immintrin.h>
 
 #include "cpu_kernels.h"
@@ -20,25 +27,37 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kMaxTile = 4;  // activation rows computed together (registers)
-// The activations' per-block arrays (scale, qsum) are padded with zeros to whole groups of
-// kGroup blocks: per group the kernels load kGroup weight scales at once.
-constexpr int64_t kGroup = 8;
+constexpr int64_t kLanes = 8;  // per piece: 8 scale slots, one per int32 lane
+// How far ahead of a Q4_1 piece its row's codes (and, half as far, scales) are prefetched:
+// a decode step reads the weights from memory, and 512 bytes ahead left a 30-layer
+// forward 1.5x slower at one row (2-core Xeon, docs/benchmarks.md).
+constexpr int64_t kCodesAhead = 2048;
 
-inline int64_t groups(int64_t nb) { return (nb + kGroup - 1) / kGroup; }
+// Blocks in the piece that starts with `left` blocks to go: 8, else the largest power of two.
+inline int piece_blocks(int64_t left) {
+  return left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
+inline int64_t pieces(int64_t nb) {
+  int64_t p = 0;
+  for (int64_t b = 0; b < nb; b += piece_blocks(nb - b)) ++p;
+  return p;
+}
 
 // A call's quantized activations, in buffers the calling thread reuses (no allocation per
 // call: a decode step makes a few hundred calls).
 struct QuantRows {
-  std::vector<int8_t> q;     // [M, K]
-  std::vector<float> scale;  // [M, P]: s, P = K/32 padded to whole groups with zeros
-  std::vector<float> qsum;   // [M, P]: s * sum(q), the min term's factor
-  int64_t np = 0;
+  std::vector<int8_t> q;     // [M, K] in the pieces' interleaved order
+  std::vector<float> scale;  // [M, P * 8]: s of each lane's block
+  std::vector<float> qsum;   // [M, P * 8]: s * sum(q) of the piece's blocks, then zeros
+  int64_t np = 0;            // P * 8
 };
 
 inline float hsum8(__m256 v) {
@@ -49,6 +68,7 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// One row's codes, scales and s * sum(q) per block, in input order.
 void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* qsum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -87,16 +107,41 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* qsu
   }
 }
 
+// A row quantized in input order (quantize_row) -> the pieces' layout: in a t-block piece,
+// 4-byte word w of block j goes to vector w / (8 / t), lane j * (8 / t) + w % (8 / t).
+void to_pieces(const int8_t* qn, const float* sn, const float* qsn, int64_t nb, int8_t* q, float* scale,
+               float* qsum) {
+  int64_t slot = 0;
+  for (int64_t b = 0; b < nb; slot += kLanes) {
+    const int t = piece_blocks(nb - b), per = kLanes / t;
+    for (int j = 0; j < t; ++j) {
+      for (int w = 0; w < 8; ++w)
+        std::memcpy(q + (b + w / per) * kBlock + (j * per + w % per) * 4, qn + (b + j) * kBlock + w * 4, 4);
+      for (int l = 0; l < per; ++l) scale[slot + j * per + l] = sn[b + j];
+      qsum[slot + j] = qsn[b + j];
+    }
+    b += t;
+  }
+}
+
 const QuantRows& quantize_rows(const torch::Tensor& x) {
   thread_local QuantRows r;
-  const int64_t M = x.size(0), K = x.size(1), np = groups(K / kBlock) * kGroup;
+  thread_local std::vector<int8_t> qn;
+  thread_local std::vector<float> sn, qsn;
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, np = pieces(nb) * kLanes;
   r.np = np;
   r.q.resize(M * K);
   r.scale.assign(M * np, 0.0f);
   r.qsum.assign(M * np, 0.0f);
+  qn.resize(K);
+  sn.resize(nb);
+  qsn.resize(nb);
   const float* xp = x.data_ptr<float>();
-  for (int64_t i = 0; i < M; ++i)
-    quantize_row(xp + i * K, K, r.q.data() + i * K, r.scale.data() + i * np, r.qsum.data() + i * np);
+  for (int64_t i = 0; i < M; ++i) {
+    quantize_row(xp + i * K, K, qn.data(), sn.data(), qsn.data());
+    to_pieces(qn.data(), sn.data(), qsn.data(), nb, r.q.data() + i * K, r.scale.data() + i * np,
+              r.qsum.data() + i * np);
+  }
   return r;
 }
 
@@ -111,79 +156,89 @@ inline __m256 load_halves(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Four blocks' 16 code products per int16 lane pair (maddubs), folded by two horizontal
-// adds and a madd into int32 lanes [b0, b1, b2, b3, b0, b1, b2, b3] (exact: at most
-// 8 * 15 * 127 per int16 lane), so one convert and one FMA scale four blocks.
-inline __m256i q4_1_dot4(const __m256i c[4], const int8_t* q, int64_t nblocks) {
-  __m256i p[4];
-  for (int j = 0; j < 4; ++j)
-    p[j] = j < nblocks ? _mm256_maddubs_epi16(c[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * kBlock)))
-                       : _mm256_setzero_si256();
-  const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
-  return _mm256_madd_epi16(h, _mm256_set1_epi16(1));
-}
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // R activation rows (at most kMaxTile) against one output row of Q4_1 weights; every row
-// gets the same sequence whatever R is.
+// gets the same sequence whatever R is. A t-block piece's t * 16 code bytes hold its first
+// t / 2 vectors in the low nibbles and the others in the high nibbles (t = 1: one vector,
+// bytes 0-15 low, 16-31 high).
 template <int R>
-void q4_1_tile(const int8_t* q, const float* scale, const float* qsum, int64_t K,
+void q4_1_tile(const int8_t* q, const float* scale, const float* qsum, int64_t K, int64_t np,
                const uint8_t* cn, const uint16_t* dmn, float* y, int64_t N) {
-  const int64_t nb = K / kBlock, np = groups(nb) * kGroup;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[R], macc[R];
-  for (int i = 0; i < R; ++i) acc[i] = macc[i] = _mm256_setzero_ps();
-  alignas(32) float ds[R][kGroup];
-  for (int64_t g = 0; g < nb; g += kGroup) {
-    const __m256 d = load_halves(dmn + 2 * g), m = load_halves(dmn + 2 * g + kGroup);
+  const int64_t nb = K / kBlock;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t slot = 0;
+  for (int64_t b = 0; b < nb; slot += kLanes) {
+    const int t = piece_blocks(nb - b);
+    const uint8_t* cp = cn + b * (kBlock / 2);
+    const int8_t* qp = q + b * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(cp + kCodesAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cp + kCodesAhead + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dmn + 2 * slot) + kCodesAhead / 2, _MM_HINT_T0);
+    __m256i dot[R];  // int16 lanes: products of 2t inputs of one block each
+    if (t == 1) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cp));
+      const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+      for (int i = 0; i < R; ++i) dot[i] = _mm256_maddubs_epi16(c, load32(qp + i * K));
+    } else {
+      const int h = t / 2;
+      for (int i = 0; i < R; ++i) dot[i] = _mm256_setzero_si256();
+      for (int j = 0; j < h; ++j) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + j * kBlock));
+        const __m256i lo = _mm256_and_si256(raw, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        for (int i = 0; i < R; ++i) {
+          const int8_t* qi = qp + i * K;
+          dot[i] = _mm256_add_epi16(dot[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, load32(qi + j * kBlock)),
+                                                             _mm256_maddubs_epi16(hi, load32(qi + (j + h) * kBlock))));
+        }
+      }
+    }
+    const __m256 d = load_halves(dmn + 2 * slot), m = load_halves(dmn + 2 * slot + kLanes);
     for (int i = 0; i < R; ++i) {
-      _mm256_store_ps(ds[i], _mm256_mul_ps(d, _mm256_loadu_ps(scale + i * np + g)));
-      macc[i] = _mm256_fmadd_ps(m, _mm256_loadu_ps(qsum + i * np + g), macc[i]);
+      const __m256 ds = _mm256_mul_ps(d, _mm256_loadu_ps(scale + i * np + slot));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dot[i], ones)), ds, acc[i]);
+      acc[i] = _mm256_fmadd_ps(m, _mm256_loadu_ps(qsum + i * np + slot), acc[i]);
     }
-    for (int64_t b = g; b < std::min(nb, g + kGroup); b += 4) {
-      const int64_t n4 = std::min<int64_t>(4, nb - b);
-      _mm_prefetch(reinterpret_cast<const char*>(cn + b * 16 + 512), _MM_HINT_T0);
-      __m256i c[4];
-      for (int j = 0; j < 4; ++j) {
-        // Byte k of a block holds inputs k (low nibble) and k + 16 (high nibble).
-        const __m128i raw = j < n4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(cn + (b + j) * 16))
-                                   : _mm_setzero_si128();
-        c[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-      }
-      for (int i = 0; i < R; ++i) {
-        const __m256i dot = q4_1_dot4(c, q + i * K + b * kBlock, n4);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ps(reinterpret_cast<const __m128*>(&ds[i][b - g])), acc[i]);
-      }
-    }
+    b += t;
   }
-  for (int i = 0; i < R; ++i) y[i * N] = hsum8(_mm256_add_ps(acc[i], macc[i]));
+  for (int i = 0; i < R; ++i) y[i * N] = hsum8(acc[i]);
 }
 
-// R activation rows against one output row of Q8_0 weights, as q4_1_tile.
+// R activation rows against one output row of Q8_0 weights, as q4_1_tile; a t-block piece
+// is t vectors of codes. maddubs multiplies unsigned by signed bytes: |c| times q with c's
+// sign, its int16 pair sums (at most 2 * 127 * 127) widened to int32 at once.
 template <int R>
-void q8_0_tile(const int8_t* q, const float* scale, int64_t K, const int8_t* cn, const uint16_t* dn,
+void q8_0_tile(const int8_t* q, const float* scale, int64_t K, int64_t np, const int8_t* cn, const uint16_t* dn,
                float* y, int64_t N) {
-  const int64_t nb = K / kBlock, np = groups(nb) * kGroup;
+  const int64_t nb = K / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  alignas(32) float ds[R][kGroup];
-  for (int64_t g = 0; g < nb; g += kGroup) {
-    const __m256 d = load_halves(dn + g);
-    for (int i = 0; i < R; ++i) _mm256_store_ps(ds[i], _mm256_mul_ps(d, _mm256_loadu_ps(scale + i * np + g)));
-    const int64_t end = std::min(nb, g + kGroup);
-    for (int64_t b = g; b < end; ++b) {
-      _mm_prefetch(reinterpret_cast<const char*>(cn + b * kBlock + 1024), _MM_HINT_T0);
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cn + b * kBlock));
-      // maddubs multiplies unsigned by signed bytes: |c| times q with c's sign.
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t slot = 0;
+  for (int64_t b = 0; b < nb; slot += kLanes) {
+    const int t = piece_blocks(nb - b);
+    const int8_t* cp = cn + b * kBlock;
+    const int8_t* qp = q + b * kBlock;
+    __m256i dot[R];  // int32 lanes
+    for (int i = 0; i < R; ++i) dot[i] = _mm256_setzero_si256();
+    for (int j = 0; j < t; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(cp + j * kBlock + 1024), _MM_HINT_T0);
+      const __m256i c = load32(cp + j * kBlock);
       const __m256i cabs = _mm256_sign_epi8(c, c);
       for (int i = 0; i < R; ++i) {
-        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * K + b * kBlock));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(cabs, _mm256_sign_epi8(qv, c)), ones);
-        acc[i][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&ds[i][b - g]), acc[i][b & 1]);
+        const __m256i qv = load32(qp + i * K + j * kBlock);
+        dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(cabs, _mm256_sign_epi8(qv, c)), ones));
       }
     }
+    const __m256 d = load_halves(dn + slot);
+    for (int i = 0; i < R; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(d, _mm256_loadu_ps(scale + i * np + slot)), acc[i]);
+    b += t;
   }
-  for (int i = 0; i < R; ++i) y[i * N] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
+  for (int i = 0; i < R; ++i) y[i * N] = hsum8(acc[i]);
 }
 
 // Output rows split over torch's threads; per output row, the activation rows in tiles of
@@ -203,8 +258,8 @@ torch::Tensor q4_1_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.size(1) == K / 2,
               "codes must be contiguous uint8 [N, K/2]");
-  TORCH_CHECK(dm.scalar_type() == torch::kFloat16 && dm.is_contiguous() && dm.numel() == N * groups(nb) * 2 * kGroup,
-              "dm must be contiguous float16 [N, G, 2, 8]");
+  TORCH_CHECK(dm.scalar_type() == torch::kFloat16 && dm.is_contiguous() && dm.numel() == N * pieces(nb) * 2 * kLanes,
+              "dm must be contiguous float16 [N, P, 2, 8]");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantRows& a = quantize_rows(x);
@@ -222,10 +277,10 @@ torch::Tensor q4_1_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
     const uint16_t* dmn = h + n * np * 2;
     float* yr = yp + r * N + n;
     switch (rows) {
-      case 1: q4_1_tile<1>(qr, sr, qsr, K, cn, dmn, yr, N); break;
-      case 2: q4_1_tile<2>(qr, sr, qsr, K, cn, dmn, yr, N); break;
-      case 3: q4_1_tile<3>(qr, sr, qsr, K, cn, dmn, yr, N); break;
-      default: q4_1_tile<4>(qr, sr, qsr, K, cn, dmn, yr, N); break;
+      case 1: q4_1_tile<1>(qr, sr, qsr, K, np, cn, dmn, yr, N); break;
+      case 2: q4_1_tile<2>(qr, sr, qsr, K, np, cn, dmn, yr, N); break;
+      case 3: q4_1_tile<3>(qr, sr, qsr, K, np, cn, dmn, yr, N); break;
+      default: q4_1_tile<4>(qr, sr, qsr, K, np, cn, dmn, yr, N); break;
     }
   });
   return y;
@@ -237,8 +292,8 @@ torch::Tensor q8_0_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.size(1) == K,
               "codes must be contiguous int8 [N, K]");
-  TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.numel() == codes.size(0) * groups(nb) * kGroup,
-              "d must be contiguous float16 [N, G * 8]");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.numel() == codes.size(0) * pieces(nb) * kLanes,
+              "d must be contiguous float16 [N, P * 8]");
   TORCH_CHECK(rows >= 0 && rows <= codes.size(0), "rows must be within the weight's rows");
   const int64_t N = rows;
   auto y = torch::empty({M, N}, x.options());
@@ -257,10 +312,10 @@ torch::Tensor q8_0_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
     const uint16_t* dn = h + n * np;
     float* yr = yp + r * N + n;
     switch (rows) {
-      case 1: q8_0_tile<1>(qr, sr, K, cn, dn, yr, N); break;
-      case 2: q8_0_tile<2>(qr, sr, K, cn, dn, yr, N); break;
-      case 3: q8_0_tile<3>(qr, sr, K, cn, dn, yr, N); break;
-      default: q8_0_tile<4>(qr, sr, K, cn, dn, yr, N); break;
+      case 1: q8_0_tile<1>(qr, sr, K, np, cn, dn, yr, N); break;
+      case 2: q8_0_tile<2>(qr, sr, K, np, cn, dn, yr, N); break;
+      case 3: q8_0_tile<3>(qr, sr, K, np, cn, dn, yr, N); break;
+      default: q8_0_tile<4>(qr, sr, K, np, cn, dn, yr, N); break;
     }
   });
   return y;
@@ -268,10 +323,12 @@ torch::Tensor q8_0_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
 
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
   const torch::Tensor x = checked_x(x_in);
-  const QuantRows& r = quantize_rows(x);
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
-  auto q = torch::from_blob(const_cast<int8_t*>(r.q.data()), {M, K}, torch::kInt8).clone();
-  auto s = torch::from_blob(const_cast<float*>(r.scale.data()), {M, r.np}, torch::kFloat32).narrow(1, 0, nb).clone();
-  auto qs = torch::from_blob(const_cast<float*>(r.qsum.data()), {M, r.np}, torch::kFloat32).narrow(1, 0, nb).clone();
+  auto q = torch::empty({M, K}, torch::kInt8);
+  auto s = torch::empty({M, nb}, torch::kFloat32);
+  auto qs = torch::empty({M, nb}, torch::kFloat32);
+  for (int64_t i = 0; i < M; ++i)
+    quantize_row(x.data_ptr<float>() + i * K, K, q.data_ptr<int8_t>() + i * K, s.data_ptr<float>() + i * nb,
+                 qs.data_ptr<float>() + i * nb);
   return {q, s, qs};
 }

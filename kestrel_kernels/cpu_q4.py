@@ -5,19 +5,20 @@ Weights in GGUF blocks of BLOCK inputs: Q4_1 (per block a scale d and a min m in
 codes, w = c * d) for the LM head. Weights dequantized from a GGUF's own Q4_1 / Q8_0 blocks
 come back to exactly those blocks (quantize_q4_1, quantize_q8_0), so the kernels compute
 with the file's weights. Activations are quantized to int8 per block of BLOCK (scale
-amax / 127, codes rounded half to even); each block's code products are summed exactly in
-integers and scaled in float32. A row's result does not depend on the other rows of the
-call (the kernels are batch-invariant), so a one-row decode step and a verify of several
-rows give a row the same bits.
+amax / 127, codes rounded half to even); the code products are summed exactly in integers,
+per int32 lane of a vector holding inputs of one block (the kernels' layout, _Layout), and
+scaled in float32 by the block's d * s. A row's result does not depend on the other rows
+of the call (the kernels are batch-invariant), so a one-row decode step and a verify of
+several rows give a row the same bits.
 
 The kernels live in the CPU extension (kestrel_kernels/cpu_build.py).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kestrel_kernels.cpu_build import kernels
 
@@ -25,31 +26,79 @@ __all__ = ["BLOCK", "Q4_1Weights", "Q8_0Weights", "quantize_q4_1", "quantize_q8_
            "q8_0_linear_ref", "quantize_activations_ref"]
 
 BLOCK = 32  # inputs per block: GGUF's Q4_1 and Q8_0
-GROUP = 8  # blocks whose scales the kernels load at once (a row's scales padded to whole groups)
+LANES = 8  # int32 lanes of a vector: a piece's blocks (at most 8) share them, one scale slot each
 
-def _grouped(t: torch.Tensor) -> torch.Tensor:
-    """[N, nb] -> [N, G, GROUP], zero-padded to whole groups."""
-    pad = -t.shape[1] % GROUP
-    return F.pad(t, (0, pad)).view(t.shape[0], -1, GROUP)
+
+def _piece_sizes(nb: int) -> list[int]:
+    """A row of nb blocks as the kernels' pieces: whole groups of 8, then 4, 2, 1."""
+    sizes = [LANES] * (nb // LANES)
+    sizes += [t for t in (4, 2, 1) if nb % LANES & t]
+    return sizes
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the kernels keep a row's blocks (cpu_q4.cpp): in a t-block piece, 4-byte word w
+    of block j sits in vector w // (8 // t), lane j * (8 // t) + w % (8 // t), so each int32
+    lane holds one block's inputs; the scales take 8 slots per piece, d (and s) once per
+    lane, m (and s * sum(q)) in the first t."""
+    perm: torch.Tensor  # [nb * B] int64: the input at each position of the kernels' order
+    lo: torch.Tensor  # [nb * B / 2] int64: the input in each Q4_1 code byte's low nibble
+    hi: torch.Tensor  # [nb * B / 2] int64: and in its high nibble
+    lane_block: torch.Tensor  # [P * 8] int64: the block whose d each slot holds
+    d_slot: torch.Tensor  # [nb] int64: a slot holding the block's d
+    m_slot: torch.Tensor  # [nb] int64: the slot holding the block's m
+    slots: int  # P * 8
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(nb: int) -> _Layout:
+    """The kernels' layout of a row of nb blocks (the same for weights and activations)."""
+    perm, lo, hi, lane_block, d_slot, m_slot = [], [], [], [], [0] * nb, [0] * nb
+    b0 = 0
+    for p, t in enumerate(_piece_sizes(nb)):
+        per = LANES // t
+        order = []
+        for pos in range(t * BLOCK):
+            v, lane, e = pos // BLOCK, pos % BLOCK // 4, pos % 4
+            order.append((b0 + lane // per) * BLOCK + (v * per + lane % per) * 4 + e)
+        perm += order
+        # A piece's t * B / 2 code bytes: its first half of positions low, the second high.
+        lo += order[:t * BLOCK // 2]
+        hi += order[t * BLOCK // 2:]
+        lane_block += [b0 + lane // per for lane in range(LANES)]
+        for j in range(t):
+            d_slot[b0 + j], m_slot[b0 + j] = p * LANES + j * per, p * LANES + j
+        b0 += t
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64)
+    return _Layout(as_t(perm), as_t(lo), as_t(hi), as_t(lane_block), as_t(d_slot), as_t(m_slot),
+                   len(lane_block))
 
 
 @dataclass
 class Q4_1Weights:
-    codes: torch.Tensor  # [N, K/2] uint8: byte j of a block holds inputs j (low nibble) and j+16
-    dm: torch.Tensor  # [N, G, 2, GROUP] float16: per group of blocks their d's, then their m's
+    codes: torch.Tensor  # [N, K/2] uint8: 4-bit codes in the kernels' order (_Layout)
+    dm: torch.Tensor  # [N, P, 2, LANES] float16: per piece the d of each lane, then the m's
+
+    @property
+    def layout(self) -> _Layout:
+        return _layout(self.codes.shape[1] * 2 // BLOCK)
 
     @property
     def d(self) -> torch.Tensor:
-        return self.dm[:, :, 0].reshape(self.dm.shape[0], -1)[:, :self.codes.shape[1] * 2 // BLOCK]  # [N, K/B]
+        return self.dm[:, :, 0].reshape(self.dm.shape[0], -1)[:, self.layout.d_slot]  # [N, K/B]
 
     @property
     def m(self) -> torch.Tensor:
-        return self.dm[:, :, 1].reshape(self.dm.shape[0], -1)[:, :self.codes.shape[1] * 2 // BLOCK]  # [N, K/B]
+        return self.dm[:, :, 1].reshape(self.dm.shape[0], -1)[:, self.layout.m_slot]  # [N, K/B]
 
     def codes4(self) -> torch.Tensor:
         """[N, K/BLOCK, BLOCK] int64 codes 0..15, in input order."""
-        b = self.codes.view(self.codes.shape[0], -1, BLOCK // 2).long()
-        return torch.cat([b & 15, b >> 4], -1)
+        N, L = self.codes.shape[0], self.layout
+        c = torch.empty(N, self.codes.shape[1] * 2, dtype=torch.int64)  # [N, K]
+        c[:, L.lo] = (self.codes & 15).long()
+        c[:, L.hi] = (self.codes >> 4).long()
+        return c.view(N, -1, BLOCK)
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32, c * d + m in float32 (as GGUF readers compute it)."""
@@ -59,17 +108,27 @@ class Q4_1Weights:
 
 @dataclass
 class Q8_0Weights:
-    codes: torch.Tensor  # [N, K] int8
-    d_groups: torch.Tensor  # [N, G * GROUP] float16, zero-padded
+    codes: torch.Tensor  # [N, K] int8 in the kernels' order (_Layout)
+    d_lanes: torch.Tensor  # [N, P * LANES] float16: the d of each lane's block
+
+    @property
+    def layout(self) -> _Layout:
+        return _layout(self.codes.shape[1] // BLOCK)
 
     @property
     def d(self) -> torch.Tensor:
-        return self.d_groups[:, :self.codes.shape[1] // BLOCK]  # [N, K/B]
+        return self.d_lanes[:, self.layout.d_slot]  # [N, K/B]
+
+    def codes8(self) -> torch.Tensor:
+        """[N, K/BLOCK, BLOCK] int8 codes in input order."""
+        c = torch.empty_like(self.codes)  # [N, K]
+        c[:, self.layout.perm] = self.codes
+        return c.view(self.codes.shape[0], -1, BLOCK)
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32, c * d."""
         N, K = self.codes.shape
-        return (self.codes.view(N, -1, BLOCK).float() * self.d.float()[..., None]).reshape(N, K)
+        return (self.codes8().float() * self.d.float()[..., None]).reshape(N, K)
 
 
 def _blocks(w: torch.Tensor) -> torch.Tensor:
@@ -90,8 +149,13 @@ def quantize_q4_1(w: torch.Tensor) -> Q4_1Weights:
     df = d.float()
     inv = torch.where(df > 0, 1 / df, torch.zeros_like(df))
     c = ((g - m.float()[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)  # [N, K/B, B]
-    codes = (c[..., :BLOCK // 2] | (c[..., BLOCK // 2:] << 4)).reshape(w.shape[0], -1)  # [N, K/2]
-    return Q4_1Weights(codes.contiguous(), torch.stack([_grouped(d), _grouped(m)], 2).contiguous())
+    L, N = _layout(g.shape[1]), w.shape[0]
+    c = c.view(N, -1)  # [N, K] input order
+    codes = c[:, L.lo] | (c[:, L.hi] << 4)  # [N, K/2]
+    m_slots = torch.zeros(N, L.slots, dtype=torch.float16)
+    m_slots[:, L.m_slot] = m
+    dm = torch.stack([d[:, L.lane_block], m_slots], 1).view(N, 2, -1, LANES).transpose(1, 2)  # [N, P, 2, LANES]
+    return Q4_1Weights(codes.contiguous(), dm.contiguous())
 
 
 def quantize_q8_0(w: torch.Tensor) -> Q8_0Weights:
@@ -102,7 +166,8 @@ def quantize_q8_0(w: torch.Tensor) -> Q8_0Weights:
     df = d.float()
     inv = torch.where(df > 0, 1 / df, torch.zeros_like(df))
     c = (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8)  # [N, K/B, B]
-    return Q8_0Weights(c.reshape(w.shape).contiguous(), _grouped(d).reshape(w.shape[0], -1).contiguous())
+    L = _layout(g.shape[1])
+    return Q8_0Weights(c.view(w.shape[0], -1)[:, L.perm].contiguous(), d[:, L.lane_block].contiguous())
 
 
 def q4_1_linear(x: torch.Tensor, w: Q4_1Weights) -> torch.Tensor:
@@ -113,7 +178,7 @@ def q4_1_linear(x: torch.Tensor, w: Q4_1Weights) -> torch.Tensor:
 def q8_0_linear(x: torch.Tensor, w: Q8_0Weights, rows: int | None = None) -> torch.Tensor:
     """x [M, K] float32 -> x @ W[:rows].T [M, rows] float32, the AVX2 kernel."""
     n = w.codes.shape[0] if rows is None else min(rows, w.codes.shape[0])
-    return kernels().q8_0_linear(x, w.codes, w.d_groups, n)
+    return kernels().q8_0_linear(x, w.codes, w.d_lanes, n)
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,6 +204,6 @@ def q4_1_linear_ref(x: torch.Tensor, w: Q4_1Weights) -> torch.Tensor:
 def q8_0_linear_ref(x: torch.Tensor, w: Q8_0Weights, rows: int | None = None) -> torch.Tensor:
     """q8_0_linear in torch, summed in float64 -> [M, rows] float32."""
     q, s, _ = quantize_activations_ref(x)
-    c = w.codes[:rows].view(-1, q.shape[1], BLOCK).double()  # [N, K/B, B]
+    c = w.codes8()[:rows].double()  # [N, K/B, B]
     dot = torch.einsum("mbj,nbj->mnb", q.double(), c)
     return (dot * (w.d[:rows].double()[None] * s.double()[:, None])).sum(-1).float()

@@ -28,6 +28,11 @@ class AttentionBackend(ABC):
                 fb: ForwardBatch) -> torch.Tensor:
         """Store k/v ([T, Hkv, D]) at fb.out_cache_loc, attend with q ([T, H, D]) -> [T, H, D]."""
 
+    def paged_inputs(self, fb: ForwardBatch):
+        """What a model's one-call forward over the paged cache reads (the CPU backend's
+        PagedInputs), or None: the layers call forward() one by one."""
+        return None
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """seq_lens value of padded graph lanes: 1 keeps every kernel's loop bounds valid."""
         return 1

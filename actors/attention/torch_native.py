@@ -4,6 +4,7 @@ metadata (kestrel_kernels/cpu_attention.py; prefill keeps SDPA, blocked for long
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,19 @@ class _Meta:
     q_batch: torch.Tensor  # [T] int64 request of each query token
     q_slot: torch.Tensor  # [T] int64 row of each query token inside its request
     max_q: int
+
+
+class PagedInputs(NamedTuple):
+    """A decode or verify forward's attention inputs for cpu_decoder.cpp, which stores the
+    new K/V and runs the CPU kernel (paged_attention) itself."""
+    k_all: torch.Tensor  # [L, slots, Hkv, D] float32
+    v_all: torch.Tensor  # [L, slots, Hkv, D] float32
+    loc: torch.Tensor  # [T] int64 the new tokens' slots
+    kv_index: torch.Tensor  # [B, L] int64
+    mask: torch.Tensor  # [B, 1, Q, L] bool
+    q_batch: torch.Tensor  # [T] int64
+    q_slot: torch.Tensor  # [T] int64
+    scale: float
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -58,6 +72,13 @@ class TorchNativeBackend(AttentionBackend):
         starts = torch.cumsum(lens, 0) - lens
         q_slot = torch.arange(int(lens.sum()), device=dev) - starts[q_batch]  # [T] int64
         fb.attn_meta = _Meta(kv_index, mask[:, None], q_batch, q_slot, Q)
+
+    def paged_inputs(self, fb: ForwardBatch) -> PagedInputs | None:
+        if not (self.cpu_kernel and fb.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)):
+            return None
+        m: _Meta = fb.attn_meta
+        return PagedInputs(self.kv_pool.k_all, self.kv_pool.v_all, fb.out_cache_loc, m.kv_index, m.mask,
+                           m.q_batch, m.q_slot, self.scale)
 
     def forward(self, q, k, v, layer, fb):
         m: _Meta = fb.attn_meta

@@ -216,9 +216,7 @@ class LlamaForCausalLM(nn.Module):
         aux[j] is the residual stream entering layer aux_layers[j] (EAGLE-3's capture point);
         index num_layers means the last layer's output before the final norm.
         """
-        for i in aux_layers:
-            if not 0 <= i <= self.arch.num_layers:
-                raise ValueError(f"aux layer {i} is outside 0..{self.arch.num_layers}")
+        self.check_aux_layers(aux_layers)
         captured: dict[int, torch.Tensor] = {}
         x, residual = self.embed(input_ids), None  # [T, H]; the stream is x + residual
         rot = layer_ops.rotary(positions, self.rotary.inv_freq)
@@ -230,6 +228,11 @@ class LlamaForCausalLM(nn.Module):
         normed, x = self.model.norm(x, residual)
         captured[self.arch.num_layers] = x
         return normed, [captured[i] for i in aux_layers]
+
+    def check_aux_layers(self, aux_layers: tuple[int, ...]) -> None:
+        for i in aux_layers:
+            if not 0 <= i <= self.arch.num_layers:
+                raise ValueError(f"aux layer {i} is outside 0..{self.arch.num_layers}")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [T, V] fp32 so sampling and verification agree

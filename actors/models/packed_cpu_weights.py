@@ -10,7 +10,9 @@ so with the switch off (prefill, large batches) a float32 GEMM computes the same
 without the kernels' int8 rounding of activations; the LM head's logits near each row's top
 are the float rows' either way (Q8LMHead). The kernels are batch-invariant (a row's result
 does not depend on the other rows of the call), so a decode step and a verify over the
-same requests agree bit for bit.
+same requests agree bit for bit. Decode and verify forwards over the CPU attention kernel
+run the decoder layers as one call (PackedLlamaForCausalLM): the same kernels in the same
+order, so the same bits as the modules.
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.models.llama import MLP, Attention, RMSNorm
-from kestrel_kernels import cpu_layer_ops
+from actors.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from kestrel_kernels import cpu_layer_ops, layer_ops
+from kestrel_kernels.cpu_build import kernels
 from kestrel_kernels.cpu_q4 import q4_1_linear, q8_0_linear, quantize_q4_1, quantize_q8_0
 
 
@@ -32,28 +35,58 @@ class KernelSwitch:
         self.on = True
 
 
-class Q4Linear(nn.Module):
-    """An nn.Linear's weight as Q4_1 blocks; the float `weight` parameter stays, holding
-    the blocks' dequantized values, so checkpoint names and the float path are unchanged."""
+class BlockLinear(nn.Module):
+    """An nn.Linear's weight also as blocks for a kernel (Q4Linear, Q8Linear) while the
+    switch is on; the float `weight` parameter stays, so checkpoint names and the float path
+    are unchanged."""
 
     def __init__(self, linear: nn.Linear, switch: KernelSwitch):
         super().__init__()
         self.switch = switch
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.q4 = quantize_q4_1(linear.weight.data)
-        linear.weight.data.copy_(self.q4.dequantize())  # a no-op for a GGUF's Q4_1 weights
         self.weight, self.bias = linear.weight, linear.bias
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] float32."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if self.switch.on:
-            y = q4_1_linear(x2, self.q4)  # [M, N]
+            y = self.kernel(x2)  # [M, N]
             if self.bias is not None:
                 y = y + self.bias
         else:
             y = F.linear(x2, self.weight, self.bias)  # [M, N]
         return y.view(*shape[:-1], self.out_features)
+
+
+class Q4Linear(BlockLinear):
+    """The target's projections as Q4_1 blocks; the float weight holds the blocks'
+    dequantized values (the GGUF's own, for its Q4_1 weights), so the float path computes
+    the same model."""
+
+    def __init__(self, linear: nn.Linear, switch: KernelSwitch):
+        super().__init__(linear, switch)
+        self.q4 = quantize_q4_1(linear.weight.data)
+        linear.weight.data.copy_(self.q4.dequantize())  # a no-op for a GGUF's Q4_1 weights
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return q4_1_linear(x, self.q4)
+
+
+class Q8Linear(BlockLinear):
+    """A draft head's projections as Q8_0 blocks, the float weight left as loaded: the draft
+    only proposes (verify keeps the output lossless), and at 8 bits it proposes nearly what
+    its float weights would, from a quarter of their bytes."""
+
+    def __init__(self, linear: nn.Linear, switch: KernelSwitch):
+        super().__init__(linear, switch)
+        self.q8 = quantize_q8_0(linear.weight.data)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return q8_0_linear(x, self.q8)
 
 
 class PackedRMSNorm(RMSNorm):
@@ -132,11 +165,50 @@ class Q8LMHead(nn.Module):
         return logits
 
 
+class PackedLlamaForCausalLM(LlamaForCausalLM):
+    """The decoder layers' decode and verify forwards as one kernel call (cpu_decoder.cpp)
+    while the switch is on and the attention backend hands over the paged cache (the CPU
+    attention kernel's forwards); the modules, layer by layer, otherwise. A layer's Python
+    modules cost about as much CPU as its matmuls at one row."""
+    switch: KernelSwitch
+    stack: object | None  # the extension's PackedStack; None where a projection has a bias
+
+    def forward(self, input_ids, positions, attn, aux_layers=()):
+        one_call = self.switch.on and self.stack is not None and hasattr(attn, "paged")
+        paged = attn.paged() if one_call else None
+        if paged is None:
+            return super().forward(input_ids, positions, attn, aux_layers)
+        self.check_aux_layers(aux_layers)
+        rot = layer_ops.rotary(positions, self.rotary.inv_freq)  # cos, sin [T, D] float32
+        normed, *aux = self.stack.forward(self.embed(input_ids), rot.cos, rot.sin, paged.k_all, paged.v_all,
+                                          paged.loc, paged.kv_index, paged.mask, paged.q_batch, paged.q_slot,
+                                          paged.scale, list(aux_layers))
+        return normed, aux
+
+
+def _stack(model: LlamaForCausalLM):
+    """The extension's PackedStack over the packed layers, or None where a projection has a
+    bias (cpu_decoder.cpp takes none)."""
+    tensors = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(p.bias is not None for p in projections):
+            return None
+        (qkv, o, gate_up, down) = (p.q4 for p in projections)
+        tensors += [layer.input_layernorm.weight.detach(), qkv.codes, qkv.dm, o.codes, o.dm,
+                    layer.post_attention_layernorm.weight.detach(), gate_up.codes, gate_up.dm, down.codes, down.dm]
+    a = model.arch
+    return kernels().PackedStack(tensors, model.model.norm.weight.detach(), a.num_heads, a.num_kv_heads,
+                                 a.head_dim, a.rms_norm_eps)
+
+
 @torch.no_grad()
 def pack_cpu_weights(model: nn.Module) -> KernelSwitch:
     """Every decoder layer's projections to Q4Linear, its norms, attention and MLP onto the
-    CPU layer kernels, and the LM head to Q8LMHead, in place, on a loaded float32
-    LlamaForCausalLM on the CPU -> their switch (also `model.kernel_switch`)."""
+    CPU layer kernels, the LM head to Q8LMHead and the model to PackedLlamaForCausalLM, in
+    place, on a loaded float32 LlamaForCausalLM on the CPU -> their switch (also
+    `model.kernel_switch`)."""
     switch = KernelSwitch()
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -151,5 +223,28 @@ def pack_cpu_weights(model: nn.Module) -> KernelSwitch:
     _recast(model.model.norm, PackedRMSNorm, switch)
     model.lm_head = Q8LMHead(model.lm_head, switch)
     model.kernel_switch = switch
+    _recast(model, PackedLlamaForCausalLM, switch)
+    model.stack = _stack(model)
     return switch
 
+
+@torch.no_grad()
+def pack_draft_weights(head: nn.Module, switch: KernelSwitch) -> None:
+    """An EAGLE head (actors/models/eagle.py) of a packed target onto the kernels under the
+    target's switch, in place: its projections to Q8Linear, its norms and MLP onto the CPU
+    layer kernels. Its float32 layers otherwise read more bytes a draft step than the
+    target's LM head cut to the draft's ids."""
+    layer = head.layer
+    attn, mlp = layer.self_attn, layer.mlp
+    head.fc = Q8Linear(head.fc, switch)
+    attn.qkv_proj = Q8Linear(attn.qkv_proj, switch)
+    attn.o_proj = Q8Linear(attn.o_proj, switch)
+    mlp.gate_up_proj = Q8Linear(mlp.gate_up_proj, switch)
+    mlp.down_proj = Q8Linear(mlp.down_proj, switch)
+    _recast(mlp, PackedMLP, switch)
+    for norm in (layer.post_attention_layernorm, getattr(layer, "input_layernorm", None),
+                 getattr(layer, "hidden_norm", None), getattr(head, "norm", None)):
+        if norm is not None:
+            _recast(norm, PackedRMSNorm, switch)
+    if head.eagle3:
+        head.lm_head = Q8Linear(head.lm_head, switch)

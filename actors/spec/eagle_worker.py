@@ -102,9 +102,11 @@ class EagleWorker:
         self.extend_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token,
                                            scale, page_size=cfg.kv_cache.page_size,
                                            max_kv_splits=cfg.attention.max_kv_splits)
+        # A packed model's draft steps attend with the CPU kernel too (no gather and padding).
         self.decode_backend = make_backend(cfg.attention.backend, self.kv_pool, worker.req_to_token,
                                            scale, page_size=cfg.kv_cache.page_size,
-                                           max_kv_splits=cfg.attention.max_kv_splits)
+                                           max_kv_splits=cfg.attention.max_kv_splits,
+                                           cpu_kernel=worker.cpu_weights == "packed")
         self.runner = ModelRunner(self.head, self.extend_backend)
         self.decode_runner = ModelRunner(self.head, self.decode_backend)
         # What draft extend reads per token: the target's final hidden, or EAGLE-3's layers.

@@ -379,6 +379,9 @@ class RankWorker:
             head = load_eagle_head(resolve_draft_path(d.path, cfg.model.path, cfg.model.load_format),
                                    model, d.arch, self.dtype, self.device, seed=cfg.seed)
             head.max_token_id = d.max_token_id
+            if self.cpu_weights == "packed":
+                from actors.models.packed_cpu_weights import pack_draft_weights
+                pack_draft_weights(head, model.kernel_switch)
         return model, arch, head
 
     def _kv_bytes_per_slot(self) -> int:

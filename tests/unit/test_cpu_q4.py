@@ -18,8 +18,9 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 4e-6 * (x.abs() @ w.abs().T) + 1e-6
 
 
-# K = 9 blocks: a partial group of 8 and a partial quad (the kernels' tails); 18 and 48: SmolLM2's.
-@pytest.mark.parametrize("rows,blocks", [(1, 9), (3, 9), (4, 18), (5, 48), (9, 2)])
+# The kernels' pieces of a row: 9 blocks = 8 + 1, 7 = 4 + 2 + 1; 18 = 8 + 8 + 2 and 48:
+# SmolLM2's; 36 = 4 * 8 + 4: the draft head's fc.
+@pytest.mark.parametrize("rows,blocks", [(1, 9), (3, 9), (4, 18), (5, 48), (9, 2), (8, 7), (2, 36)])
 def test_q4_1_kernel_equals_reference(rows, blocks):
     g = torch.Generator().manual_seed(rows * 100 + blocks)
     w = quantize_q4_1(torch.randn(67, blocks * BLOCK, generator=g))
@@ -32,7 +33,7 @@ def test_q4_1_kernel_equals_reference(rows, blocks):
     assert ((out - exact).abs() <= 0.02 * (x.abs() @ w.dequantize().abs().T)).all()
 
 
-@pytest.mark.parametrize("rows,blocks,limit", [(1, 18, None), (4, 9, 50), (6, 3, 7)])
+@pytest.mark.parametrize("rows,blocks,limit", [(1, 18, None), (4, 9, 50), (6, 3, 7), (8, 7, None), (3, 36, 99)])
 def test_q8_0_kernel_equals_reference(rows, blocks, limit):
     g = torch.Generator().manual_seed(rows * 10 + blocks)
     w = quantize_q8_0(torch.randn(120, blocks * BLOCK, generator=g))
@@ -92,9 +93,11 @@ def test_gguf_blocks_pack_back_exactly():
         if kind == T.Q4_1:
             m = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16)).view(48, 8)
             assert torch.equal(packed.m, m)
-            assert torch.equal(packed.codes, torch.from_numpy(blocks[:, 4:].copy()).view(48, -1))
+            raw_codes = torch.from_numpy(blocks[:, 4:].copy()).view(48, 8, BLOCK // 2).long()
+            # GGUF byte j of a block: input j in the low nibble, j + 16 in the high one
+            assert torch.equal(packed.codes4(), torch.cat([raw_codes & 15, raw_codes >> 4], -1))
         else:
-            assert torch.equal(packed.codes, torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).view(48, -1))
+            assert torch.equal(packed.codes8(), torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).view(48, 8, BLOCK))
 
 
 def test_float_weights_land_within_half_a_step():

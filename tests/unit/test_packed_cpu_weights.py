@@ -4,7 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from actors.attention.torch_native import PagedInputs
+from actors.models.eagle import load_eagle_head
 from actors.models.loader import build_model, default_model_path
+from actors.models.packed_cpu_weights import pack_draft_weights
+from kestrel_kernels.cpu_attention import paged_attention
 
 
 def _attn(q, k, v, layer):
@@ -117,3 +121,70 @@ def test_the_worker_packs_where_it_applies(overrides, applies):
     assert (worker._cpu_weights(cfg) == "packed") == applies
     worker.device = torch.device("cuda")
     assert worker._cpu_weights(cfg) == "float"
+
+
+class _PagedAttn:
+    """A decode/verify forward's attention over a given paged cache: layer by layer as the
+    CPU backend runs it (store, then the kernel), or handed over whole (paged())."""
+
+    def __init__(self, inputs, whole: bool):
+        self.inputs, self.whole = inputs, whole
+
+    def __call__(self, q, k, v, layer):
+        p = self.inputs
+        p.k_all[layer][p.loc], p.v_all[layer][p.loc] = k, v
+        return paged_attention(q, p.k_all[layer], p.v_all[layer], p.kv_index, p.mask, p.q_batch, p.q_slot,
+                               p.scale)
+
+    def paged(self):
+        return self.inputs if self.whole else None
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_one_call_forward_equals_the_modules_bit_for_bit(packed_model, tokens):
+    """cpu_decoder.cpp runs the layers' kernels in the modules' order: the same hidden
+    states, captured streams and stored K/V, bit for bit, at a decode step's one row and a
+    verify's four."""
+    assert packed_model.stack is not None
+    a, g = packed_model.arch, torch.Generator().manual_seed(3)
+    prefix, slots = 6, 32
+    shape = (a.num_layers, slots, a.num_kv_heads, a.head_dim)
+    caches = torch.randn(2, *shape, generator=g)  # [2, L, slots, Hkv, D]: the prefix's K and V
+    kv_index = torch.arange(prefix + tokens)[None]  # [1, prefix + T] int64
+    mask = torch.ones(1, 1, tokens, prefix + tokens, dtype=torch.bool).tril(prefix)  # causal over the new rows
+    ids = torch.randint(0, a.vocab_size, (tokens,), generator=g)
+    pos = torch.arange(prefix, prefix + tokens)
+    out = {}
+    with torch.inference_mode():
+        for whole in (True, False):
+            c = caches.clone()
+            inputs = PagedInputs(c[0], c[1], pos.clone(), kv_index, mask, torch.zeros(tokens, dtype=torch.int64),
+                                 torch.arange(tokens), a.head_dim ** -0.5)
+            hidden, aux = packed_model(ids, pos, _PagedAttn(inputs, whole), aux_layers=(0, 5, a.num_layers))
+            out[whole] = (hidden, *aux, c)
+    for fused, modules in zip(out[True], out[False]):
+        assert torch.equal(fused, modules)
+
+
+@pytest.mark.parametrize("arch", ["eagle", "eagle3"])
+def test_packed_draft_head_stays_close_to_its_float_layers(packed_model, arch):
+    """A draft head on the Q8_0 kernel (pack_draft_weights): with the switch on, hidden
+    states within the int8 activations' rounding of its float32 layers'; off, the float
+    layers themselves."""
+    head = load_eagle_head("random", packed_model, arch, torch.float32, torch.device("cpu"))
+    ids, pos = torch.tensor([5, 7, 9]), torch.arange(3)
+    feats = torch.randn(3, head.spec.hidden_size * (3 if head.eagle3 else 1),
+                        generator=torch.Generator().manual_seed(6))  # [T, F] target features
+    attn = lambda q, k, v, layer: q  # the layers' projections are compared, not attention
+    switch = packed_model.kernel_switch
+    with torch.inference_mode():
+        ref = head(ids, pos, attn, feats)  # [T, H]
+        pack_draft_weights(head, switch)
+        on = head(ids, pos, attn, feats)
+        switch.on = False
+        off = head(ids, pos, attn, feats)
+        switch.on = True
+        logits = head.compute_logits(on)
+    assert torch.allclose(off, ref, atol=1e-5)
+    assert (on - ref).abs().max() < 0.05 * ref.abs().max()
+    assert logits.shape == (3, head.spec.draft_vocab_size)
