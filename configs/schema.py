@@ -94,8 +94,10 @@ class ModelConfig(_Strict):
     # It applies on a CPU with dtype auto (float32 around the kernels), without
     # model.quantization or parallel.dp_attention; elsewhere (a GPU, an explicit dtype,
     # which asks for float weights in it) the weights stay float, and the rank logs why:
-    # one preset serves CPUs and GPUs.
-    cpu_weights: Literal["float", "packed"] = "float"
+    # one preset serves CPUs and GPUs. auto: packed where it applies and the kernels load,
+    # else float, with a warning naming why the kernels do not (an explicit packed is
+    # refused there instead); the rank's info() reports which it serves.
+    cpu_weights: Literal["float", "packed", "auto"] = "float"
     cpu_packed_max_batch: int = Field(4, ge=0)
     # On a CPU with float32 weights: linear layers at 2-4 rows (a speculative verify or
     # draft extend) computed as weight @ x^T (kestrel_kernels/small_rows_linear.py). auto:

@@ -209,7 +209,8 @@ class RankWorker:
 
     def _cpu_weights(self, cfg: KestrelConfig) -> str:
         """model.cpu_weights where it applies (on the CPU with model.dtype auto, no
-        model.quantization or dp_attention), else float."""
+        model.quantization or dp_attention), else float; auto: packed where the CPU
+        kernels also load."""
         m = cfg.model
         if m.cpu_weights == "float":
             return "float"
@@ -222,6 +223,14 @@ class RankWorker:
             log.info("rank %d: model.cpu_weights=%s does not apply (%s): float weights",
                      self.rank, m.cpu_weights, why)
             return "float"
+        if m.cpu_weights == "auto":
+            from kestrel_kernels import cpu_build
+            reason = cpu_build.unavailable_reason()  # builds them on first use
+            if reason is not None:
+                log.warning("rank %d: model.cpu_weights=auto: the CPU kernels do not load (%s): "
+                            "float weights, slower", self.rank, reason)
+                return "float"
+            return "packed"
         return m.cpu_weights
 
     def _capture_graphs(self) -> None:
@@ -421,6 +430,7 @@ class RankWorker:
                 "max_context": self.max_context, "window": self.window,
                 "vocab_size": self.arch.vocab_size, "eos_token_ids": list(self.arch.eos_token_ids),
                 "dtype": str(self.dtype), "device": str(self.device), "graph_capture": self.graph_capture,
+                "cpu_weights": self.cpu_weights,
                 "memory": self.memory.as_dict() if self.memory is not None else None,
                 # Per draft shape (DraftConfig.shapes(), those captured), its step's seconds
                 # at each graph batch size, or without graphs at each eager_draft_cost_sizes

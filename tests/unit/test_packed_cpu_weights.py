@@ -188,3 +188,20 @@ def test_packed_draft_head_stays_close_to_its_float_layers(packed_model, arch):
     assert torch.allclose(off, ref, atol=1e-5)
     assert (on - ref).abs().max() < 0.05 * ref.abs().max()
     assert logits.shape == (3, head.spec.draft_vocab_size)
+
+
+def test_auto_serves_packed_where_the_kernels_load_and_float_with_a_warning_elsewhere(monkeypatch, caplog):
+    from configs.schema import load_config
+    from kestrel_kernels import cpu_build
+    from serve_app.engine.llm_engine import LLMEngine
+
+    overrides = ["model.cpu_weights=auto", "draft.enabled=false", "kv_cache.num_slots=8192"]
+    eng = LLMEngine(load_config(overrides=overrides), load_tokenizer=False)
+    assert eng.workers[0].info()["cpu_weights"] == "packed"
+    assert eng.workers[0].model.kernel_switch is not None
+    monkeypatch.setattr(cpu_build, "unavailable_reason", lambda: "no compiler (a test)")
+    with caplog.at_level("WARNING", logger="kestrel.worker"):
+        eng = LLMEngine(load_config(overrides=overrides), load_tokenizer=False)
+    assert eng.workers[0].info()["cpu_weights"] == "float"
+    assert eng.workers[0].model.kernel_switch is None
+    assert "cpu_weights=auto: the CPU kernels do not load (no compiler (a test))" in caplog.text
