@@ -3,6 +3,7 @@ permutation, one tensor at a time as the state dict is read."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
@@ -122,11 +123,21 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         return len(self._tensors)
 
 
+# Parsed headers by (file, mtime, size). Parsing walks every metadata field (SmolLM2's
+# 49k-token vocabulary: seconds on 2 cores), and start-up reads a model's shape before its
+# weights; the reader only maps the file read-only, so one serves both.
+_READERS: dict[tuple, Any] = {}
+
+
 def read_gguf(path: str) -> tuple[LlamaArch, GGUFCheckpoint]:
     """The LlamaArch from the GGUF metadata, and the tensors (read on demand)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(path, "r")
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    if key not in _READERS:
+        _READERS[key] = GGUFReader(path, "r")
+    reader = _READERS[key]
     g_arch = _value(reader, "general.architecture")
     if g_arch not in _ARCHES:
         raise ValueError(f"{path}: GGUF architecture {g_arch!r} is not supported (supported: {', '.join(_ARCHES)})")
