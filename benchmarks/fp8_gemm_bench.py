@@ -1,8 +1,8 @@
 """FP8 GEMM micro-benchmark (GPU): the bf16 linear against torch._scaled_mm on activations
 already in FP8, and against the whole FP8 linear (per-token quantization + _scaled_mm, what
 model.quantization=fp8 runs: the quantization as one Triton kernel, and as the torch ops of
-the reference beside it), at Qwen2.5-7B's and 72B's GEMM shapes and a few batch sizes; beside them cuBLASLt's
-fast-accumulation and per-tensor-scaled FP8 GEMMs on the same codes.
+the reference beside it), at Qwen2.5-7B's and 72B's GEMM shapes and a few batch sizes;
+beside them cuBLASLt's fast-accumulation and per-tensor-scaled FP8 GEMMs on the same codes.
 
 Each op is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph), as decode
 steps run when serving, so launch overhead does not hide the kernels.
@@ -144,11 +144,10 @@ def gemv_sweep(args: argparse.Namespace, dev: torch.device) -> None:
 def main() -> None:
     args = parse_args()
     dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
     if args.gemv:
-        print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
         gemv_sweep(args, dev)
         return
-    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
     print(f"{'model':>5} {'gemm':>8} {'N':>6} {'K':>6} {'M':>4} | {'bf16 us':>8} {'fp8 mm us':>9} "
           f"{'quant+mm us':>11} {'torch quant+mm':>14} | {'mm x':>5} {'linear x':>8} | {'fp8 TFLOP/s':>11} | "
           f"{'fast acc us':>11} {'tensorwise us':>13} {'tw fast us':>10}")

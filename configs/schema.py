@@ -308,9 +308,9 @@ class AttentionConfig(_Strict):
     # Triton backend: the most key splits one attention launch divides a request's keys
     # into (flash-decoding), when too few requests and kv heads fill the GPU. Up to 16 split
     # any context evenly; past 16, splits are used only where each keeps 512 keys, so raising
-    # it speeds a few streams over long contexts (one stream over 32k keys at 7B's heads:
-    # 2.5x at 64), while a short context pays only the empty splits' launch (about 1 us a
-    # layer: the presets for long-context models raise it, SmolLM2's keep 16).
+    # it speeds a few streams over long contexts, while a short context pays only the empty
+    # splits' launch (the presets for long-context models raise it, SmolLM2's keep 16;
+    # docs/benchmarks.md has the figures).
     max_kv_splits: int = Field(16, ge=1, le=64)
 
     @model_validator(mode="after")

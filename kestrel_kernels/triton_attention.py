@@ -344,8 +344,8 @@ def default_num_kv_splits(num_programs: int, num_tokens: int, num_heads: int, he
                           device: torch.device, max_splits: int = BASE_KV_SPLITS) -> int:
     """Key splits so that about 4 programs per SM run (flash-decoding; measured on H200),
     at most `max_splits`. Past BASE_KV_SPLITS rounded down: one split more than fits
-    leaves a second wave of a few programs (8 requests over 32k keys at 7B's 4 kv heads:
-    17 splits ran 155 us, 16 ran 126).
+    leaves a second wave of a few programs (docs/benchmarks.md, "long contexts split 64
+    ways").
 
     Depends on shapes only, never on device data (the context length is unknown on the
     host): a captured graph and its eager twin pick the same value. Splits over a short
@@ -353,10 +353,10 @@ def default_num_kv_splits(num_programs: int, num_tokens: int, num_heads: int, he
     """
     if device.type != "cuda":
         return 1  # the CPU interpreter gains nothing from splits
-    fits = 4 * _sm_count(device) // max(1, num_programs)
-    want = -(-4 * _sm_count(device) // max(1, num_programs))
+    slots, programs = 4 * _sm_count(device), max(1, num_programs)
+    want = -(-slots // programs)
     if want > BASE_KV_SPLITS:
-        want = max(BASE_KV_SPLITS, fits)
+        want = max(BASE_KV_SPLITS, slots // programs)
     splits = max(1, min(max_splits, MAX_KV_SPLITS, want))
     # Bound the fp32 partial buffer ([T, H, splits, D]) at 64 MiB.
     cap = max(1, (16 << 20) // max(1, num_tokens * num_heads * head_dim))

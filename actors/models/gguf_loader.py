@@ -124,8 +124,8 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
 
 
 # Parsed headers by (file, mtime, size). Parsing walks every metadata field (SmolLM2's
-# 49k-token vocabulary: seconds on 2 cores), and start-up reads a model's shape before its
-# weights; the reader only maps the file read-only, so one serves both.
+# 49k-token vocabulary), and start-up reads a model's shape before its weights; the reader
+# only maps the file read-only, so one serves both.
 _READERS: dict[tuple, Any] = {}
 
 

@@ -33,7 +33,7 @@ requests' accept lengths out of what the policy learns. So a shape explored afte
 steps runs two steps in a row, the second one observed, and its exploration is charged for
 both (the first emits about one token at the shape's cost). Explored once, it would never
 be observed again: a few poor steps at one stream would leave the policy on plain steps for
-good, though the tree there runs 1.5x plain.
+good, where the tree is the faster shape.
 """
 from __future__ import annotations
 
