@@ -30,6 +30,11 @@ from serve_app.engine.request import Request, SamplingParams
 
 SHAPES = {"chain": ["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"],
           "tree": ["draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]}
+# Every step drafts the shape above in both runs. The per-step choice among shapes and plain
+# steps (DraftPolicy) follows measured costs, which the all-eager run does not have: a
+# sampled request's tokens depend on the shapes its steps took, so the two runs would
+# differ for no fault of the graphs.
+ONE_SHAPE = ["draft.adaptive_shapes=[]", "draft.plain_steps=false", "draft.eager_shapes=false"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,7 +68,8 @@ def make_engine(args, device: str, graphs: bool) -> LLMEngine:
                  f"attention.backend={'triton' if cuda else 'torch_native'}",
                  f"attention.cuda_graph_batch_sizes={sizes}",
                  f"attention.cuda_graphs={str(graphs and cuda).lower()}",
-                 f"attention.plan_stream={str(graphs and cuda).lower()}", *SHAPES[args.shape]]
+                 f"attention.plan_stream={str(graphs and cuda).lower()}", *SHAPES[args.shape],
+                 *ONE_SHAPE]
     if args.model:
         overrides.append(f"model.path={args.model}")
     eng = LLMEngine(load_config(overrides=overrides + args.set), load_tokenizer=False)

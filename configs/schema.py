@@ -86,19 +86,19 @@ class ModelConfig(_Strict):
     # quantized to them, which changes the model) and the LM head (the tied embedding) as
     # Q8_0 blocks (a Q8_0 embedding's own), multiplied by AVX2 kernels on int8-quantized
     # activations (kestrel_kernels/cpu_q4.cpp, compiled by make setup or on first use; where
-    # it cannot be built or run, packed is refused) in decode steps of at most
-    # cpu_packed_max_batch requests, where a step then reads a quarter of the bytes; by a
-    # float32 GEMM on the same weights in prefill and larger steps, where it is faster
-    # (docs/benchmarks.md, "The CPU step"). The kernels are batch-invariant, so a verify
-    # and a decode step give a row the same logits.
+    # it cannot be built or run, packed is refused) in every decode and verify step, where
+    # a step then reads a quarter of the bytes; by a float GEMM on the same weights in
+    # prefill (bfloat16 where the CPU multiplies it natively, else float32). The kernels are
+    # batch-invariant, so a verify and a decode step give a row the same logits at any
+    # batch size: speculation stays exactly lossless.
     # It applies on a CPU with dtype auto (float32 around the kernels), without
-    # model.quantization or parallel.dp_attention; elsewhere (a GPU, an explicit dtype,
-    # which asks for float weights in it) the weights stay float, and the rank logs why:
-    # one preset serves CPUs and GPUs. auto: packed where it applies and the kernels load,
-    # else float, with a warning naming why the kernels do not (an explicit packed is
-    # refused there instead); the rank's info() reports which it serves.
+    # model.quantization, parallel.dp_attention or scheduler.mixed_steps (whose decode rows
+    # would take prefill's GEMM); elsewhere (a GPU, an explicit dtype, which asks for float
+    # weights in it) the weights stay float, and the rank logs why: one preset serves CPUs
+    # and GPUs. auto: packed where it applies and the kernels load, else float, with a
+    # warning naming why the kernels do not (an explicit packed is refused there instead);
+    # the rank's info() reports which it serves.
     cpu_weights: Literal["float", "packed", "auto"] = "float"
-    cpu_packed_max_batch: int = Field(4, ge=0)
     # On a CPU with float32 weights: linear layers at 2-4 rows (a speculative verify or
     # draft extend) computed as weight @ x^T (kestrel_kernels/small_rows_linear.py). auto:
     # where a start-up measurement on the model's own weights finds it faster (logged);

@@ -24,11 +24,6 @@ def dequantize_kv(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (x8.float() * scale).to(dtype)  # [..., D] dtype
 
 
-def zeros_fp8(shape: tuple[int, ...], device: str | torch.device) -> torch.Tensor:
-    """An all-zero float8_e4m3fn tensor (zero bytes are +0.0)."""
-    return torch.zeros(shape, dtype=torch.uint8, device=device).view(FP8)
-
-
 def gather_fp8(cache: torch.Tensor, index) -> torch.Tensor:
     """cache[index] of a float8_e4m3fn tensor (any index torch takes)."""
     return cache.view(torch.uint8)[index].view(FP8)

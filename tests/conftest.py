@@ -46,10 +46,10 @@ def gguf_read_once():
 @pytest.fixture(scope="session", autouse=True)
 def gguf_parsed_once():
     """Parse each GGUF file's header once per test session. gguf's GGUFReader walks every
-    metadata field (SmolLM2's 49k-token vocabulary: ~4 s on 2 cores); our loader (the first
-    read_gguf above), transformers' model loader (hf_model) and its tokenizer conversion
-    each open one. The reader only maps the file read-only, so one object serves them all;
-    a file written since (another mtime or size) gets a new one."""
+    metadata field (SmolLM2's 49k-token vocabulary: ~4 s on 2 cores); transformers' model
+    loader (hf_model) and its tokenizer conversion each open one. The reader only maps the
+    file read-only, so one object serves them all; a file written since (another mtime or
+    size) gets a new one."""
     import gguf
     real = gguf.GGUFReader
     cache: dict = {}

@@ -27,14 +27,9 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 
 def read_header(path: str) -> dict[str, Any]:
     """The GGUF's metadata fields, without mapping its tensors (which may be cut off)."""
-    import gguf
+    from actors.models.gguf_header import read_gguf_header
 
-    class HeaderReader(gguf.GGUFReader):
-        def _build_tensors(self, start_offs, fields):  # the tensor data is not needed
-            self.tensors = []
-
-    reader = HeaderReader(path, "r")
-    return {name: field.contents() for name, field in reader.fields.items()}
+    return read_gguf_header(path, tensors=False).fields
 
 
 def build(meta: dict[str, Any], max_length: int):

@@ -141,7 +141,8 @@ class EagleHead(nn.Module):
 
     def _layer_inputs(self, input_ids, positions, hidden_in):
         """-> (embeddings [T, H], the layer's hidden input [T, H], the rotary tables)."""
-        emb = self._target.embed(input_ids).to(self.fc.weight.dtype)  # [T, H]
+        # The head's dtype: its norms' (a packed head's projections hold GEMM weights).
+        emb = self._target.embed(input_ids).to(self.layer.post_attention_layernorm.weight.dtype)  # [T, H]
         hidden_in = hidden_in.to(emb.dtype)
         rot = layer_ops.rotary(positions, self.rotary.inv_freq)
         if self.eagle3:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from actors.models.file_range import read_range
+from actors.models.gguf_header import GGUFHeader, read_gguf_header
 from actors.models.model_config import LlamaArch
 
 # llama.cpp architecture -> HF model_type. Mistral GGUFs are written as "llama".
@@ -63,11 +64,8 @@ def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _value(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def _value(header: GGUFHeader, key: str, default: Any = None) -> Any:
+    return header.fields.get(key, default)
 
 
 def _f32_decimal(x: float) -> float:
@@ -78,14 +76,12 @@ def _f32_decimal(x: float) -> float:
 
 def _dequantize(tensor: Any, f: BinaryIO | None = None) -> torch.Tensor:
     """One GGUF tensor as float32 [out, in] (torch order). With ``f`` (the open file), its
-    bytes are read into fresh memory rather than through the reader's memory map
+    bytes are read into fresh memory rather than through the header's memory map
     (file_range.py says why)."""
     from gguf.quants import dequantize
 
     if f is None:
-        # np.asarray drops the np.memmap subclass, whose per-slice bookkeeping makes row-wise
-        # dequantization several times slower.
-        raw = np.asarray(tensor.data)
+        raw = np.asarray(tensor.data)  # a view of the file's map
     else:
         raw = read_range(f, int(tensor.data_offset), np.empty(tensor.data.shape, tensor.data.dtype))
     arr = dequantize(raw, tensor.tensor_type)  # numpy, torch order [out, in]
@@ -123,28 +119,25 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         return len(self._tensors)
 
 
-# Parsed headers by (file, mtime, size). Parsing walks every metadata field (SmolLM2's
-# 49k-token vocabulary), and start-up reads a model's shape before its weights; the reader
-# only maps the file read-only, so one serves both.
-_READERS: dict[tuple, Any] = {}
+# Parsed headers by (file, mtime, size): start-up reads a model's shape before its weights,
+# and a header only maps the file read-only, so one serves both.
+_HEADERS: dict[tuple, GGUFHeader] = {}
 
 
 def read_gguf(path: str) -> tuple[LlamaArch, GGUFCheckpoint]:
     """The LlamaArch from the GGUF metadata, and the tensors (read on demand)."""
-    from gguf import GGUFReader
-
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
-    if key not in _READERS:
-        _READERS[key] = GGUFReader(path, "r")
-    reader = _READERS[key]
-    g_arch = _value(reader, "general.architecture")
+    if key not in _HEADERS:
+        _HEADERS[key] = read_gguf_header(path)
+    header = _HEADERS[key]
+    g_arch = _value(header, "general.architecture")
     if g_arch not in _ARCHES:
         raise ValueError(f"{path}: GGUF architecture {g_arch!r} is not supported (supported: {', '.join(_ARCHES)})")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in header.tensors}
 
     def meta(key: str, default: Any = None) -> Any:
-        v = _value(reader, f"{g_arch}.{key}", default)
+        v = _value(header, f"{g_arch}.{key}", default)
         if v is None:
             raise ValueError(f"{path}: GGUF metadata {g_arch}.{key} is missing")
         return v
@@ -161,7 +154,7 @@ def read_gguf(path: str) -> tuple[LlamaArch, GGUFCheckpoint]:
         raise ValueError(f"{path}: partial RoPE (rope.dimension_count={rot_dim} < head_dim={head_dim}) is not supported")
 
     rope_scaling = None
-    kind = _value(reader, f"{g_arch}.rope.scaling.type", "none")
+    kind = _value(header, f"{g_arch}.rope.scaling.type", "none")
     if kind == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
     elif kind not in ("none", None):
@@ -173,10 +166,10 @@ def read_gguf(path: str) -> tuple[LlamaArch, GGUFCheckpoint]:
 
     eos_ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        v = _value(reader, f"tokenizer.ggml.{key}")
+        v = _value(header, f"tokenizer.ggml.{key}")
         if v is not None and int(v) not in eos_ids:
             eos_ids.append(int(v))
-    bos = _value(reader, "tokenizer.ggml.bos_token_id")
+    bos = _value(header, "tokenizer.ggml.bos_token_id")
 
     embd = tensors.get("token_embd.weight")
     if embd is None:

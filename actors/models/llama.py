@@ -156,7 +156,10 @@ class LlamaModel(nn.Module):
 
     def __init__(self, arch: LlamaArch):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Uninitialised (the loader builds on the meta device and fills every weight): a
+        # random init there costs a second of start-up importing torch's reference ops.
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 

@@ -74,14 +74,15 @@ def read_arch(path: str) -> LlamaArch:
 def build_model(
     path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     load_format: str = "auto", seed: int = 0, quantization: str = "none",
-    cpu_weights: str = "float",
+    cpu_weights: str = "float", packed_gemm_dtype: torch.dtype = torch.float32,
 ) -> tuple[LlamaForCausalLM, LlamaArch]:
     """The target on ``device`` in ``dtype``: its weights streamed from the checkpoint
     (load_format "auto"), or random from ``seed`` ("dummy": the shape only, for speed).
     quantization "fp8" (model.quantization), or an FP8 checkpoint whatever it says: the
     decoder's linear layers in FP8 (fp8_linear.py). cpu_weights "packed"
     (model.cpu_weights): Q4_1 linear layers and a Q8_0 LM head (packed_cpu_weights.py),
-    refused where the block kernels cannot be built or run."""
+    whose float path multiplies in packed_gemm_dtype; refused where the block kernels
+    cannot be built or run."""
     if quantization not in ("none", "fp8"):
         raise ValueError(f"model.quantization={quantization!r} is not supported (none, fp8)")
     if cpu_weights not in ("float", "packed"):
@@ -150,5 +151,5 @@ def build_model(
     if cpu_weights == "packed":
         from actors.models.packed_cpu_weights import pack_cpu_weights
 
-        pack_cpu_weights(model)
+        pack_cpu_weights(model, packed_gemm_dtype)
     return model.eval(), arch

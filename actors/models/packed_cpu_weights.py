@@ -1,18 +1,21 @@
 """model.cpu_weights=packed: the target's linear layers as Q4_1 blocks and its LM head (the
 tied embedding) as Q8_0 blocks, multiplied by the block kernels (kestrel_kernels/cpu_q4.py),
 and its norms, RoPE and SiLU-and-mul as one CPU kernel call each (cpu_layer_ops.py), while
-the model's KernelSwitch is on.
+the model's KernelSwitch is on: in every decode and verify forward, at any batch size.
 
 A decode step reads about a quarter of the float32 weights' bytes. Weights dequantized from
 a GGUF's Q4_1 / Q8_0 blocks are packed back into exactly those blocks, and the linear
 layers' float parameters hold their dequantized values (the GGUF's own, for such weights),
-so with the switch off (prefill, large batches) a float32 GEMM computes the same model
-without the kernels' int8 rounding of activations; the LM head's logits near each row's top
-are the float rows' either way (Q8LMHead). The kernels are batch-invariant (a row's result
-does not depend on the other rows of the call), so a decode step and a verify over the
-same requests agree bit for bit. Decode and verify forwards over the CPU attention kernel
-run the decoder layers as one call (PackedLlamaForCausalLM): the same kernels in the same
-order, so the same bits as the modules.
+so with the switch off (prefill, the draft's extend) a float GEMM computes the same model
+without the kernels' int8 rounding of activations: in the switch's gemm_dtype, bfloat16
+where the CPU multiplies it natively (several times float32's speed at prefill's rows),
+else float32. The LM head's logits near each row's top are the float32 rows' either way
+(Q8LMHead). The kernels are batch-invariant (a row's result does not depend on the other
+rows of the call), so a decode step and a verify over the same requests agree bit for bit,
+whatever the batch, and greedy speculative output equals plain output. Decode and verify
+forwards over the CPU attention kernel run the decoder layers as one call
+(PackedLlamaForCausalLM): the same kernels in the same order, so the same bits as the
+modules.
 """
 from __future__ import annotations
 
@@ -27,24 +30,29 @@ from kestrel_kernels.cpu_q4 import q4_1_linear, q8_0_linear, quantize_q4_1, quan
 
 
 class KernelSwitch:
-    """Whether the packed modules of one model run the kernels (on) or the float GEMM: one
-    flag for the whole model, set per step (RankWorker.launch), so every forward of a step,
-    target and draft, takes the same path."""
+    """Whether the packed modules of one model run the kernels (on) or the float GEMM in
+    gemm_dtype: one flag for the whole model, set per step (RankWorker.launch), so every
+    forward of a step, target and draft, takes the same path."""
 
-    def __init__(self) -> None:
+    def __init__(self, gemm_dtype: torch.dtype = torch.float32) -> None:
         self.on = True
+        self.gemm_dtype = gemm_dtype
 
 
 class BlockLinear(nn.Module):
     """An nn.Linear's weight also as blocks for a kernel (Q4Linear, Q8Linear) while the
-    switch is on; the float `weight` parameter stays, so checkpoint names and the float path
-    are unchanged."""
+    switch is on; the float `weight` parameter stays under its checkpoint name, in the
+    switch's gemm_dtype (set_gemm_weight), for the float path."""
 
     def __init__(self, linear: nn.Linear, switch: KernelSwitch):
         super().__init__()
         self.switch = switch
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+
+    def set_gemm_weight(self, values: torch.Tensor) -> None:
+        """The float path's weight: `values` [N, K] in the switch's gemm_dtype."""
+        self.weight.data = values.to(self.switch.gemm_dtype)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] float32."""
@@ -58,7 +66,9 @@ class BlockLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         else:
-            y = F.linear(x2, self.weight, self.bias)  # [M, N]
+            y = F.linear(x2.to(self.weight.dtype), self.weight).to(x.dtype)  # [M, N]
+            if self.bias is not None:
+                y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
 
@@ -70,20 +80,21 @@ class Q4Linear(BlockLinear):
     def __init__(self, linear: nn.Linear, switch: KernelSwitch):
         super().__init__(linear, switch)
         self.q4 = quantize_q4_1(linear.weight.data)
-        linear.weight.data.copy_(self.q4.dequantize())  # a no-op for a GGUF's Q4_1 weights
+        self.set_gemm_weight(self.q4.dequantize())  # a GGUF's Q4_1 weights: their own values
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return q4_1_linear(x, self.q4)
 
 
 class Q8Linear(BlockLinear):
-    """A draft head's projections as Q8_0 blocks, the float weight left as loaded: the draft
-    only proposes (verify keeps the output lossless), and at 8 bits it proposes nearly what
-    its float weights would, from a quarter of their bytes."""
+    """A draft head's projections as Q8_0 blocks, the float weight as loaded (in gemm_dtype):
+    the draft only proposes (verify keeps the output lossless), and at 8 bits it proposes
+    nearly what its float weights would, from a quarter of their bytes."""
 
     def __init__(self, linear: nn.Linear, switch: KernelSwitch):
         super().__init__(linear, switch)
         self.q8 = quantize_q8_0(linear.weight.data)
+        self.set_gemm_weight(linear.weight.data)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return q8_0_linear(x, self.q8)
@@ -137,8 +148,9 @@ class Q8LMHead(nn.Module):
     """The LM head's rows also as Q8_0 blocks, for the kernel; the float rows (the tied
     embedding's, or the untied head's parameter) stay as loaded (for a GGUF's Q8_0
     embedding, the blocks' exact values). With the switch on, the kernel's logits, refined
-    near each row's top (REFINE_MARGIN); off, the float GEMM. `limit`: logits of the first ids only (a draft's cut of the vocabulary), which a
-    draft reads for its top-k alone: not refined."""
+    near each row's top (REFINE_MARGIN); off, the float GEMM, on a copy of the rows in
+    gemm_dtype where that is not theirs. `limit`: logits of the first ids only (a draft's
+    cut of the vocabulary), which a draft reads for its top-k alone: not refined."""
 
     def __init__(self, head: nn.Module, switch: KernelSwitch):
         super().__init__()
@@ -148,6 +160,9 @@ class Q8LMHead(nn.Module):
         else:
             object.__setattr__(self, "_rows", head)  # the tied head: not a second submodule
         self.q8 = quantize_q8_0(head.weight.data)
+        self.gemm_rows = None  # [V, H] gemm_dtype, where the rows are not in it
+        if head.weight.dtype != switch.gemm_dtype:
+            self.gemm_rows = head.weight.detach().to(switch.gemm_dtype)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -155,7 +170,8 @@ class Q8LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         if not self.switch.on:
-            return F.linear(hidden, self.rows[:limit])  # [M, limit]
+            rows = self.rows if self.gemm_rows is None else self.gemm_rows
+            return F.linear(hidden.to(rows.dtype), rows[:limit]).to(hidden.dtype)  # [M, limit]
         logits = q8_0_linear(hidden.float(), self.q8, limit)  # [M, limit] float32
         if limit is not None:
             return logits
@@ -204,12 +220,12 @@ def _stack(model: LlamaForCausalLM):
 
 
 @torch.no_grad()
-def pack_cpu_weights(model: nn.Module) -> KernelSwitch:
+def pack_cpu_weights(model: nn.Module, gemm_dtype: torch.dtype = torch.float32) -> KernelSwitch:
     """Every decoder layer's projections to Q4Linear, its norms, attention and MLP onto the
     CPU layer kernels, the LM head to Q8LMHead and the model to PackedLlamaForCausalLM, in
     place, on a loaded float32 LlamaForCausalLM on the CPU -> their switch (also
-    `model.kernel_switch`)."""
-    switch = KernelSwitch()
+    `model.kernel_switch`), whose float path multiplies in gemm_dtype."""
+    switch = KernelSwitch(gemm_dtype)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = Q4Linear(attn.qkv_proj, switch)

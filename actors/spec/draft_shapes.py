@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import statistics
 import time
 from typing import Any, Callable
@@ -116,23 +117,36 @@ def eager_step_costs(shapes: list[Any], sizes: list[int], device: torch.device,
                      rank: int = 0) -> list[list[float]]:
     """Seconds of one greedy eager iteration of each shape (EagleWorker or view) at each
     size -> [shape][size]: step_body on all-padded lanes (rows -1: row 0 and slot 0, both
-    reserved), as the graphs are timed, every shape the same way."""
+    reserved), as the graphs are timed, every shape the same way.
+
+    With a PlainStep last: a shape that costs more than its deepest accept (every draft
+    taken) is worth in plain steps, at two sizes in a row, is not timed at larger ones
+    (infinite: DraftPolicy never takes or explores it there). An eager step's cost grows
+    with the batch about as a plain step's does, and the largest sizes take most of the
+    timing (a CPU's start-up)."""
     costs = [[0.0] * len(sizes) for _ in shapes]
+    plain = len(shapes) - 1 if shapes and isinstance(shapes[-1], PlainStep) else None
+    losing = [0] * len(shapes)  # sizes in a row at which each shape lost even at its most
     t0 = time.perf_counter()
     for j, bs in enumerate(sizes):
         rows = torch.full((bs,), -1, dtype=torch.int64, device=device)  # [bs] int64 padded lanes
+        timed = [i for i in range(len(shapes)) if losing[i] < 2]
         times: list[list[float]] = [[] for _ in shapes]
         for _ in range(EAGER_COST_ROUNDS):
-            for i, shape in enumerate(shapes):
+            for i in timed:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 start = time.perf_counter()
-                shape.step_body(rows)
+                shapes[i].step_body(rows)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times[i].append(time.perf_counter() - start)
         for i in range(len(shapes)):
-            costs[i][j] = statistics.median(times[i])
+            costs[i][j] = statistics.median(times[i]) if i in timed else math.inf
+        if plain is not None:
+            for i in timed[:-1]:
+                deepest = min(shapes[i].S, shapes[i].N - 1) + 1
+                losing[i] = losing[i] + 1 if costs[i][j] >= deepest * costs[plain][j] else 0
         log.info("rank %d: eager draft shape step ms at batch %d: %s (%.1fs so far)", rank, bs,
                  [round(1000 * c[j], 1) for c in costs], time.perf_counter() - t0)
     return costs

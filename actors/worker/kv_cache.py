@@ -9,13 +9,16 @@ target have separate KV pools that share slot indices.
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import numpy as np
 import torch
 
 from actors.worker.host_copy import to_device
 from configs.schema import MAX_STEPS_IN_FLIGHT
 from kestrel_kernels.fp8_format import FP8
-from kestrel_kernels.kv_fp8 import dequantize_kv, gather_fp8, quantize_kv, scatter_fp8, zeros_fp8
+from kestrel_kernels.kv_fp8 import dequantize_kv, gather_fp8, quantize_kv, scatter_fp8
 
 
 def kv_ahead(window: int) -> int:
@@ -149,6 +152,17 @@ def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
     return FP8 if setting == "fp8_e4m3" else model_dtype
 
 
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """An all-zero buffer. On the CPU, anonymous memory that the OS zeroes a page at a time
+    on first touch: start-up writes none of the pool (1.5 GB at the CPU preset's float32
+    cache), and resident memory grows with the slots serving uses."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape)
+    buf = mmap.mmap(-1, max(1, n * dtype.itemsize))
+    return torch.frombuffer(buf, dtype=dtype, count=n).view(shape)
+
+
 class TokenToKVPool:
     """Per-layer K and V buffers: k[layer] is [num_slots, num_kv_heads, head_dim].
 
@@ -165,12 +179,9 @@ class TokenToKVPool:
                  dtype: torch.dtype, device: str | torch.device):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.quantized = dtype == FP8
-        if self.quantized:
-            self.k_all = zeros_fp8(shape, device)  # [L, slots, Hkv, D] float8_e4m3fn
-            self.v_all = zeros_fp8(shape, device)  # [L, slots, Hkv, D] float8_e4m3fn
-        else:
-            self.k_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
-            self.v_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
+        store = torch.uint8 if self.quantized else dtype  # zero bytes are FP8's +0.0
+        self.k_all = zeroed_pool(shape, store, device).view(dtype)  # [L, slots, Hkv, D] dtype
+        self.v_all = zeroed_pool(shape, store, device).view(dtype)  # [L, slots, Hkv, D] dtype
         # Views, one per layer (indexing, not unbind: unbind's views refuse in-place writes
         # outside no_grad/inference mode).
         self.k = [self.k_all[i] for i in range(num_layers)]  # k[layer]: [slots, Hkv, D]

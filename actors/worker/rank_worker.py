@@ -218,6 +218,8 @@ class RankWorker:
                else f"model.dtype={m.dtype} asks for float weights" if m.dtype != "auto"
                else f"model.quantization={m.quantization}" if m.quantization != "none"
                else "parallel.dp_attention shards float weights" if cfg.parallel.dp_attention
+               else "scheduler.mixed_steps computes decode rows in prefill's float GEMM"
+               if cfg.scheduler.mixed_steps
                else "")
         if why:
             log.info("rank %d: model.cpu_weights=%s does not apply (%s): float weights",
@@ -379,7 +381,8 @@ class RankWorker:
         log.info("rank %d: loading %s (%s, %s)", rank, path, self.device, self.dtype)
         model, arch = build_model(path, self.dtype, self.device, cfg.model.load_format, cfg.seed,
                                   quantization=cfg.model.quantization,
-                                  cpu_weights=self.cpu_weights)
+                                  cpu_weights=self.cpu_weights,
+                                  packed_gemm_dtype=resolve_dtype("auto", "cpu"))
         log.info("rank %d: model loaded in %.1fs", rank, time.time() - t0)
         head = None
         if spec:
@@ -474,8 +477,7 @@ class RankWorker:
             return LaunchedStep(plan, None, None, 0.0)
         self.last_prompt_logprobs = None
         if self.model.kernel_switch is not None:  # model.cpu_weights=packed
-            self.model.kernel_switch.on = (plan.mode == "decode" and len(plan.rows)
-                                           <= self.cfg.model.cpu_packed_max_batch)
+            self.model.kernel_switch.on = plan.mode == "decode"  # at any batch size: lossless
         if plan.mode == "mixed" and plan.use_spec:
             emitted = self.eagle.decode_mixed(plan)
         elif plan.mode in ("extend", "mixed"):

@@ -6,7 +6,9 @@ rank measured cost(s, b) for every shape and captured size at start-up (the shap
 graphs replayed, actors/spec/draft_shapes.py; a batch pads to the next captured size and
 past the last one runs at the configured shape). Without graphs (the CPU) the rank timed
 the shapes' eager iterations at a few sizes instead: any batch runs at any shape, at a
-cost between those of the sizes around it. accept(s) is what this scheduler sees:
+cost between those of the sizes around it; a shape that lost to plain steps even at its
+deepest accept was not timed at larger sizes, and costs infinity there (never taken nor
+explored). accept(s) is what this scheduler sees:
 a moving average of the accept lengths of the steps that ran at s, starting from the most
 the shape can accept (so a shape is tried before it is judged), the root-only shape's
 exactly 1. Until a shape has seen a few requests' accept lengths its estimate is their
@@ -38,6 +40,7 @@ good, where the tree is the faster shape.
 from __future__ import annotations
 
 import bisect
+import math
 
 from actors.protocol.step_plan import PLAIN_STEP
 
@@ -99,7 +102,8 @@ class DraftPolicy:
             i = min(i, len(self.sizes) - 1)  # eager past the last size: the last's costs
             return [c[i] for c in self.costs]
         t = (batch - self.sizes[i - 1]) / (self.sizes[i] - self.sizes[i - 1])
-        return [c[i - 1] + t * (c[i] - c[i - 1]) for c in self.costs]
+        return [math.inf if math.inf in (c[i - 1], c[i]) else c[i - 1] + t * (c[i] - c[i - 1])
+                for c in self.costs]
 
     def rates(self, batch: int) -> list[float] | None:
         """Expected tokens per request-second of each shape at `batch`, None past the graphs."""

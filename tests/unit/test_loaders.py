@@ -387,3 +387,38 @@ def test_gguf_per_tensor_dequant_equals_whole_file_dequant():
         got = ck[key]
         assert got.dtype == torch.float32 and torch.equal(got, whole), name
     assert {"Q4_1", "F32"} <= kinds, kinds
+
+
+def test_gguf_header_equals_gguf_readers(tmp_path):
+    """read_gguf_header gives SmolLM2's GGUF (a 49k-token vocabulary and merges; Q4_1, Q8_0
+    and F32 tensors) the fields and tensor views gguf-py's GGUFReader does; cut after its
+    header, the fields still read; a file that is not a GGUF is refused, saying so."""
+    import gguf
+
+    from actors.models.gguf_header import read_gguf_header
+
+    path = default_model_path()
+    ours, theirs = read_gguf_header(path), gguf.GGUFReader(path, "r")
+
+    def plain(v):
+        return v.tolist() if isinstance(v, np.ndarray) else v
+
+    want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert {k: plain(v) for k, v in ours.fields.items()} == want
+    assert len(ours.fields["tokenizer.ggml.tokens"]) == 49152
+    kinds = set()
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        kinds.add(a.tensor_type.name)
+        assert (a.name, a.tensor_type, a.shape, a.data_offset) == \
+            (b.name, b.tensor_type, tuple(b.shape.tolist()), b.data_offset)
+        assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype
+        assert np.array_equal(a.data, np.asarray(b.data))
+    assert {"Q4_1", "Q8_0", "F32"} <= kinds, kinds
+
+    cut = tmp_path / "header.gguf"
+    cut.write_bytes(Path(path).read_bytes()[:ours.tensors[0].data_offset])
+    assert {k: plain(v) for k, v in read_gguf_header(str(cut), tensors=False).fields.items()} == want
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_header(str(bad))

@@ -106,16 +106,17 @@ def test_packed_settings_that_cannot_run_are_refused(monkeypatch):
 
 @pytest.mark.parametrize("overrides,applies", [
     ([], True), (["model.dtype=float32"], False), (["model.dtype=bfloat16"], False),
-    (["model.quantization=fp8"], False)])
+    (["model.quantization=fp8"], False), (["scheduler.mixed_steps=true"], False)])
 def test_the_worker_packs_where_it_applies(overrides, applies):
-    """model.cpu_weights=packed packs on a CPU; where packing cannot run, or an explicit
-    dtype asks for float weights, the rank keeps them float (and says so), so one preset
-    with it also serves GPUs, FP8 targets and the fp32 model compared with transformers."""
+    """model.cpu_weights=packed packs on a CPU; where packing cannot run, an explicit dtype
+    asks for float weights, or mixed steps would put decode rows in prefill's GEMM, the
+    rank keeps them float (and says so), so one preset with it also serves GPUs, FP8
+    targets and the fp32 model compared with transformers."""
     from actors.worker.rank_worker import RankWorker
     from configs.schema import load_config
 
     cfg = load_config(overrides=["device=cpu", "model.cpu_weights=packed", *overrides])
-    assert load_config(overrides=["device=cpu"]).model.cpu_weights == "float"  # the default preset
+    assert load_config(overrides=["device=cpu"]).model.cpu_weights == "auto"  # the default preset
     worker = RankWorker.__new__(RankWorker)
     worker.device, worker.rank = torch.device("cpu"), 0
     assert (worker._cpu_weights(cfg) == "packed") == applies

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from spec_helpers import FIXED
 
 from actors.models.eagle import load_eagle_head
 from actors.models.loader import build_model
@@ -102,7 +103,8 @@ def test_unrolled_steps_predict_engine_accept_lengths(trained, tiny_target, tiny
     export_head(head, tmp_path, torch.float32)
     S = 3
     eng = LLMEngine(tiny_cfg(tiny_llama_dir, "draft.enabled=true", f"draft.path={tmp_path}", "draft.topk=1",
-                             f"draft.num_steps={S}", f"draft.num_draft_tokens={S + 1}"), load_tokenizer=False)
+                             f"draft.num_steps={S}", f"draft.num_draft_tokens={S + 1}", *FIXED),
+                    load_tokenizer=False)
     prompts = _prompts(8, seed=1)  # greedy training prompts: the head knows them, so it gets accepted
     reqs = eng.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     same = 0

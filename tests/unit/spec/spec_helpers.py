@@ -8,18 +8,19 @@ from configs.schema import load_config
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.request import SamplingParams
 
-# Each the one shape every decode step drafts: without adaptive shapes a test of a shape's
-# path does not have the CPU's timed per-step choice (DraftPolicy) swap it for the root.
-FIXED = "draft.adaptive_shapes=[]"
-CHAIN = ("draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4", FIXED)
-TREE = ("draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8", FIXED)
+# Each the one shape every decode step drafts: without adaptive shapes or plain steps a test
+# of a shape's path does not have the timed per-step choice (DraftPolicy) swap it for the
+# root or a plain step.
+FIXED = ("draft.adaptive_shapes=[]", "draft.plain_steps=false", "draft.eager_shapes=false")
+CHAIN = ("draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4", *FIXED)
+TREE = ("draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8", *FIXED)
 
 
 def tiny_config(model_dir: str, *overrides: str, spec: bool = True):
     base = [f"model.path={model_dir}", "model.dtype=float32", "device=cpu",
             "kv_cache.num_slots=4096", "model.max_model_len=512",
             "scheduler.max_running_requests=8"]
-    base += ["draft.enabled=true", "draft.path=random", FIXED] if spec else ["draft.enabled=false"]
+    base += ["draft.enabled=true", "draft.path=random", *FIXED] if spec else ["draft.enabled=false"]
     return load_config(overrides=base + list(overrides))
 
 

@@ -6,7 +6,10 @@ output token for token under any sequence of shapes and plain steps; what cannot
 smaller shape runs at the configured one, and says so."""
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 from spec_helpers import TREE, outputs, random_prompts, tiny_config, tiny_engine
 
 from actors.protocol.step_plan import PLAIN_STEP
@@ -384,3 +387,38 @@ def test_a_shape_explored_after_plain_steps_runs_twice_and_learns_again():
     first = picks.index(0)
     assert picks[first + 1] == 0  # explored twice in a row
     assert picks[-50:].count(0) == 50  # learned again: the tree for good
+
+
+def test_a_shape_that_loses_at_its_deepest_accept_is_not_timed_at_larger_sizes():
+    """eager_step_costs: a shape costing more than its deepest accept is worth in plain
+    steps, at two sizes in a row, is not timed at larger sizes (the CPU's start-up spends
+    most of its timing there) and costs infinity there, so the policy neither takes nor
+    explores it; a shape that could pay is timed at every size."""
+    import time
+
+    from actors.spec.draft_shapes import EAGER_COST_ROUNDS, PlainStep, eager_step_costs
+
+    class Sleeper:
+        def __init__(self, steps, nodes, seconds):
+            self.S, self.N, self.seconds, self.calls = steps, nodes, seconds, []
+
+        def step_body(self, rows):
+            self.calls.append(rows.numel())
+            time.sleep(self.seconds)
+
+    class Plain(PlainStep):
+        def __init__(self):
+            self.calls = []
+
+        def step_body(self, rows):
+            self.calls.append(rows.numel())
+            time.sleep(0.002)
+
+    dear, cheap, plain = Sleeper(3, 4, 0.02), Sleeper(1, 2, 0.002), Plain()
+    sizes = [1, 2, 4, 8]
+    costs = eager_step_costs([dear, cheap, plain], sizes, torch.device("cpu"))
+    assert dear.calls == [1] * EAGER_COST_ROUNDS + [2] * EAGER_COST_ROUNDS  # 10x plain: out after two
+    assert costs[0][2:] == [math.inf, math.inf] and all(c < math.inf for c in costs[0][:2])
+    assert cheap.calls == plain.calls == [b for b in sizes for _ in range(EAGER_COST_ROUNDS)]
+    policy = DraftPolicy([(1, 3, 4), (1, 1, 2)], costs[:2], sizes, eager=True, plain_costs=costs[2])
+    assert {policy.choose(b) for b in (4, 6, 8) for _ in range(200)} <= {1, policy.plain}
