@@ -10,6 +10,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"  # MT-bench, Apache-2.0
+# The schema's draft policy for GPU tests, which build on configs/default.yaml with
+# device=cuda: that preset's plain steps and eager shape timing are for CPUs.
+GPU_DRAFT = ["draft.adaptive_shapes=[[1,1]]", "draft.plain_steps=false", "draft.eager_shapes=false"]
 
 
 def mt_bench_first_turns(n: int) -> list[str]:

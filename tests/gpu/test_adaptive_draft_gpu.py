@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kestrel_testing import GPU_DRAFT
 
 from serve_app.engine.draft_policy import DraftPolicy
 
 BASE = ["device=cuda", "model.dtype=float32", "attention.backend=triton", "kv_cache.num_slots=65536",
         "scheduler.max_running_requests=12", "draft.path=random", "attention.cuda_graphs=true",
-        "attention.plan_stream=true"]
+        "attention.plan_stream=true", *GPU_DRAFT]
 TREE = ["draft.enabled=true", "draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8",
         "draft.adaptive_shapes=[[2,3],[1,1]]"]
 MAX = 40

@@ -14,6 +14,7 @@ import asyncio
 
 import pytest
 import torch
+from kestrel_testing import GPU_DRAFT
 
 import dp_rank_hooks
 from dp_scenario import LENGTHS, SHAPES, check_graph_steps, greedy, mixed_run
@@ -31,7 +32,7 @@ def _cfg(model_dir: str, shape: str, *extra: str):
             "attention.backend=triton", "attention.cuda_graphs=true", "attention.plan_stream=true",
             f"attention.cuda_graph_batch_sizes={SIZES}", "kv_cache.num_slots=4096",
             "model.max_model_len=160", "scheduler.chunked_prefill_size=16",
-            "scheduler.max_running_requests=8"]
+            "scheduler.max_running_requests=8", *GPU_DRAFT]
     base += ["draft.enabled=true", "draft.path=random", *SHAPES[shape]] if shape != "plain" \
         else ["draft.enabled=false"]
     return load_config(overrides=base + list(extra))

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from kestrel_testing import GPU_DRAFT
 
 from kestrel_kernels.fp8_linear import fp8_linear, fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows
 
@@ -88,7 +89,7 @@ def test_fp8_engine_speculates_losslessly_on_gpu(fp8_folder):
     from serve_app.engine.request import SamplingParams
     base = [f"model.path={fp8_folder}", "model.quantization=fp8", "model.dtype=bfloat16", "device=cuda",
             "kv_cache.num_slots=16384", "model.max_model_len=512", "scheduler.max_running_requests=8",
-            "attention.backend=triton", "attention.cuda_graphs=true", "draft.path=random"]
+            "attention.backend=triton", "attention.cuda_graphs=true", "draft.path=random", *GPU_DRAFT]
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in (5, 9, 17, 33, 64, 100, 7, 12)]
     outs = []

@@ -4,9 +4,10 @@ import importlib.util
 
 import pytest
 import torch
+from kestrel_testing import GPU_DRAFT
 
 BASE = ["device=cuda", "draft.enabled=false", "model.dtype=bfloat16", "kv_cache.num_slots=65536",
-        "scheduler.max_running_requests=16"]
+        "scheduler.max_running_requests=16", *GPU_DRAFT]
 CHAIN = ["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"]
 TREE = ["draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]
 MAX = 64

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kestrel_testing import GPU_DRAFT
 
 UTIL = 0.5
 BASE = ["device=cuda", "model.dtype=bfloat16", "attention.backend=triton", "draft.enabled=true",
         "draft.path=random", "attention.cuda_graphs=true", "attention.plan_stream=true",
         "scheduler.max_running_requests=64", "kv_cache.num_slots=null", "kv_cache.page_size=16",
-        f"kv_cache.memory_utilization={UTIL}"]
+        f"kv_cache.memory_utilization={UTIL}", *GPU_DRAFT]
 
 
 @pytest.fixture(scope="module")

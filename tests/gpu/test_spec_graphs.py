@@ -15,12 +15,13 @@ import logging
 
 import pytest
 import torch
+from kestrel_testing import GPU_DRAFT
 
 from actors.spec.step_graph import Variant
 
 BASE = ["device=cuda", "model.dtype=float32", "attention.backend=triton",
         "kv_cache.num_slots=65536", "scheduler.max_running_requests=16", "draft.enabled=true",
-        "draft.path=random", "attention.cuda_graph_batch_sizes=[1,2,4,8]"]
+        "draft.path=random", "attention.cuda_graph_batch_sizes=[1,2,4,8]", *GPU_DRAFT]
 CHAIN = ["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=4"]
 TREE = ["draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]
 GRAPHS = ["attention.cuda_graphs=true", "attention.plan_stream=true"]

@@ -13,11 +13,11 @@ import json
 import pytest
 import torch
 
-from kestrel_testing import LocalEngine
+from kestrel_testing import GPU_DRAFT, LocalEngine
 
 H200 = ["device=cuda", "model.dtype=bfloat16", "kv_cache.num_slots=65536", "kv_cache.page_size=16",
         "scheduler.max_running_requests=16", "attention.backend=triton", "attention.cuda_graphs=true",
-        "attention.plan_stream=true", "attention.cuda_graph_batch_sizes=[1,2,4,8,16]"]
+        "attention.plan_stream=true", "attention.cuda_graph_batch_sizes=[1,2,4,8,16]", *GPU_DRAFT]
 TREE = ["draft.enabled=true", "draft.topk=4", "draft.num_steps=5", "draft.num_draft_tokens=8"]
 
 
