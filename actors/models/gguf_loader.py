@@ -64,10 +64,6 @@ def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _value(header: GGUFHeader, key: str, default: Any = None) -> Any:
-    return header.fields.get(key, default)
-
-
 def _f32_decimal(x: float) -> float:
     # Metadata floats are float32 (1e-5 reads back as 9.99999974e-06); recover the
     # decimal the converter wrote, which is what the HF config says.
@@ -131,13 +127,13 @@ def read_gguf(path: str) -> tuple[LlamaArch, GGUFCheckpoint]:
     if key not in _HEADERS:
         _HEADERS[key] = read_gguf_header(path)
     header = _HEADERS[key]
-    g_arch = _value(header, "general.architecture")
+    g_arch = header.fields.get("general.architecture")
     if g_arch not in _ARCHES:
         raise ValueError(f"{path}: GGUF architecture {g_arch!r} is not supported (supported: {', '.join(_ARCHES)})")
     tensors = {t.name: t for t in header.tensors}
 
     def meta(key: str, default: Any = None) -> Any:
-        v = _value(header, f"{g_arch}.{key}", default)
+        v = header.fields.get(f"{g_arch}.{key}", default)
         if v is None:
             raise ValueError(f"{path}: GGUF metadata {g_arch}.{key} is missing")
         return v
@@ -154,7 +150,7 @@ def read_gguf(path: str) -> tuple[LlamaArch, GGUFCheckpoint]:
         raise ValueError(f"{path}: partial RoPE (rope.dimension_count={rot_dim} < head_dim={head_dim}) is not supported")
 
     rope_scaling = None
-    kind = _value(header, f"{g_arch}.rope.scaling.type", "none")
+    kind = header.fields.get(f"{g_arch}.rope.scaling.type", "none")
     if kind == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
     elif kind not in ("none", None):
@@ -166,10 +162,10 @@ def read_gguf(path: str) -> tuple[LlamaArch, GGUFCheckpoint]:
 
     eos_ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        v = _value(header, f"tokenizer.ggml.{key}")
+        v = header.fields.get(f"tokenizer.ggml.{key}")
         if v is not None and int(v) not in eos_ids:
             eos_ids.append(int(v))
-    bos = _value(header, "tokenizer.ggml.bos_token_id")
+    bos = header.fields.get("tokenizer.ggml.bos_token_id")
 
     embd = tensors.get("token_embd.weight")
     if embd is None:

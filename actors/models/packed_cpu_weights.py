@@ -62,13 +62,11 @@ class BlockLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if self.switch.on:
-            y = self.kernel(x2)  # [M, N]
-            if self.bias is not None:
-                y = y + self.bias
+            y = self.kernel(x2)  # [M, N] float32
         else:
             y = F.linear(x2.to(self.weight.dtype), self.weight).to(x.dtype)  # [M, N]
-            if self.bias is not None:
-                y = y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
 

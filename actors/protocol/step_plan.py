@@ -16,6 +16,12 @@ import numpy as np
 PLAIN_STEP = -1
 
 
+def deepest_accept(steps: int, nodes: int) -> int:
+    """The most tokens a speculative step of `steps` draft steps into a tree of `nodes` nodes
+    (root included) emits per request: its deepest acceptable path, plus the bonus token."""
+    return min(steps, nodes - 1) + 1
+
+
 def coins_per_request(cfg) -> int:
     """Uniforms a sampled request draws per step (a KestrelConfig): one per tree node and a
     final one under speculation, else one."""

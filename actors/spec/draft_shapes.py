@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from actors.protocol.step_plan import deepest_accept
 from actors.spec.step_graph import StepGraph, Variant
 
 COST_REPEATS = 5  # replays timed per shape and size (the median is kept)
@@ -144,9 +145,10 @@ def eager_step_costs(shapes: list[Any], sizes: list[int], device: torch.device,
         for i in range(len(shapes)):
             costs[i][j] = statistics.median(times[i]) if i in timed else math.inf
         if plain is not None:
-            for i in timed[:-1]:
-                deepest = min(shapes[i].S, shapes[i].N - 1) + 1
-                losing[i] = losing[i] + 1 if costs[i][j] >= deepest * costs[plain][j] else 0
+            for i in timed:
+                if i != plain:
+                    deepest = deepest_accept(shapes[i].S, shapes[i].N)
+                    losing[i] = losing[i] + 1 if costs[i][j] >= deepest * costs[plain][j] else 0
         log.info("rank %d: eager draft shape step ms at batch %d: %s (%.1fs so far)", rank, bs,
                  [round(1000 * c[j], 1) for c in costs], time.perf_counter() - t0)
     return costs

@@ -42,7 +42,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from actors.protocol.step_plan import PLAIN_STEP
+from actors.protocol.step_plan import PLAIN_STEP, deepest_accept
 
 EXPLORE_SHARE = 0.02  # the most of the step time exploring may lose
 EMA = 0.1  # weight of one step's mean accept length in a shape's estimate
@@ -73,8 +73,7 @@ class DraftPolicy:
             raise ValueError(f"step costs {[len(c) for c in costs]} do not match {len(shapes)} "
                              f"shapes at {len(sizes)} batch sizes")
         self.shapes, self.costs, self.sizes, self.eager = shapes, costs, sizes, eager
-        # The deepest path a tree of s steps and n nodes can accept, plus the bonus token.
-        self.accept = [float(min(s, n - 1) + 1) for _, s, n in shapes]
+        self.accept = [float(deepest_accept(s, n)) for _, s, n in shapes]
         self.learns = [n > 1 for _, _, n in shapes]  # the root alone always emits one token
         self.since = [0.0] * len(shapes)  # seconds of steps since each shape last ran
         self.seen = [0] * len(shapes)  # accept lengths observed per shape
