@@ -59,6 +59,13 @@ GEMV_CONFIGS = {
     "n8k256w2s4": dict(block_n=8, block_k=256, num_warps=2, num_stages=4),
     "n8k512s5": dict(block_n=8, block_k=512, num_stages=5),
     "n8k512nosplit": dict(block_n=8, block_k=512, split_k=1),
+    # The tensor-core kernel: 16 rows padded, tl.dot on fp16-widened tiles.
+    "mma_n64k128": dict(mma=True, block_n=64, block_k=128),
+    "mma_n32k256": dict(mma=True, block_n=32, block_k=256),
+    "mma_n128k128": dict(mma=True, block_n=128, block_k=128),
+    "mma_n64k256w8": dict(mma=True, block_n=64, block_k=256, num_warps=8),
+    "mma_n16k512": dict(mma=True, block_n=16, block_k=512),
+    "mma_n64k128s5": dict(mma=True, block_n=64, block_k=128, num_stages=5),
 }
 
 

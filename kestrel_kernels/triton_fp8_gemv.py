@@ -32,7 +32,7 @@ from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
 
 __all__ = ["HAS_TRITON", "MAX_ROWS", "default_config", "fp8_gemv"]
 
-MAX_ROWS = 16  # rows are unrolled in the kernel; past this a GEMM's tiles win anyway
+MAX_ROWS = 16  # unrolled by the GEMV, padded to by the MMA kernel; past it a GEMM wins anyway
 _SMS_WITHOUT_CUDA = 132  # the interpreter has no SM count; an H100/H200's keeps configs alike
 
 if HAS_TRITON:
@@ -61,6 +61,42 @@ if HAS_TRITON:
                 x = tl.load(XQ + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 part = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N] this tile's sum for row m
                 acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+        _finish(acc, offs_m, offs_n, pid_k, M, N, XS, WS, BIAS, OUT, PART, stride_xs, stride_om,
+                SPLIT_K, HAS_BIAS)
+
+    @triton.jit
+    def _fp8_mma_kernel(XQ, XS, WQ, WS, BIAS, OUT, PART, M, N, K, stride_xm, stride_xs, stride_wn,
+                        stride_om, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The same sums on the tensor cores: the rows padded to BLOCK_M (16) with zeros, both
+        tiles widened to fp16 (exact: E4M3's 3 mantissa bits and 2^-9..448 fit) and multiplied
+        by tl.dot into fp32. An output
+        element's sum does not depend on the other rows' values, and BLOCK_M is the same at
+        every M, so a row's bits are the same alone or among fifteen others."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)  # past N: re-read channel N-1, not stored
+        m_ok = offs_m < M
+        x_ptrs = XQ + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        w_ptrs = WQ + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_ok = k0 + offs_k < k_end
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float16)
+            w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float16)
+            acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N] fp32
+        _finish(acc, offs_m, offs_n, pid_k, M, N, XS, WS, BIAS, OUT, PART, stride_xs, stride_om,
+                SPLIT_K, HAS_BIAS)
+
+    @triton.jit
+    def _finish(acc, offs_m, offs_n, pid_k, M, N, XS, WS, BIAS, OUT, PART, stride_xs, stride_om,
+                SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] fp32 sums -> scaled output, or this split's sums to PART."""
         m_ok = offs_m < M
         n_ok = offs_n < N
         ok = m_ok[:, None] & n_ok[None, :]
@@ -99,7 +135,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 8,
-                   block_k: int = 512) -> dict:
+                   block_k: int = 512, mma: bool = False) -> dict:
     """The launch config for a weight [N, K] on a GPU of `sms` SMs: 8 channels by 512 bytes
     of K a tile (4 warps: 32 bytes of weight per thread per iteration), K split in two, four,
     ... while the programs fill the SMs fewer than four times and each split keeps at least
@@ -110,15 +146,16 @@ def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 
     split = 1
     while split < 16 and n_blocks * split < 4 * sms and -(-K // (2 * split)) >= 2 * block_k:
         split *= 2
-    return dict(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
+    return dict(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3, mma=mma)
 
 
 def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, **config) -> torch.Tensor:
     """xq [M, K] fp8 and xs [M, 1] fp32 (quantize_rows' output, M <= MAX_ROWS), wq [N, K] fp8,
     ws [N, 1] fp32, bias [N] or None -> [M, N] out_dtype. `config` overrides default_config's
-    keys (block_n, block_k, split_k, num_warps, num_stages): the benchmark's sweep. Without
-    split_k, K is split by default_config's rule for the tile asked for."""
+    keys (block_n, block_k, split_k, num_warps, num_stages, mma: the tensor-core kernel): the
+    benchmark's sweep. Without split_k, K is split by default_config's rule for the tile
+    asked for."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; use kestrel_kernels.fp8_linear.fp8_linear_ref")
     M, K = xq.shape
@@ -129,15 +166,16 @@ def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     if not 1 <= M <= MAX_ROWS or xs.shape != (M, 1) or ws.shape != (N, 1):
         raise ValueError(f"fp8_gemv takes 1..{MAX_ROWS} rows with xs [M, 1] and ws [N, 1]; got "
                          f"M={M}, xs {tuple(xs.shape)}, ws {tuple(ws.shape)}")
-    unknown = set(config) - {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
+    unknown = set(config) - {"block_n", "block_k", "split_k", "num_warps", "num_stages", "mma"}
     if unknown:
         raise ValueError(f"fp8_gemv: unknown config keys {sorted(unknown)}")
-    blocks = {k: config[k] for k in ("block_n", "block_k") if k in config}
+    blocks = {k: config[k] for k in ("block_n", "block_k", "mma") if k in config}
     cfg = {**default_config(N, K, _sm_count(xq.device), **blocks), **config}
     block_n, block_k, split = cfg["block_n"], cfg["block_k"], cfg["split_k"]
-    if any(v < 1 or v & (v - 1) for v in (block_n, block_k)) or block_k < 16 or split < 1:
-        raise ValueError(f"fp8_gemv: block_n and block_k must be powers of two (block_k >= 16), "
-                         f"split_k >= 1; got {cfg}")
+    if any(v < 1 or v & (v - 1) for v in (block_n, block_k)) or block_k < 16 or split < 1 \
+            or (cfg["mma"] and block_n < 16):
+        raise ValueError(f"fp8_gemv: block_n and block_k must be powers of two (block_k >= 16, "
+                         f"block_n >= 16 with mma), split_k >= 1; got {cfg}")
     # Splits a whole number of tiles long, so every tile but a split's last is unmasked.
     k_per_split = -(-K // (split * block_k)) * block_k
     split = -(-K // k_per_split)  # a split that would start past K is dropped
@@ -149,10 +187,15 @@ def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     has_bias = bias is not None
     b = bias if has_bias else ws  # any pointer: not read without a bias
     grid = (triton.cdiv(N, block_n), split)
-    _fp8_gemv_kernel[grid](xq, xs, wq, ws, b, out, part, N, K, xq.stride(0), xs.stride(0), wq.stride(0),
-                           out.stride(0), k_per_split, M=M, BLOCK_M=triton.next_power_of_2(M),
-                           BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=has_bias,
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=has_bias,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg["mma"]:  # M a runtime value: one compiled kernel for 1..16 rows
+        _fp8_mma_kernel[grid](xq, xs, wq, ws, b, out, part, M, N, K, xq.stride(0), xs.stride(0),
+                              wq.stride(0), out.stride(0), k_per_split, BLOCK_M=MAX_ROWS, **launch)
+    else:
+        _fp8_gemv_kernel[grid](xq, xs, wq, ws, b, out, part, N, K, xq.stride(0), xs.stride(0),
+                               wq.stride(0), out.stride(0), k_per_split, M=M,
+                               BLOCK_M=triton.next_power_of_2(M), **launch)
     if split > 1:
         block = 1024
         _fp8_gemv_reduce_kernel[(M, triton.cdiv(N, block))](part, xs, ws, b, out, N, xs.stride(0),

@@ -36,7 +36,10 @@ def check_close(got, want):
 
 # Odd N and K (neither a multiple of a block), K looping over several tiles, and K split
 # (split_k 3: the last split shorter; 4 on K = 1000 in tiles of 128: a split dropped).
-CASES = [(37, 200, {}), (45, 1000, dict(block_k=128, split_k=3)), (20, 1000, dict(block_k=128, split_k=4))]
+# The tensor-core kernel (mma) on the same shapes: N not a multiple of its 16-channel tile.
+CASES = [(37, 200, {}), (45, 1000, dict(block_k=128, split_k=3)), (20, 1000, dict(block_k=128, split_k=4)),
+         (37, 200, dict(mma=True, block_n=16, block_k=64)),
+         (45, 1000, dict(mma=True, block_n=32, block_k=128, split_k=3))]
 
 
 @pytest.mark.parametrize("M", [1, 3, 8, 16])
@@ -50,7 +53,8 @@ def test_equals_the_reference(M, N, K, config, dtype, bias):
     check_close(fp8_gemv(xq, xs, wq, ws, b, dtype, **config), fp8_linear_ref(x, wq, ws, b))
 
 
-@pytest.mark.parametrize("config", [{}, dict(block_k=128, split_k=3)])
+@pytest.mark.parametrize("config", [{}, dict(block_k=128, split_k=3),
+                                    dict(mma=True, block_n=16, block_k=128, split_k=3)])
 def test_a_row_is_the_same_alone_among_others_and_run_to_run(config):
     N, K = 29, 600
     wq, ws, b = layer(N, K, seed=3, bias_dtype=torch.bfloat16)
@@ -85,6 +89,8 @@ def test_refuses_what_it_cannot_run():
         fp8_gemv(xq, xs, wq, ws, None, torch.float32)
     with pytest.raises(ValueError, match="contiguous last dim"):
         fp8_gemv(xq[:2], xs[:2], wq.t().contiguous().t(), ws, None, torch.float32)
+    with pytest.raises(ValueError, match="block_n >= 16 with mma"):
+        fp8_gemv(xq[:2], xs[:2], wq, ws, None, torch.float32, mma=True, block_n=8)
     with pytest.raises(ValueError, match="unknown config"):
         fp8_gemv(xq[:2], xs[:2], wq, ws, None, torch.float32, block=64)
 
