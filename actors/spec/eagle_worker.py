@@ -43,6 +43,7 @@ from actors.sampling.sampler import sampling_flags, truncates
 from actors.spec.spec_graphs import SpecGraphs, capture_spec_graphs
 from actors.spec.draft_shapes import (PlainStep, eager_step_costs, plain_step_costs, shape_view,
                                       step_costs)
+from actors.spec.pending_draft_kv import PendingDraftKV
 from actors.spec.step_graph import StepGraph, Variant
 from actors.protocol.step_plan import StepPlan
 from configs.schema import KestrelConfig
@@ -124,6 +125,8 @@ class EagleWorker:
         self.plain_costs: list[float] | None = None  # a plain decode step's (draft.plain_steps)
         self.eager_cost_sizes: list[int] | None = None  # the batch sizes of eager shapes' costs
         self.last_shape = 0  # the shape the last launched iteration ran at
+        # Plain steps' draft KV rows not yet written (the CPU: pending_draft_kv.py says why).
+        self.pending_kv = PendingDraftKV() if worker.device.type == "cpu" else None
         self.last_timings: dict[str, float] = {}  # per-phase seconds of the last iteration
 
     def features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -159,7 +162,27 @@ class EagleWorker:
         position, from the token just sampled and the target's features there (`feats` [B, F]),
         as draft extend would have stored it. Without it the draft would attend over a gap
         at its newest position for the rest of the request. Its top-k stays that of the
-        last speculative step: the next one drafts from it once."""
+        last speculative step: the next one drafts from it once. On the CPU the write waits
+        for the next step that runs the draft (pending_draft_kv.py, flush_plain_kv)."""
+        if self.pending_kv is None:
+            self._write_kv(tokens, positions, loc, feats)
+        elif self.pending_kv.add(tokens, positions, loc, feats):
+            self.flush_plain_kv()
+
+    def flush_plain_kv(self) -> None:
+        """Write the draft's KV of the plain steps' rows that wait (before a draft forward)."""
+        rows = self.pending_kv.take() if self.pending_kv is not None else None
+        if rows is None:
+            return
+        switch = self.w.model.kernel_switch
+        on = switch is not None and switch.on
+        if switch is not None:  # the kernels, as an immediate write in the plain step would
+            switch.on = True
+        self._write_kv(*rows)
+        if switch is not None:
+            switch.on = on
+
+    def _write_kv(self, tokens, positions, loc, feats) -> None:
         k, v = self.head.kv(draft_extend_ids(tokens), positions, feats)
         self.kv_pool.store(0, loc, k, v)
 

@@ -476,6 +476,8 @@ class RankWorker:
         if plan.mode == "idle" or not plan.rows:
             return LaunchedStep(plan, None, None, 0.0)
         self.last_prompt_logprobs = None
+        if self.eagle is not None and (plan.use_spec or plan.mode != "decode"):
+            self.eagle.flush_plain_kv()  # this step runs the draft: the plain steps' KV first
         if self.model.kernel_switch is not None:  # model.cpu_weights=packed
             self.model.kernel_switch.on = plan.mode == "decode"  # at any batch size: lossless
         if plan.mode == "mixed" and plan.use_spec:

@@ -106,6 +106,47 @@ def test_a_plain_step_writes_the_drafts_kv_as_draft_extend_would(tiny_llama_dir)
     assert torch.equal(k, stored["k"]) and torch.equal(v, stored["v"])
 
 
+def test_plain_steps_draft_kv_written_late_is_the_kv_written_at_once(tiny_llama_dir):
+    """On the CPU a plain step's draft KV waits for the next step that runs the draft
+    (actors/spec/pending_draft_kv.py). Every draft forward then reads what an immediate write
+    would have left, so the accept lengths are the same step for step, and so is the pool."""
+    from spec_helpers import greedy
+    prompts = random_prompts(5, seed=23)
+    runs = []
+    for late in (True, False):
+        eng = adaptive_engine(tiny_llama_dir, SHAPES3, PLAIN, graphs=False)
+        eagle = eng.workers[0].eagle
+        assert eagle.pending_kv is not None  # the CPU waits by default
+        if not late:
+            eagle.pending_kv = None
+        eng.schedulers[0].draft_policy = Cycle(len(eagle.shapes) + 1, plain=True)
+        results = eng.generate(prompts, greedy(MAX_TOKENS))
+        eagle.flush_plain_kv()  # what still waits after the last step
+        runs.append(([r.output_ids for r in results], [r.accept_lengths for r in results],
+                     eagle.kv_pool.k_all.clone(), eagle.kv_pool.v_all.clone()))
+    (out_late, acc_late, *kv_late), (out_now, acc_now, *kv_now) = runs
+    assert out_late == out_now and acc_late == acc_now
+    # Slot 0 is the padded lanes' scratch (start-up timing writes it): the rest must match.
+    assert all(torch.equal(a[:, 1:], b[:, 1:]) for a, b in zip(kv_late, kv_now))
+
+
+def test_pending_draft_kv_keeps_a_slots_last_row_and_bounds_what_waits():
+    from actors.spec.pending_draft_kv import ROWS_MAX, PendingDraftKV
+    pending = PendingDraftKV()
+    assert pending.take() is None
+    feats = torch.arange(8.0).view(4, 2)  # [4, 2]
+    assert not pending.add(torch.tensor([1, 2]), torch.tensor([5, 6]), torch.tensor([10, 11]), feats[:2])
+    # slot 10 freed and given to another request's next token before the write
+    pending.add(torch.tensor([3, 4]), torch.tensor([9, 7]), torch.tensor([12, 10]), feats[2:])
+    tokens, positions, loc, got = pending.take()
+    assert loc.tolist() == [11, 12, 10] and tokens.tolist() == [2, 3, 4] and positions.tolist() == [6, 9, 7]
+    assert torch.equal(got, feats[1:])
+    assert pending.take() is None  # taken once
+    rows = torch.zeros(ROWS_MAX // 2, dtype=torch.int64)
+    assert not pending.add(rows, rows, rows, torch.zeros(ROWS_MAX // 2, 2))
+    assert pending.add(rows, rows, rows, torch.zeros(ROWS_MAX // 2, 2))  # full: write now
+
+
 def test_sampled_and_penalized_rows_take_plain_steps(tiny_llama_dir):
     from serve_app.engine.request import SamplingParams
     eng = adaptive_engine(tiny_llama_dir, PLAIN)
