@@ -3,12 +3,16 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 // cpu_q4.cpp
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& dm);
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, int64_t rows);
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x);
+// The Q4_1 kernel's code products: "auto" (AVX-VNNI where the CPU has it) or "avx2".
+void set_q4_isa(const std::string& isa);
+std::string q4_isa();  // "avxvnni" or "avx2": the one q4_1_linear uses now
 
 // cpu_attention.cpp
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,

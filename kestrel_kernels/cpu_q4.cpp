@@ -1,4 +1,5 @@
-// Block-quantized matmuls for the CPU (AVX2, FMA, F16C): y[M, N] = x[M, K] @ W^T with W in
+// Block-quantized matmuls for the CPU (AVX2, FMA, F16C; the Q4_1 code products with AVX-VNNI
+// where the CPU has it, chosen at load): y[M, N] = x[M, K] @ W^T with W in
 // GGUF-style blocks of 32 inputs, the activations quantized to int8 per block of 32.
 //
 //   Q4_1 weights: per block a scale d and a min m (fp16) and 4-bit codes c, w = c * d + m.
@@ -10,7 +11,8 @@
 // vector's 8 int32 lanes holds inputs of one block (lane L of a t-block piece: block
 // L / (8 / t)), weights and activations alike. A piece's code products then add up per
 // lane without any horizontal step: for Q4_1 in int16 (at most 8 * 2 * 15 * 127 < 2^15)
-// before one madd to int32, for Q8_0 in int32 after each madd. Per piece the lanes are
+// before one madd to int32, or with AVX-VNNI in int32 at once, for Q8_0 in int32 after each
+// madd. Per piece the lanes are
 // scaled in float32 by their block's d * s (the scales are stored once per lane):
 //   Q4_1: y += sum over lanes (d * s) * sum(c * q) + m * (s * sum(q))
 //   Q8_0: y += sum over lanes (d * s) * sum(c * q)
@@ -25,9 +27,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -158,15 +162,42 @@ inline __m256 load_halves(const uint16_t* p) {
 
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// A Q4_1 piece's code products, summed per int32 lane. AVX2 sums them in int16 and widens
+// once: maddubs saturates its pair sums to int16 and the adds wrap, neither of which codes
+// 0..15 times |q| <= 127 can reach (see above). AVX-VNNI's vpdpbusd adds a lane's four
+// products straight into int32. Each lane gets the same integer either way, so the
+// kernel's output is the same bit for bit.
+struct Avx2Dot {
+  // acc (int16 lanes) + the products of lo with qlo and of hi with qhi
+  static __m256i add(__m256i acc, __m256i lo, __m256i qlo, __m256i hi, __m256i qhi) {
+    return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, qlo), _mm256_maddubs_epi16(hi, qhi)));
+  }
+  static __m256i one(__m256i c, __m256i q) { return _mm256_maddubs_epi16(c, q); }
+  static __m256i lanes(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }  // -> int32
+};
+
+struct VnniDot {
+  __attribute__((target("avxvnni"))) static __m256i add(__m256i acc, __m256i lo, __m256i qlo, __m256i hi,
+                                                        __m256i qhi) {
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, qlo), hi, qhi);
+  }
+  __attribute__((target("avxvnni"))) static __m256i one(__m256i c, __m256i q) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), c, q);
+  }
+  static __m256i lanes(__m256i acc) { return acc; }
+};
+
 // R activation rows (at most kMaxTile) against one output row of Q4_1 weights; every row
 // gets the same sequence whatever R is. A t-block piece's t * 16 code bytes hold its first
 // t / 2 vectors in the low nibbles and the others in the high nibbles (t = 1: one vector,
-// bytes 0-15 low, 16-31 high).
-template <int R>
-void q4_1_tile(const int8_t* q, const float* scale, const float* qsum, int64_t K, int64_t np,
-               const uint8_t* cn, const uint16_t* dmn, float* y, int64_t N) {
+// bytes 0-15 low, 16-31 high). Inlined into q4_1_rows_avx2 / q4_1_rows_vnni, so that it
+// compiles for the caller's instruction set (VnniDot's steps only inline there).
+template <int R, class Dot>
+__attribute__((always_inline)) inline void q4_1_tile(const int8_t* q, const float* scale, const float* qsum,
+                                                     int64_t K, int64_t np, const uint8_t* cn, const uint16_t* dmn,
+                                                     float* y, int64_t N) {
   const int64_t nb = K / kBlock;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   int64_t slot = 0;
@@ -177,11 +208,11 @@ void q4_1_tile(const int8_t* q, const float* scale, const float* qsum, int64_t K
     _mm_prefetch(reinterpret_cast<const char*>(cp + kCodesAhead), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(cp + kCodesAhead + 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(dmn + 2 * slot) + kCodesAhead / 2, _MM_HINT_T0);
-    __m256i dot[R];  // int16 lanes: products of 2t inputs of one block each
+    __m256i dot[R];  // Dot's lanes: products of 2t inputs of one block each
     if (t == 1) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cp));
       const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-      for (int i = 0; i < R; ++i) dot[i] = _mm256_maddubs_epi16(c, load32(qp + i * K));
+      for (int i = 0; i < R; ++i) dot[i] = Dot::one(c, load32(qp + i * K));
     } else {
       const int h = t / 2;
       for (int i = 0; i < R; ++i) dot[i] = _mm256_setzero_si256();
@@ -191,15 +222,14 @@ void q4_1_tile(const int8_t* q, const float* scale, const float* qsum, int64_t K
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
         for (int i = 0; i < R; ++i) {
           const int8_t* qi = qp + i * K;
-          dot[i] = _mm256_add_epi16(dot[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, load32(qi + j * kBlock)),
-                                                             _mm256_maddubs_epi16(hi, load32(qi + (j + h) * kBlock))));
+          dot[i] = Dot::add(dot[i], lo, load32(qi + j * kBlock), hi, load32(qi + (j + h) * kBlock));
         }
       }
     }
     const __m256 d = load_halves(dmn + 2 * slot), m = load_halves(dmn + 2 * slot + kLanes);
     for (int i = 0; i < R; ++i) {
       const __m256 ds = _mm256_mul_ps(d, _mm256_loadu_ps(scale + i * np + slot));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dot[i], ones)), ds, acc[i]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dot::lanes(dot[i])), ds, acc[i]);
       acc[i] = _mm256_fmadd_ps(m, _mm256_loadu_ps(qsum + i * np + slot), acc[i]);
     }
     b += t;
@@ -241,15 +271,61 @@ void q8_0_tile(const int8_t* q, const float* scale, int64_t K, int64_t np, const
   for (int i = 0; i < R; ++i) y[i * N] = hsum8(acc[i]);
 }
 
-// Output rows split over torch's threads; per output row, the activation rows in tiles of
-// up to kMaxTile, so the row's weights come from memory once and from L1 for later tiles.
+// Output rows n0..n1-1 (a thread's share) against the M activation rows: per output row the
+// activation rows in tiles of up to kMaxTile, so the row's weights come from memory once
+// and from L1 for later tiles. Inlined, tile and all, into its caller (q4_1_rows_vnni
+// compiles it for AVX-VNNI).
 template <typename Tile>
-void over_rows(int64_t M, int64_t N, const Tile& tile) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t r = 0; r < M; r += kMaxTile) tile(n, r, std::min<int64_t>(kMaxTile, M - r));
+__attribute__((always_inline)) inline void tiles(int64_t n0, int64_t n1, int64_t M, const Tile& tile) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < M; r += kMaxTile) tile(n, r, std::min<int64_t>(kMaxTile, M - r));
+}
+
+// One q4_1_linear call's operands.
+struct Q4_1Call {
+  const int8_t* q;  // the activations as QuantRows holds them
+  const float *scale, *qsum;
+  const uint8_t* codes;  // [N, K/2]
+  const uint16_t* dm;    // [N, P, 2, 8] float16 bits
+  float* y;              // [M, N]
+  int64_t M, N, K, np;
+};
+
+// Output rows n0..n1-1 of a Q4_1 call, Dot's code products.
+template <class Dot>
+__attribute__((always_inline)) inline void q4_1_rows(const Q4_1Call& a, int64_t n0, int64_t n1) {
+  tiles(n0, n1, a.M, [&](int64_t n, int64_t r, int64_t rows) __attribute__((always_inline)) {
+    const int8_t* qr = a.q + r * a.K;
+    const float *sr = a.scale + r * a.np, *qsr = a.qsum + r * a.np;
+    const uint8_t* cn = a.codes + n * (a.K / 2);
+    const uint16_t* dmn = a.dm + n * a.np * 2;
+    float* yr = a.y + r * a.N + n;
+    switch (rows) {
+      case 1: q4_1_tile<1, Dot>(qr, sr, qsr, a.K, a.np, cn, dmn, yr, a.N); break;
+      case 2: q4_1_tile<2, Dot>(qr, sr, qsr, a.K, a.np, cn, dmn, yr, a.N); break;
+      case 3: q4_1_tile<3, Dot>(qr, sr, qsr, a.K, a.np, cn, dmn, yr, a.N); break;
+      default: q4_1_tile<4, Dot>(qr, sr, qsr, a.K, a.np, cn, dmn, yr, a.N); break;
+    }
   });
 }
+
+void q4_1_rows_avx2(const Q4_1Call& a, int64_t n0, int64_t n1) { q4_1_rows<Avx2Dot>(a, n0, n1); }
+
+__attribute__((target("avxvnni"))) void q4_1_rows_vnni(const Q4_1Call& a, int64_t n0, int64_t n1) {
+  q4_1_rows<VnniDot>(a, n0, n1);
+}
+
+// AVX-VNNI itself, not AVX512-VNNI: vpdpbusd's VEX encoding faults on CPUs that have only
+// the latter (Cascade Lake, Ice Lake server).
+bool cpu_has_avxvnni() {
+  __builtin_cpu_init();  // this runs among static initialisers, maybe before libgcc's
+  return __builtin_cpu_supports("avxvnni");
+}
+
+// The Q4_1 kernel's instruction set, chosen once when the extension loads;
+// set_q4_isa("avx2") forces the AVX2 step (tests and benchmarks compare the two).
+const bool kHasAvxVnni = cpu_has_avxvnni();
+std::atomic<bool> use_vnni{kHasAvxVnni};
 
 }  // namespace
 
@@ -263,26 +339,10 @@ torch::Tensor q4_1_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantRows& a = quantize_rows(x);
-  const int8_t* q = a.q.data();
-  const float* s = a.scale.data();
-  const float* qs = a.qsum.data();
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  const int64_t np = a.np;
-  over_rows(M, N, [&](int64_t n, int64_t r, int64_t rows) {
-    const int8_t* qr = q + r * K;
-    const float *sr = s + r * np, *qsr = qs + r * np;
-    const uint8_t* cn = c + n * (K / 2);
-    const uint16_t* dmn = h + n * np * 2;
-    float* yr = yp + r * N + n;
-    switch (rows) {
-      case 1: q4_1_tile<1>(qr, sr, qsr, K, np, cn, dmn, yr, N); break;
-      case 2: q4_1_tile<2>(qr, sr, qsr, K, np, cn, dmn, yr, N); break;
-      case 3: q4_1_tile<3>(qr, sr, qsr, K, np, cn, dmn, yr, N); break;
-      default: q4_1_tile<4>(qr, sr, qsr, K, np, cn, dmn, yr, N); break;
-    }
-  });
+  const Q4_1Call call{a.q.data(), a.scale.data(), a.qsum.data(), codes.data_ptr<uint8_t>(),
+                      reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K, a.np};
+  const auto rows = use_vnni.load(std::memory_order_relaxed) ? q4_1_rows_vnni : q4_1_rows_avx2;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows(call, n0, n1); });
   return y;
 }
 
@@ -305,21 +365,30 @@ torch::Tensor q8_0_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
   const uint16_t* h = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int64_t np = a.np;
-  over_rows(M, N, [&](int64_t n, int64_t r, int64_t rows) {
-    const int8_t* qr = q + r * K;
-    const float* sr = s + r * np;
-    const int8_t* cn = c + n * K;
-    const uint16_t* dn = h + n * np;
-    float* yr = yp + r * N + n;
-    switch (rows) {
-      case 1: q8_0_tile<1>(qr, sr, K, np, cn, dn, yr, N); break;
-      case 2: q8_0_tile<2>(qr, sr, K, np, cn, dn, yr, N); break;
-      case 3: q8_0_tile<3>(qr, sr, K, np, cn, dn, yr, N); break;
-      default: q8_0_tile<4>(qr, sr, K, np, cn, dn, yr, N); break;
-    }
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    tiles(n0, n1, M, [&](int64_t n, int64_t r, int64_t rows) {
+      const int8_t* qr = q + r * K;
+      const float* sr = s + r * np;
+      const int8_t* cn = c + n * K;
+      const uint16_t* dn = h + n * np;
+      float* yr = yp + r * N + n;
+      switch (rows) {
+        case 1: q8_0_tile<1>(qr, sr, K, np, cn, dn, yr, N); break;
+        case 2: q8_0_tile<2>(qr, sr, K, np, cn, dn, yr, N); break;
+        case 3: q8_0_tile<3>(qr, sr, K, np, cn, dn, yr, N); break;
+        default: q8_0_tile<4>(qr, sr, K, np, cn, dn, yr, N); break;
+      }
+    });
   });
   return y;
 }
+
+void set_q4_isa(const std::string& isa) {
+  TORCH_CHECK(isa == "avx2" || isa == "auto", "the Q4_1 kernel's ISA: avx2 or auto, not ", isa);
+  use_vnni = isa == "auto" && kHasAvxVnni;
+}
+
+std::string q4_isa() { return use_vnni ? "avxvnni" : "avx2"; }
 
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
   const torch::Tensor x = checked_x(x_in);

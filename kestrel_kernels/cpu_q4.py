@@ -11,7 +11,10 @@ scaled in float32 by the block's d * s. A row's result does not depend on the ot
 of the call (the kernels are batch-invariant), so a one-row decode step and a verify of
 several rows give a row the same bits.
 
-The kernels live in the CPU extension (kestrel_kernels/cpu_build.py).
+The kernels live in the CPU extension (kestrel_kernels/cpu_build.py). The Q4_1 kernel sums
+its code products with AVX-VNNI where the CPU has it, else with AVX2, chosen when the
+extension loads; both give the same bits. set_isa("avx2") forces AVX2 (tests and benchmarks
+compare the two), isa() says which runs.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 from kestrel_kernels.cpu_build import kernels
 
 __all__ = ["BLOCK", "Q4_1Weights", "Q8_0Weights", "quantize_q4_1", "quantize_q8_0", "q4_1_linear", "q4_1_linear_ref", "q8_0_linear",
-           "q8_0_linear_ref", "quantize_activations_ref"]
+           "q8_0_linear_ref", "quantize_activations_ref", "set_isa", "isa"]
 
 BLOCK = 32  # inputs per block: GGUF's Q4_1 and Q8_0
 LANES = 8  # int32 lanes of a vector: a piece's blocks (at most 8) share them, one scale slot each
@@ -170,8 +173,19 @@ def quantize_q8_0(w: torch.Tensor) -> Q8_0Weights:
     return Q8_0Weights(c.view(w.shape[0], -1)[:, L.perm].contiguous(), d[:, L.lane_block].contiguous())
 
 
+def set_isa(name: str) -> None:
+    """The Q4_1 kernel's code products, for every later call in this process (the decoder
+    stack's too): "auto" (AVX-VNNI where the CPU has it, the default) or "avx2"."""
+    kernels().set_q4_isa(name)
+
+
+def isa() -> str:
+    """The Q4_1 kernel's instruction set in use: "avxvnni" or "avx2"."""
+    return kernels().q4_isa()
+
+
 def q4_1_linear(x: torch.Tensor, w: Q4_1Weights) -> torch.Tensor:
-    """x [M, K] float32 -> x @ W.T [M, N] float32, the AVX2 kernel."""
+    """x [M, K] float32 -> x @ W.T [M, N] float32, the kernel (isa())."""
     return kernels().q4_1_linear(x, w.codes, w.dm)
 
 

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # kestrel_testing
 # Before any test module imports triton (actors import kestrel_kernels.spec_ops): without CUDA the
 # Triton kernels under test run in its interpreter, which is bound when they are decorated.
 import triton_interpreter  # noqa: E402,F401
-from kestrel_testing import mt_bench_first_turns  # noqa: E402
+from kestrel_testing import mt_bench_first_turns, q4_kernel_on  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -78,6 +78,25 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(params=["auto", "avx2"])
+def q4_isa(request):
+    """A test on each of the Q4_1 kernel's paths (AVX2 twice where the CPU lacks AVX-VNNI)
+    -> the instruction set it runs."""
+    from kestrel_kernels.cpu_q4 import isa
+    with q4_kernel_on(request.param):
+        yield isa()
+
+
+@pytest.fixture
+def avx_vnni() -> None:
+    """Skips a test where the Q4_1 kernel cannot run AVX-VNNI."""
+    from kestrel_kernels.cpu_q4 import isa
+    with q4_kernel_on("auto"):
+        if isa() != "avxvnni":
+            pytest.skip("the CPU lacks AVX-VNNI (no avx_vnni in /proc/cpuinfo): the Q4_1 kernel runs "
+                        "its AVX2 path only")
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,6 +29,18 @@ async def streamed_completion_text(client, model: str, prompt: str, max_tokens: 
             model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True):
         text += "".join(c.text for c in chunk.choices)
     return text
+
+
+@contextmanager
+def q4_kernel_on(name: str):
+    """The Q4_1 kernel on `name` ("avx2", or "auto": AVX-VNNI where the CPU has it) inside
+    the block, on auto again after it (the choice holds for the whole process)."""
+    from kestrel_kernels.cpu_q4 import set_isa
+    set_isa(name)
+    try:
+        yield
+    finally:
+        set_isa("auto")
 
 
 def assert_same_or_near_tie(hf_model, prompt, ours, theirs, tol=1e-4):

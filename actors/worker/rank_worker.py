@@ -111,6 +111,11 @@ class RankWorker:
         if loaded is None:
             loaded = self._load(spec)
         self.model, self.arch, draft_head = loaded
+        self.cpu_q4_isa = None  # packed: the Q4_1 kernel's instruction set, "avxvnni" or "avx2"
+        if self.cpu_weights == "packed":
+            from kestrel_kernels import cpu_q4
+            self.cpu_q4_isa = cpu_q4.isa()
+            log.info("rank %d: packed CPU weights, the Q4_1 kernel on %s", rank, self.cpu_q4_isa)
         small_rows_linear.set_enabled(self._small_rows(cfg))
         a = self.arch
         self.window = cfg.draft.window if spec else 1
@@ -433,7 +438,7 @@ class RankWorker:
                 "max_context": self.max_context, "window": self.window,
                 "vocab_size": self.arch.vocab_size, "eos_token_ids": list(self.arch.eos_token_ids),
                 "dtype": str(self.dtype), "device": str(self.device), "graph_capture": self.graph_capture,
-                "cpu_weights": self.cpu_weights,
+                "cpu_weights": self.cpu_weights, "cpu_q4_isa": self.cpu_q4_isa,
                 "memory": self.memory.as_dict() if self.memory is not None else None,
                 # Per draft shape (DraftConfig.shapes(), those captured), its step's seconds
                 # at each graph batch size, or without graphs at each eager_draft_cost_sizes

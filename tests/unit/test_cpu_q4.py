@@ -1,13 +1,17 @@
 """The block kernels (kestrel_kernels/cpu_q4.cpp) against their torch references: the
 activations' int8 codes bit for bit, the products to float32 rounding, each row's result
-independent of the other rows of the call, and GGUF blocks packed back exactly."""
+independent of the other rows of the call, and GGUF blocks packed back exactly. The Q4_1
+kernel's tests run on its AVX-VNNI and AVX2 paths (the q4_isa fixture), which give the same
+bits."""
 import numpy as np
 import pytest
 import torch
 
 from kestrel_kernels import cpu_build
-from kestrel_kernels.cpu_q4 import (BLOCK, q4_1_linear, q4_1_linear_ref, q8_0_linear, q8_0_linear_ref,
-                                    quantize_activations_ref, quantize_q4_1, quantize_q8_0)
+from kestrel_kernels.cpu_q4 import (BLOCK, Q4_1Weights, isa, q4_1_linear, q4_1_linear_ref, q8_0_linear,
+                                    q8_0_linear_ref, quantize_activations_ref, quantize_q4_1, quantize_q8_0,
+                                    set_isa)
+from kestrel_testing import q4_kernel_on
 
 pytestmark = pytest.mark.skipif(cpu_build.unavailable_reason() is not None,
                                 reason=f"the block kernels: {cpu_build.unavailable_reason()}")
@@ -21,7 +25,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # The kernels' pieces of a row: 9 blocks = 8 + 1, 7 = 4 + 2 + 1; 18 = 8 + 8 + 2 and 48:
 # SmolLM2's; 36 = 4 * 8 + 4: the draft head's fc.
 @pytest.mark.parametrize("rows,blocks", [(1, 9), (3, 9), (4, 18), (5, 48), (9, 2), (8, 7), (2, 36)])
-def test_q4_1_kernel_equals_reference(rows, blocks):
+def test_q4_1_kernel_equals_reference(q4_isa, rows, blocks):
     g = torch.Generator().manual_seed(rows * 100 + blocks)
     w = quantize_q4_1(torch.randn(67, blocks * BLOCK, generator=g))
     x = torch.randn(rows, blocks * BLOCK, generator=g)
@@ -57,7 +61,7 @@ def test_activation_codes_equal_the_reference_bit_for_bit():
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
+def test_a_rows_result_does_not_depend_on_the_other_rows(q4_isa, kind):
     """Batch invariance: row i alone and row i among 3, 4, 8 or 9 rows (different tiles of
     the kernel, different neighbours) give the same bits: what makes a verify of several
     rows and a one-row decode step agree."""
@@ -73,6 +77,47 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
             j = i % m
             others[j] = x[i]
             assert torch.equal(fn(others, w)[j], alone[i]), (m, i)
+
+
+# Rows from one up to past a tile (4); SmolLM2's 18 and 48 blocks, and 7 = 4 + 2 + 1 and
+# 9 = 8 + 1 for every piece size.
+@pytest.mark.parametrize("rows", [1, 3, 8, 32, 64])
+def test_q4_1_avx_vnni_equals_avx2_bit_for_bit(avx_vnni, rows):
+    g = torch.Generator().manual_seed(rows)
+    for blocks in (18, 48, 7, 9):
+        w = quantize_q4_1(torch.randn(70, blocks * BLOCK, generator=g))
+        x = torch.randn(rows, blocks * BLOCK, generator=g) * torch.logspace(-3, 2, rows)[:, None]
+        assert isa() == "avxvnni"
+        vnni = q4_1_linear(x, w)
+        with q4_kernel_on("avx2"):
+            assert isa() == "avx2"
+            avx2 = q4_1_linear(x, w)
+        assert torch.equal(vnni, avx2), blocks
+
+
+def test_q4_1_largest_products_do_not_saturate(q4_isa):
+    """Codes 15 against activation codes +-127 in every input: AVX2's int16 sums reach
+    8 * 2 * 15 * 127 in an 8-block piece, short of maddubs' saturation, so both paths give
+    the reference's exact integers."""
+    K, N = 9 * BLOCK, 3  # pieces of 8 and 1 blocks
+    L = quantize_q4_1(torch.zeros(N, K)).layout
+    codes = torch.full((N, K // 2), 0xFF, dtype=torch.uint8)  # [N, K/2]: every code 15
+    dm = torch.zeros(N, L.slots // 8, 2, 8, dtype=torch.float16)  # [N, P, 2, 8]: d = 1, m = 0
+    dm[:, :, 0] = 1
+    w = Q4_1Weights(codes, dm)
+    x = torch.full((2, K), 127.0)  # [2, K]: codes 127 with s = 1, then -127
+    x[1] = -127
+    out = q4_1_linear(x, w)  # sums below 2^24: exact in float32
+    assert torch.equal(out, q4_1_linear_ref(x, w))
+    assert out[:, 0].tolist() == [K * 15 * 127, -K * 15 * 127]
+
+
+def test_the_q4_1_kernels_isa_is_chosen_once_and_can_be_forced():
+    with q4_kernel_on("avx2"):
+        assert isa() == "avx2"
+    assert isa() in ("avxvnni", "avx2")  # auto: whichever this CPU runs
+    with pytest.raises(RuntimeError, match="avx2 or auto"):
+        set_isa("avx512")
 
 
 def test_gguf_blocks_pack_back_exactly():

@@ -9,6 +9,7 @@ from actors.models.eagle import load_eagle_head
 from actors.models.loader import build_model, default_model_path
 from actors.models.packed_cpu_weights import pack_draft_weights
 from kestrel_kernels.cpu_attention import paged_attention
+from kestrel_testing import q4_kernel_on
 
 
 def _attn(q, k, v, layer):
@@ -141,30 +142,45 @@ class _PagedAttn:
         return self.inputs if self.whole else None
 
 
-@pytest.mark.parametrize("tokens", [1, 4])
-def test_one_call_forward_equals_the_modules_bit_for_bit(packed_model, tokens):
-    """cpu_decoder.cpp runs the layers' kernels in the modules' order: the same hidden
-    states, captured streams and stored K/V, bit for bit, at a decode step's one row and a
-    verify's four."""
-    assert packed_model.stack is not None
-    a, g = packed_model.arch, torch.Generator().manual_seed(3)
-    prefix, slots = 6, 32
-    shape = (a.num_layers, slots, a.num_kv_heads, a.head_dim)
-    caches = torch.randn(2, *shape, generator=g)  # [2, L, slots, Hkv, D]: the prefix's K and V
+def _decode_forward(model, tokens: int, whole: bool) -> tuple:
+    """A decode or verify forward of `tokens` rows after a 6-token prefix (random K/V, fixed
+    seed), the layers in one call (whole) or module by module -> (hidden, the streams
+    captured at layers 0, 5 and the last, the caches after it)."""
+    a, g = model.arch, torch.Generator().manual_seed(3)
+    prefix = 6
+    shape = (a.num_layers, prefix + tokens, a.num_kv_heads, a.head_dim)
+    c = torch.randn(2, *shape, generator=g)  # [2, L, slots, Hkv, D]: the prefix's K and V
     kv_index = torch.arange(prefix + tokens)[None]  # [1, prefix + T] int64
     mask = torch.ones(1, 1, tokens, prefix + tokens, dtype=torch.bool).tril(prefix)  # causal over the new rows
     ids = torch.randint(0, a.vocab_size, (tokens,), generator=g)
     pos = torch.arange(prefix, prefix + tokens)
-    out = {}
+    inputs = PagedInputs(c[0], c[1], pos.clone(), kv_index, mask, torch.zeros(tokens, dtype=torch.int64),
+                         torch.arange(tokens), a.head_dim ** -0.5)
     with torch.inference_mode():
-        for whole in (True, False):
-            c = caches.clone()
-            inputs = PagedInputs(c[0], c[1], pos.clone(), kv_index, mask, torch.zeros(tokens, dtype=torch.int64),
-                                 torch.arange(tokens), a.head_dim ** -0.5)
-            hidden, aux = packed_model(ids, pos, _PagedAttn(inputs, whole), aux_layers=(0, 5, a.num_layers))
-            out[whole] = (hidden, *aux, c)
-    for fused, modules in zip(out[True], out[False]):
-        assert torch.equal(fused, modules)
+        hidden, aux = model(ids, pos, _PagedAttn(inputs, whole), aux_layers=(0, 5, a.num_layers))
+    return hidden, *aux, c
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_one_call_forward_equals_the_modules_bit_for_bit(packed_model, q4_isa, tokens):
+    """cpu_decoder.cpp runs the layers' kernels in the modules' order: the same hidden
+    states, captured streams and stored K/V, bit for bit, at a decode step's one row and a
+    verify's four, on each of the Q4_1 kernel's paths."""
+    assert packed_model.stack is not None
+    fused, modules = _decode_forward(packed_model, tokens, True), _decode_forward(packed_model, tokens, False)
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 32])
+def test_one_call_forward_on_avx_vnni_equals_avx2_bit_for_bit(packed_model, avx_vnni, tokens):
+    """The decoder stack's 30 layers with the Q4_1 kernel on AVX-VNNI and on AVX2: every
+    output the same bits."""
+    vnni = _decode_forward(packed_model, tokens, True)
+    with q4_kernel_on("avx2"):
+        avx2 = _decode_forward(packed_model, tokens, True)
+    for a, b in zip(vnni, avx2):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("arch", ["eagle", "eagle3"])
@@ -199,10 +215,12 @@ def test_auto_serves_packed_where_the_kernels_load_and_float_with_a_warning_else
     overrides = ["model.cpu_weights=auto", "draft.enabled=false", "kv_cache.num_slots=8192"]
     eng = LLMEngine(load_config(overrides=overrides), load_tokenizer=False)
     assert eng.workers[0].info()["cpu_weights"] == "packed"
+    assert eng.workers[0].info()["cpu_q4_isa"] in ("avxvnni", "avx2")
     assert eng.workers[0].model.kernel_switch is not None
     monkeypatch.setattr(cpu_build, "unavailable_reason", lambda: "no compiler (a test)")
     with caplog.at_level("WARNING", logger="kestrel.worker"):
         eng = LLMEngine(load_config(overrides=overrides), load_tokenizer=False)
     assert eng.workers[0].info()["cpu_weights"] == "float"
+    assert eng.workers[0].info()["cpu_q4_isa"] is None
     assert eng.workers[0].model.kernel_switch is None
     assert "cpu_weights=auto: the CPU kernels do not load (no compiler (a test))" in caplog.text
