@@ -12,8 +12,8 @@
 // L / (8 / t)), weights and activations alike. A piece's code products then add up per
 // lane without any horizontal step: for Q4_1 in int16 (at most 8 * 2 * 15 * 127 < 2^15)
 // before one madd to int32, or with AVX-VNNI in int32 at once, for Q8_0 in int32 after each
-// madd. Per piece the lanes are
-// scaled in float32 by their block's d * s (the scales are stored once per lane):
+// madd. Per piece the lanes are scaled in float32 by their block's d * s (the scales are
+// stored once per lane):
 //   Q4_1: y += sum over lanes (d * s) * sum(c * q) + m * (s * sum(q))
 //   Q8_0: y += sum over lanes (d * s) * sum(c * q)
 // Every output row is computed by the same instruction sequence whatever M is and whichever
