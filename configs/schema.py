@@ -88,8 +88,8 @@ class ModelConfig(_Strict):
     # activations (kestrel_kernels/cpu_q4.cpp, compiled by make setup or on first use; where
     # it cannot be built or run, packed is refused; the Q4_1 kernel sums its products with
     # AVX-VNNI where the CPU has it, chosen at run time, the same bits) in every decode and
-    # verify step, where a step then reads a quarter of the bytes; by a float GEMM on the same weights in
-    # prefill (bfloat16 where the CPU multiplies it natively, else float32). The kernels are
+    # verify step, where a step then reads a quarter of the bytes; by a float GEMM on the
+    # same weights in prefill (bfloat16 where the CPU multiplies it natively, else float32). The kernels are
     # batch-invariant, so a verify and a decode step give a row the same logits at any
     # batch size: speculation stays exactly lossless.
     # It applies on a CPU with dtype auto (float32 around the kernels), without
