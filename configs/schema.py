@@ -89,9 +89,9 @@ class ModelConfig(_Strict):
     # it cannot be built or run, packed is refused; the Q4_1 kernel sums its products with
     # AVX-VNNI where the CPU has it, chosen at run time, the same bits) in every decode and
     # verify step, where a step then reads a quarter of the bytes; by a float GEMM on the
-    # same weights in prefill (bfloat16 where the CPU multiplies it natively, else float32). The kernels are
-    # batch-invariant, so a verify and a decode step give a row the same logits at any
-    # batch size: speculation stays exactly lossless.
+    # same weights in prefill (bfloat16 where the CPU multiplies it natively, else
+    # float32). The kernels are batch-invariant, so a verify and a decode step give a row
+    # the same logits at any batch size: speculation stays exactly lossless.
     # It applies on a CPU with dtype auto (float32 around the kernels), without
     # model.quantization, parallel.dp_attention or scheduler.mixed_steps (whose decode rows
     # would take prefill's GEMM); elsewhere (a GPU, an explicit dtype, which asks for float
