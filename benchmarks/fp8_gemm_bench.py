@@ -50,18 +50,18 @@ def torch_ops_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> tor
 # The GEMV sweep: name -> config overrides ({}: default_config's). Without split_k, K is
 # split by default_config's rule for that tile; "nosplit" variants show what splitting buys.
 GEMV_CONFIGS = {
-    "default": {},
-    "n4k512": dict(block_n=4, block_k=512),
-    "n16k512": dict(block_n=16, block_k=512),
-    "n16k512w8": dict(block_n=16, block_k=512, num_warps=8),
-    "n8k1024": dict(block_n=8, block_k=1024),
-    "n32k256": dict(block_n=32, block_k=256),
-    "n8k256w2s4": dict(block_n=8, block_k=256, num_warps=2, num_stages=4),
-    "n8k512s5": dict(block_n=8, block_k=512, num_stages=5),
-    "n8k512nosplit": dict(block_n=8, block_k=512, split_k=1),
+    "default": {},  # the tensor-core kernel, 32 channels by 256 of K
+    "gemv_n8k512": dict(mma=False, block_n=8, block_k=512),  # the unrolled GEMV
+    "n4k512": dict(mma=False, block_n=4, block_k=512),
+    "n16k512": dict(mma=False, block_n=16, block_k=512),
+    "n16k512w8": dict(mma=False, block_n=16, block_k=512, num_warps=8),
+    "n8k1024": dict(mma=False, block_n=8, block_k=1024),
+    "n32k256": dict(mma=False, block_n=32, block_k=256),
+    "n8k256w2s4": dict(mma=False, block_n=8, block_k=256, num_warps=2, num_stages=4),
+    "n8k512s5": dict(mma=False, block_n=8, block_k=512, num_stages=5),
+    "mma_nosplit": dict(split_k=1),
     # The tensor-core kernel: 16 rows padded, tl.dot on fp16-widened tiles.
     "mma_n64k128": dict(mma=True, block_n=64, block_k=128),
-    "mma_n32k256": dict(mma=True, block_n=32, block_k=256),
     "mma_n128k128": dict(mma=True, block_n=128, block_k=128),
     "mma_n64k256w8": dict(mma=True, block_n=64, block_k=256, num_warps=8),
     "mma_n16k512": dict(mma=True, block_n=16, block_k=512),

@@ -8,7 +8,8 @@
 # 31.5k tokens (22800 words) one at a time: the long-context decode and its TTFT.
 # Needs Kestrel's bundle unstaged (source .stage/tools/unstage.sh) and, for vllm parts,
 # .peer/tools from vLLM's (benchmarks/h200_lease.sh copies it). SET="k=v ..." adds
-# overrides to the Kestrel part, VLLM_ARGS to vLLM's command line; TAG names either. The 72B
+# overrides to the Kestrel part, VLLM_ARGS to vLLM's command line; TAG names either;
+# LONG_WORDS=0 skips the long prompts. The 72B
 # shape is FP8 on both servers (vLLM: --quantization fp8, weights quantized at load); the 7B
 # in FP8: SET="model.quantization=fp8" TAG=-fp8 and VLLM_ARGS="--quantization fp8" TAG=-fp8.
 set -uo pipefail
@@ -21,7 +22,7 @@ name=qwen2.5-$size
 levels=${LEVELS:-1 8 64 256}
 sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 bench=(python3 -m benchmarks.http_bench --concurrency $levels --max-tokens 256 --prompt-words 750
-       --long-prompt-words 22800 --c1-prompts "${C1:-3}" --no-in-process --model "$name" --out "$out")
+       --long-prompt-words "${LONG_WORDS:-22800}" --c1-prompts "${C1:-3}" --no-in-process --model "$name" --out "$out")
 case $server in
   kestrel)
     timeout "${LIMIT:-560}" "${bench[@]}" --config "configs/h200-$size.yaml" "${sets[@]}" --name "kestrel-$size${TAG:-}" ;;

@@ -134,13 +134,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 8,
-                   block_k: int = 512, mma: bool = False) -> dict:
-    """The launch config for a weight [N, K] on a GPU of `sms` SMs: 8 channels by 512 bytes
-    of K a tile (4 warps: 32 bytes of weight per thread per iteration), K split in two, four,
-    ... while the programs fill the SMs fewer than four times and each split keeps at least
-    two tiles of K. A function of the shape only, not of M (see the module docstring).
-    Other tile sizes get their split by the same rule (the benchmark's sweep)."""
+def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 32,
+                   block_k: int = 256, mma: bool = True) -> dict:
+    """The launch config for a weight [N, K] on a GPU of `sms` SMs: the tensor-core kernel on
+    32 channels by 256 bytes of K a tile (flat from 1 to 16 rows, where the unrolled GEMV's
+    time grows with the rows: docs/benchmarks.md), K split in two, four, ... while the
+    programs fill the SMs fewer than four times and each split keeps at least two tiles of K.
+    A function of the shape only, not of M (see the module docstring). Other tile sizes get
+    their split by the same rule (the benchmark's sweep)."""
     block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))  # no wider than K
     n_blocks = -(-N // block_n)
     split = 1
