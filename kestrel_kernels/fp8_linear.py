@@ -5,8 +5,8 @@ y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n] + bias[n]
 
 On CUDA the product is one `torch._scaled_mm` (cuBLASLt / CUTLASS row-wise scaling, which
 needs a compute capability of 8.9 or more and writes bf16), or at few rows, where that GEMM
-is far from the bandwidth, the Triton GEMV of `triton_fp8_gemv.py` (rows up to
-`set_gemv_max_rows`, model.fp8_gemv_max_rows; off by default); elsewhere, and as the test
+is far from the bandwidth, the Triton kernel of `triton_fp8_gemv.py` (rows up to
+`set_gemv_max_rows`, model.fp8_gemv_max_rows; 16 by default); elsewhere, and as the test
 oracle, `fp8_linear_ref` dequantizes both operands to fp32 and multiplies. Both quantize the
 activations alike: the reference with torch ops (`quantize_rows`), CUDA with one Triton
 kernel whose codes and scales are bit-equal to them (`triton_fp8_quant.py`), so the two differ

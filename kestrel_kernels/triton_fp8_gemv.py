@@ -5,8 +5,14 @@
 
 At one to a few rows the layer is a read of the weight: cuBLASLt's row-scaled FP8 GEMM runs
 it as 128x128 tiles, far from the bandwidth (docs/benchmarks.md, "FP8 at one stream").
-Here each program owns BLOCK_N output channels and a slice of K: per iteration it loads a
-[BLOCK_N, BLOCK_K] weight tile (16-byte loads along K, which is contiguous), converts it to
+
+Two kernels share the tiling. The default (`mma`) pads the rows to 16 and multiplies each
+weight tile by them on the tensor cores: its time is flat from 1 to 16 rows. The unrolled
+GEMV (mma=False), described next, is a few percent faster at one row and grows with the
+rows; the benchmark's sweep keeps it for comparison.
+
+In the GEMV each program owns BLOCK_N output channels and a slice of K: per iteration it
+loads a [BLOCK_N, BLOCK_K] weight tile (16-byte loads along K, which is contiguous), converts it to
 fp32 (E4M3 values and their products are exact in fp32) and multiplies it by every row's
 [BLOCK_K] codes, so the weight is read once for all M rows. Each row's tile is summed into
 an fp32 accumulator of [M, BLOCK_N]; the rows are unrolled (M is a compile-time constant)

@@ -9,7 +9,7 @@ import torch
 import kestrel_kernels.fp8_linear as fp8_linear
 import kestrel_kernels.triton_fp8_gemv as kernels
 from kestrel_kernels.fp8_linear import fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows
-from kestrel_kernels.triton_fp8_gemv import default_config, fp8_gemv
+from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, default_config, fp8_gemv
 
 INTERPRETED, DEVICE, pytestmark = triton_setup(kernels, "_fp8_gemv_kernel")
 gpu_only = pytest.mark.skipif(DEVICE == "cpu", reason="model shapes: too slow in the interpreter")
@@ -138,7 +138,7 @@ def test_the_schema_setting():
     from pydantic import ValidationError
 
     from configs.schema import ModelConfig
-    assert ModelConfig().fp8_gemv_max_rows == 0
+    assert ModelConfig().fp8_gemv_max_rows == MAX_ROWS  # the kernel's whole range, on by default
     assert ModelConfig(fp8_gemv_max_rows=8).fp8_gemv_max_rows == 8
     with pytest.raises(ValidationError):
         ModelConfig(fp8_gemv_max_rows=17)
