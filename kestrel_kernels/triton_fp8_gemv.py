@@ -12,11 +12,11 @@ GEMV (mma=False), described next, is a few percent faster at one row and grows w
 rows; the benchmark's sweep keeps it for comparison.
 
 In the GEMV each program owns BLOCK_N output channels and a slice of K: per iteration it
-loads a [BLOCK_N, BLOCK_K] weight tile (16-byte loads along K, which is contiguous), converts it to
-fp32 (E4M3 values and their products are exact in fp32) and multiplies it by every row's
-[BLOCK_K] codes, so the weight is read once for all M rows. Each row's tile is summed into
-an fp32 accumulator of [M, BLOCK_N]; the rows are unrolled (M is a compile-time constant)
-so a row's sum takes the same steps whichever other rows are in the batch.
+loads a [BLOCK_N, BLOCK_K] weight tile (16-byte loads along K, which is contiguous),
+converts it to fp32 (E4M3 values and their products are exact in fp32) and multiplies it by
+every row's [BLOCK_K] codes, so the weight is read once for all M rows. Each row's tile is
+summed into an fp32 accumulator of [M, BLOCK_N]; the rows are unrolled (M is a compile-time
+constant) so a row's sum takes the same steps whichever other rows are in the batch.
 
 Where N / BLOCK_N programs would not fill the GPU a few times over, K is split SPLIT_K ways:
 each split writes its fp32 sums to a [SPLIT_K, M, N] buffer and a second kernel adds them
