@@ -43,39 +43,119 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// One query head q [D] over keys/values at `slots` (rows of [*, D] with row stride `stride`).
-void attend(const float* q, const float* kc, const float* vc, int64_t stride, const std::vector<int64_t>& slots,
-            int64_t D, float scale, std::vector<float>& p, float* out) {
-  const int64_t n = static_cast<int64_t>(slots.size());
-  p.assign(((n + 7) / 8) * 8, -INFINITY);
-  float top = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
+constexpr int kRows = 4;  // query rows of one request that share each key's loads
+
+// Scores p[j] = (q . k_j) * scale for keys [from, n) of `slots`, four keys at a time (four
+// independent FMA chains, each key's the same operations as alone); returns their maximum
+// with `top`.
+float scores_alone(const float* q, const float* kc, int64_t stride, const int64_t* slots, int64_t from, int64_t n,
+                   int64_t D, float scale, float* p, float top) {
+  int64_t j = from;
+  for (; j + 4 <= n; j += 4) {
+    const float *k0 = kc + slots[j] * stride, *k1 = kc + slots[j + 1] * stride,
+                *k2 = kc + slots[j + 2] * stride, *k3 = kc + slots[j + 3] * stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qd = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
+      a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
+      a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
+      a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+    }
+    p[j] = hsum8(a0) * scale;
+    p[j + 1] = hsum8(a1) * scale;
+    p[j + 2] = hsum8(a2) * scale;
+    p[j + 3] = hsum8(a3) * scale;
+    top = std::max(std::max(std::max(top, p[j]), std::max(p[j + 1], p[j + 2])), p[j + 3]);
+  }
+  for (; j < n; ++j) {
     const float* k = kc + slots[j] * stride;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
     p[j] = hsum8(acc) * scale;
     top = std::max(top, p[j]);
   }
+  return top;
+}
+
+// p[j] <- e^(p[j] - top) over [0, n), the padding lanes to n rounded up to 8 zeroed; returns
+// the lanes' sums.
+__m256 exponentiate(float* p, int64_t n, float top) {
   __m256 sum = _mm256_setzero_ps();
   const __m256 vtop = _mm256_set1_ps(top);
   for (int64_t j = 0; j < n; j += 8) {
-    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(&p[j]), vtop));
+    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vtop));
     if (n - j < 8) {  // the tail's padding lanes hold -inf: zero them, not 2^-126
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - j)), lane)));
     }
-    _mm256_storeu_ps(&p[j], e);
+    _mm256_storeu_ps(p + j, e);
     sum = _mm256_add_ps(sum, e);
   }
-  __m256 acc[kMaxHeadDim / 8];
-  for (int64_t d = 0; d < D / 8; ++d) acc[d] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const float* v = vc + slots[j] * stride;
-    const __m256 w = _mm256_set1_ps(p[j]);
-    for (int64_t d = 0; d < D / 8; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * d), acc[d]);
+  return sum;
+}
+
+// One query head for R rows of one request: row r's q [D] over its keys slots[r] (rows of
+// [*, D] with row stride `stride`) -> out[r] [D]. The first `shared` keys are every row's
+// own first keys (a verify's prefix): each is loaded once for all R rows. A row's output
+// takes the same operations in the same order as the row alone (R = 1, shared = 0), so it
+// does not depend on which rows it is grouped with.
+template <int R>
+void attend(const float* const* q, float* const* out, const std::vector<int64_t>* const* slots, int64_t shared,
+            const float* kc, const float* vc, int64_t stride, int64_t D, float scale, std::vector<float>* p) {
+  float top[R];
+  for (int r = 0; r < R; ++r) {
+    p[r].assign(((static_cast<int64_t>(slots[r]->size()) + 7) / 8) * 8, -INFINITY);
+    top[r] = -INFINITY;
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
-  for (int64_t d = 0; d < D / 8; ++d) _mm256_storeu_ps(out + 8 * d, _mm256_mul_ps(acc[d], inv));
+  const int64_t* common = slots[0]->data();
+  for (int64_t j = 0; j < shared; ++j) {
+    const float* k = kc + common[j] * stride;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kd = _mm256_loadu_ps(k + d);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), kd, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      p[r][j] = hsum8(acc[r]) * scale;
+      top[r] = std::max(top[r], p[r][j]);
+    }
+  }
+  __m256 inv[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = static_cast<int64_t>(slots[r]->size());
+    top[r] = scores_alone(q[r], kc, stride, slots[r]->data(), shared, n, D, scale, p[r].data(), top[r]);
+    inv[r] = _mm256_set1_ps(1.0f / hsum8(exponentiate(p[r].data(), n, top[r])));
+  }
+  // Weighted values, 16 columns at a time: each row's column sums run over its keys in
+  // order, the shared keys' value rows loaded once.
+  for (int64_t d = 0; d < D; d += 16) {
+    const bool two = d + 8 < D;
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < shared; ++j) {
+      const float* v = vc + common[j] * stride + d;
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = two ? _mm256_loadu_ps(v + 8) : v0;
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_set1_ps(p[r][j]);
+        a0[r] = _mm256_fmadd_ps(w, v0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(w, v1, a1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = static_cast<int64_t>(slots[r]->size());
+      const int64_t* own = slots[r]->data();
+      for (int64_t j = shared; j < n; ++j) {
+        const float* v = vc + own[j] * stride + d;
+        const __m256 w = _mm256_set1_ps(p[r][j]);
+        a0[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0[r]);
+        if (two) a1[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1[r]);
+      }
+      _mm256_storeu_ps(out[r] + d, _mm256_mul_ps(a0[r], inv[r]));
+      if (two) _mm256_storeu_ps(out[r] + d + 8, _mm256_mul_ps(a1[r], inv[r]));
+    }
+  }
 }
 
 }  // namespace
@@ -91,33 +171,63 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                   kv_index.is_contiguous() && mask.is_contiguous(),
               "kv_index: contiguous int64 [B, L]; mask: contiguous bool [B, 1, Q, L]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  const int64_t L = kv_index.size(1), Q = mask.size(2);
+  const int64_t B = kv_index.size(0), L = kv_index.size(1), Q = mask.size(2);
   TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim && k_cache.size(2) == D && H % Hkv == 0, "unsupported head sizes");
   TORCH_CHECK(q_batch.scalar_type() == torch::kInt64 && q_slot.scalar_type() == torch::kInt64 &&
                   q_batch.is_contiguous() && q_slot.is_contiguous(),
               "q_batch and q_slot must be contiguous int64 [T]");
-  const auto& qb = q_batch;
-  const auto& qs = q_slot;
   auto o = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   const int64_t* idx = kv_index.data_ptr<int64_t>();
   const bool* mk = mask.data_ptr<bool>();
-  const int64_t *bp = qb.data_ptr<int64_t>(), *sp = qs.data_ptr<int64_t>();
+  const int64_t *bp = q_batch.data_ptr<int64_t>(), *sp = q_slot.data_ptr<int64_t>();
   float* op = o.data_ptr<float>();
   const int64_t group = H / Hkv, stride = Hkv * D;
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> slots;
-    std::vector<float> p;
+  std::vector<std::vector<int64_t>> rows_of(B);  // each request's query tokens, in order
+  std::vector<std::vector<int64_t>> slots(T);  // each query token's keys, in order
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(bp[t] >= 0 && bp[t] < B, "q_batch out of range");
+    rows_of[bp[t]].push_back(t);
+    const bool* row = mk + (bp[t] * Q + sp[t]) * L;
+    const int64_t* keys = idx + bp[t] * L;
+    for (int64_t j = 0; j < L; ++j)
+      if (row[j]) slots[t].push_back(keys[j]);
+  }
+  // One task per request and query head: its rows share the keys' loads, kRows at a time.
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p[kRows];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / Hkv, g = task % Hkv, b = bp[t];
-      const bool* row = mk + (b * Q + sp[t]) * L;
-      slots.clear();
-      for (int64_t j = 0; j < L; ++j)
-        if (row[j]) slots.push_back(idx[b * L + j]);
-      for (int64_t h = g * group; h < (g + 1) * group; ++h)
-        attend(qp + (t * H + h) * D, kp + g * D, vp + g * D, stride, slots, D, static_cast<float>(scale), p,
-               op + (t * H + h) * D);
+      const int64_t b = task / H, h = task % H, g = h / group;
+      const std::vector<int64_t>& rows = rows_of[b];
+      for (size_t first = 0; first < rows.size(); first += kRows) {
+        const int R = static_cast<int>(std::min<size_t>(kRows, rows.size() - first));
+        const float* qr[kRows];
+        float* outr[kRows];
+        const std::vector<int64_t>* sr[kRows];
+        for (int r = 0; r < R; ++r) {
+          const int64_t t = rows[first + r];
+          qr[r] = qp + (t * H + h) * D;
+          outr[r] = op + (t * H + h) * D;
+          sr[r] = &slots[t];
+        }
+        int64_t shared = static_cast<int64_t>(sr[0]->size());  // the keys every row sees first
+        for (int r = 1; r < R; ++r) {
+          int64_t j = 0;
+          const int64_t n = std::min<int64_t>(shared, static_cast<int64_t>(sr[r]->size()));
+          while (j < n && (*sr[r])[j] == (*sr[0])[j]) ++j;
+          shared = j;
+        }
+        const float* kc = kp + g * D;
+        const float* vc = vp + g * D;
+        const float sc = static_cast<float>(scale);
+        switch (R) {
+          case 1: attend<1>(qr, outr, sr, 0, kc, vc, stride, D, sc, p); break;
+          case 2: attend<2>(qr, outr, sr, shared, kc, vc, stride, D, sc, p); break;
+          case 3: attend<3>(qr, outr, sr, shared, kc, vc, stride, D, sc, p); break;
+          default: attend<4>(qr, outr, sr, shared, kc, vc, stride, D, sc, p); break;
+        }
+      }
     }
   });
   return o;

@@ -34,7 +34,7 @@ def _batch(g, kv_lens, qlens, pad=0):
 
 
 @pytest.mark.parametrize("kv_lens,qlens", [([1], [1]), ([37, 5, 130], [1, 1, 1]), ([50, 9], [4, 4]),
-                                           ([20, 33], [7, 3])])
+                                           ([20, 33], [7, 3]), ([70, 12], [9, 1])])
 def test_kernel_equals_sdpa(kv_lens, qlens):
     g = torch.Generator().manual_seed(len(kv_lens) * 7 + sum(qlens))
     kc, vc = torch.randn(SLOTS, HKV, D, generator=g), torch.randn(SLOTS, HKV, D, generator=g)
@@ -62,4 +62,31 @@ def test_a_querys_output_does_not_depend_on_the_batch():
         others[0][0, :n] = kv_index[0, :n]
         qi = torch.cat([q[i:i + 1], torch.randn(2, H, D, generator=g)])
         alone = paged_attention(qi, kc, vc, *others, D ** -0.5)
+        assert torch.equal(alone[0], out[i]), i
+
+
+def test_a_tree_rows_output_does_not_depend_on_the_rows_beside_it():
+    """A tree verify of 9 rows (grouped four at a time, sharing the prefix's loads) against
+    each row alone over the same keys (the prefix, its ancestors, itself): the same bits."""
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(SLOTS, HKV, D, generator=g), torch.randn(SLOTS, HKV, D, generator=g)
+    P, parent = 45, [-1, 0, 0, 1, 1, 2, 3, 4, 7]
+    N = len(parent)
+    kv_index = torch.randperm(SLOTS, generator=g)[:P + N][None]  # [1, P + N]
+    mask = torch.zeros(1, 1, N, P + N, dtype=torch.bool)
+    mask[..., :P] = True
+    for i in range(N):
+        j = i
+        while j >= 0:  # the node and its ancestors
+            mask[0, 0, i, P + j] = True
+            j = parent[j]
+    q = torch.randn(N, H, D, generator=g)
+    rows = torch.arange(N)
+    out = paged_attention(q, kc, vc, kv_index, mask, torch.zeros(N, dtype=torch.int64), rows, D ** -0.5)
+    ref = paged_attention_ref(q, kc, vc, kv_index, mask, torch.zeros(N, dtype=torch.int64), rows, D ** -0.5)
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5)
+    for i in range(N):
+        keys = kv_index[0, mask[0, 0, i]][None]  # [1, n] this row's keys, in order
+        alone = paged_attention(q[i:i + 1], kc, vc, keys, torch.ones(1, 1, 1, keys.shape[1], dtype=torch.bool),
+                                torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), D ** -0.5)
         assert torch.equal(alone[0], out[i]), i
