@@ -48,17 +48,8 @@ if HAS_TRITON:
                          stride_om, k_per_split, M: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                          HAS_BIAS: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        # Channels past N re-read channel N-1 instead of being masked: the weight loads keep
-        # only the K mask (uniform over each 16-byte vector), and those columns are never stored.
-        rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-        w_ptrs = WQ + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
+        pid_k, offs_m, offs_n, offs_k, w_ptrs, k_start, k_end = _tile(
+            WQ, N, K, stride_wn, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k_ok = k0 + offs_k < k_end
@@ -76,20 +67,13 @@ if HAS_TRITON:
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
         """The same sums on the tensor cores: the rows padded to BLOCK_M (16) with zeros, both
         tiles widened to fp16 (exact: E4M3's 3 mantissa bits and 2^-9..448 fit) and multiplied
-        by tl.dot into fp32. An output
-        element's sum does not depend on the other rows' values, and BLOCK_M is the same at
-        every M, so a row's bits are the same alone or among fifteen others."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)  # past N: re-read channel N-1, not stored
+        by tl.dot into fp32. An output element's sum does not depend on the other rows' values,
+        and BLOCK_M is the same at every M, so a row's bits are the same alone or among
+        fifteen others."""
+        pid_k, offs_m, offs_n, offs_k, w_ptrs, k_start, k_end = _tile(
+            WQ, N, K, stride_wn, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
         m_ok = offs_m < M
         x_ptrs = XQ + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-        w_ptrs = WQ + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k_ok = k0 + offs_k < k_end
@@ -98,6 +82,24 @@ if HAS_TRITON:
             acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N] fp32
         _finish(acc, offs_m, offs_n, pid_k, M, N, XS, WS, BIAS, OUT, PART, stride_xs, stride_om,
                 SPLIT_K, HAS_BIAS)
+
+    @triton.jit
+    def _tile(WQ, N, K, stride_wn, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+        """This program's split of K, its rows, channels and K offsets, and its weight tile's
+        pointers [BLOCK_N, BLOCK_K]. Channels past N re-read channel N-1 instead of being
+        masked: the weight loads keep only the K mask (uniform over each 16-byte vector), and
+        those columns are never stored."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+        w_ptrs = WQ + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        return pid_k, offs_m, offs_n, offs_k, w_ptrs, k_start, k_end
 
     @triton.jit
     def _finish(acc, offs_m, offs_n, pid_k, M, N, XS, WS, BIAS, OUT, PART, stride_xs, stride_om,
