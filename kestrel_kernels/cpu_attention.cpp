@@ -160,46 +160,52 @@ void attend(const float* const* q, float* const* out, const std::vector<int64_t>
 
 }  // namespace
 
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& kv_index, const torch::Tensor& mask,
-                              const torch::Tensor& q_batch, const torch::Tensor& q_slot, double scale) {
+AttentionKeys attention_keys(const torch::Tensor& kv_index, const torch::Tensor& mask, const torch::Tensor& q_batch,
+                             const torch::Tensor& q_slot) {
+  TORCH_CHECK(kv_index.scalar_type() == torch::kInt64 && mask.scalar_type() == torch::kBool &&
+                  kv_index.is_contiguous() && mask.is_contiguous(),
+              "kv_index: contiguous int64 [B, L]; mask: contiguous bool [B, 1, Q, L]");
+  TORCH_CHECK(q_batch.scalar_type() == torch::kInt64 && q_slot.scalar_type() == torch::kInt64 &&
+                  q_batch.is_contiguous() && q_slot.is_contiguous(),
+              "q_batch and q_slot must be contiguous int64 [T]");
+  const int64_t T = q_batch.numel(), B = kv_index.size(0), L = kv_index.size(1), Q = mask.size(2);
+  const int64_t* idx = kv_index.data_ptr<int64_t>();
+  const bool* mk = mask.data_ptr<bool>();
+  const int64_t *bp = q_batch.data_ptr<int64_t>(), *sp = q_slot.data_ptr<int64_t>();
+  AttentionKeys keys{std::vector<std::vector<int64_t>>(B), std::vector<std::vector<int64_t>>(T)};
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(bp[t] >= 0 && bp[t] < B && sp[t] >= 0 && sp[t] < Q, "q_batch or q_slot out of range");
+    keys.rows_of[bp[t]].push_back(t);
+    const bool* row = mk + (bp[t] * Q + sp[t]) * L;
+    const int64_t* slots = idx + bp[t] * L;
+    for (int64_t j = 0; j < L; ++j)
+      if (row[j]) keys.slots[t].push_back(slots[j]);
+  }
+  return keys;
+}
+
+torch::Tensor paged_attention_over(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                   const AttentionKeys& keys, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q must be contiguous float32 [T, H, D]");
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3,
               "the K/V caches must be contiguous float32 [slots, Hkv, D]");
-  TORCH_CHECK(kv_index.scalar_type() == torch::kInt64 && mask.scalar_type() == torch::kBool &&
-                  kv_index.is_contiguous() && mask.is_contiguous(),
-              "kv_index: contiguous int64 [B, L]; mask: contiguous bool [B, 1, Q, L]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  const int64_t B = kv_index.size(0), L = kv_index.size(1), Q = mask.size(2);
+  const int64_t B = static_cast<int64_t>(keys.rows_of.size());
   TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim && k_cache.size(2) == D && H % Hkv == 0, "unsupported head sizes");
-  TORCH_CHECK(q_batch.scalar_type() == torch::kInt64 && q_slot.scalar_type() == torch::kInt64 &&
-                  q_batch.is_contiguous() && q_slot.is_contiguous(),
-              "q_batch and q_slot must be contiguous int64 [T]");
+  TORCH_CHECK(static_cast<int64_t>(keys.slots.size()) == T, "q has ", T, " tokens, the attention metadata ",
+              keys.slots.size());
   auto o = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  const int64_t* idx = kv_index.data_ptr<int64_t>();
-  const bool* mk = mask.data_ptr<bool>();
-  const int64_t *bp = q_batch.data_ptr<int64_t>(), *sp = q_slot.data_ptr<int64_t>();
   float* op = o.data_ptr<float>();
   const int64_t group = H / Hkv, stride = Hkv * D;
-  std::vector<std::vector<int64_t>> rows_of(B);  // each request's query tokens, in order
-  std::vector<std::vector<int64_t>> slots(T);  // each query token's keys, in order
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(bp[t] >= 0 && bp[t] < B, "q_batch out of range");
-    rows_of[bp[t]].push_back(t);
-    const bool* row = mk + (bp[t] * Q + sp[t]) * L;
-    const int64_t* keys = idx + bp[t] * L;
-    for (int64_t j = 0; j < L; ++j)
-      if (row[j]) slots[t].push_back(keys[j]);
-  }
   // One task per request and query head: its rows share the keys' loads, kRows at a time.
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p[kRows];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H, g = h / group;
-      const std::vector<int64_t>& rows = rows_of[b];
+      const std::vector<int64_t>& rows = keys.rows_of[b];
       for (size_t first = 0; first < rows.size(); first += kRows) {
         const int R = static_cast<int>(std::min<size_t>(kRows, rows.size() - first));
         const float* qr[kRows];
@@ -209,7 +215,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
           const int64_t t = rows[first + r];
           qr[r] = qp + (t * H + h) * D;
           outr[r] = op + (t * H + h) * D;
-          sr[r] = &slots[t];
+          sr[r] = &keys.slots[t];
         }
         int64_t shared = static_cast<int64_t>(sr[0]->size());  // the keys every row sees first
         for (int r = 1; r < R; ++r) {
@@ -231,4 +237,10 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     }
   });
   return o;
+}
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& kv_index, const torch::Tensor& mask,
+                              const torch::Tensor& q_batch, const torch::Tensor& q_slot, double scale) {
+  return paged_attention_over(q, k_cache, v_cache, attention_keys(kv_index, mask, q_batch, q_slot), scale);
 }

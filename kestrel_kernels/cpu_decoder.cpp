@@ -35,6 +35,7 @@ std::vector<torch::Tensor> PackedStack::forward(const torch::Tensor& x_in, const
     for (size_t j = 0; j < aux_layers.size(); ++j)
       if (aux_layers[j] == i) captured[j] = residual.defined() ? x + residual : x;
   };
+  const AttentionKeys keys = attention_keys(kv_index, mask, q_batch, q_slot);  // the same at every layer
   torch::Tensor x = x_in, residual;
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = layers_.data() + l * kPerLayer;
@@ -52,7 +53,7 @@ std::vector<torch::Tensor> PackedStack::forward(const torch::Tensor& x_in, const
       std::memcpy(kp + lp[t] * kv_width, ks + t * kv_width, kv_width * sizeof(float));
       std::memcpy(vp + lp[t] * kv_width, vs + t * qkv.stride(0), kv_width * sizeof(float));
     }
-    const torch::Tensor o = paged_attention(q, kc, vc, kv_index, mask, q_batch, q_slot, scale);  // [T, Hq, D]
+    const torch::Tensor o = paged_attention_over(q, kc, vc, keys, scale);  // [T, Hq, D]
     const torch::Tensor a = q4_1_linear(o.view({T, q_width}), w[3], w[4]);  // [T, H]
     n = add_rmsnorm(a, residual, w[5], eps_);
     residual = n[1];

@@ -15,6 +15,17 @@ void set_q4_isa(const std::string& isa);
 std::string q4_isa();  // "avxvnni" or "avx2": the one q4_1_linear uses now
 
 // cpu_attention.cpp
+// Which keys each query token sees, read once from the attention metadata (kv_index [B, L],
+// mask [B, 1, Q, L], q_batch and q_slot [T]): every layer of a forward reuses it.
+struct AttentionKeys {
+  std::vector<std::vector<int64_t>> rows_of;  // [B] each request's query tokens, in order
+  std::vector<std::vector<int64_t>> slots;  // [T] each query token's key slots, in order
+};
+AttentionKeys attention_keys(const torch::Tensor& kv_index, const torch::Tensor& mask, const torch::Tensor& q_batch,
+                             const torch::Tensor& q_slot);
+torch::Tensor paged_attention_over(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                   const AttentionKeys& keys, double scale);
+// attention_keys, then paged_attention_over.
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& kv_index, const torch::Tensor& mask,
                               const torch::Tensor& q_batch, const torch::Tensor& q_slot, double scale);
