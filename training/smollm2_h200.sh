@@ -1,49 +1,91 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M-Instruct head, as trained on two H200s on 2026-11-30 (training/README.md):
-# data generated with the engine on every GPU at once (one seed each), then two EAGLE-1
-# heads on the joined data, unrolled 3 steps: the shipped recipe (token loss weight 0.5,
-# the trainer's default) in OUT/eagle1, and the EAGLE paper's weight 0.1 in
-# OUT/eagle1-tw01 for comparison. With two GPUs each head has one; with one GPU they share
-# it. Each is measured with the engine on the held-out split and on the MT-bench first
-# turns. EAGLE-3 lost to EAGLE-1 in the 2026-11-30 runs (docs/benchmarks.md);
-# `--arch eagle3 --draft-vocab 4096` in place of the comparison's flags repeats that.
+# SmolLM2-135M-Instruct draft heads on the GPUs of one machine (training/README.md).
 #   usage: bash training/smollm2_h200.sh [OUT=runs/smollm2] [GEN_S=300] [TRAIN_S=960] [--set K=V ...]
+# Two stages (STAGES, default "data heads"), each of which fits one 10-minute device command
+# when GEN_S, or TRAIN_S plus about 3 minutes of evaluation, does:
+#   data   one generator per GPU (one seed each, batch 512, 70% greedy answers, since
+#          acceptance is measured on greedy decoding), prompts by MIX (--category-mix;
+#          default magpie=1, the recipe of the 2026-11-30 heads; "default" = the trainer's
+#          mix of chat, code, math, multi-turn, long and short prompts)
+#   heads  the heads named in HEADS (default "eagle1 eagle1-tw01", the shipped recipe and
+#          the EAGLE paper's token weight) trained on the joined data at once, head i on GPU
+#          i mod the GPU count, each for at most TRAIN_S seconds, then measured with the
+#          engine on GPU 0's held-out split and the MT-bench first turns (OUT/<head>/report.json,
+#          logs OUT/<head>.log). "shipped" is no training: the shipped head measured the same way.
+# EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement.
 set -euo pipefail
 out=${1:-runs/smollm2}
 gen_s=${2:-300}
 train_s=${3:-960}
 mkdir -p "$out"
 ngpu=$(nvidia-smi -L | wc -l)
-# Up to two processes share a GPU: each engine holds at most 45% of it.
+heads=(${HEADS:-eagle1 eagle1-tw01})
+mix=${MIX:-magpie=1}
+evals=${EVAL_SAMPLES:-48}
+eval_tokens=${EVAL_TOKENS:-256}
+# Processes sharing a GPU split its memory between their engines.
+per_gpu=$(( (${#heads[@]} + ngpu - 1) / ngpu ))
 engine=(--config configs/h200.yaml --set attention.backend=triton --set attention.plan_stream=false
-        --set kv_cache.memory_utilization=0.45
-        --set "attention.cuda_graph_batch_sizes=[1,2,4,8,16,32,64,128,256,512]" "${@:4}")
+        --set "attention.cuda_graph_batch_sizes=[1,2,4,8,16,32,64,128]"
+        --set scheduler.max_running_requests=128 "${@:4}")
 
-# 1. data: one generator per GPU, unseeded Magpie prompts as in that run (the default mix of
-#    categories came later); greedy responses are 70% because acceptance is measured
-#    on greedy decoding.
-pids=()
-for g in $(seq 0 $((ngpu - 1))); do
-  CUDA_VISIBLE_DEVICES=$g python -m training.train "${engine[@]}" --out "$out/data$g" --data-only \
-    --seed "$g" --samples 200000 --gen-batch 512 --gen-time-budget "$gen_s" --greedy-fraction 0.7 \
-    --category-mix magpie=1 \
-    > "$out/data$g.log" 2>&1 & pids+=($!)
+head_flags() {  # the trainer's options for one named head
+  case $1 in
+    eagle1)          echo --arch eagle ;;
+    eagle1-tw01)     echo --arch eagle --token-weight 0.1 ;;
+    eagle3)          echo --arch eagle3 --draft-vocab 8192 ;;
+    eagle3-v16k)     echo --arch eagle3 --draft-vocab 16384 ;;
+    eagle3-lmtarget) echo --arch eagle3 --draft-vocab 8192 --lm-head-init target ;;
+    eagle3-ttt3)     echo --arch eagle3 --draft-vocab 8192 --ttt-steps 3 ;;
+    *) echo "unknown head $1" >&2; return 2 ;;
+  esac
+}
+
+for h in "${heads[@]}"; do [ "$h" = shipped ] || head_flags "$h" > /dev/null || exit 2; done
+
+for stage in ${STAGES:-data heads}; do
+  case $stage in
+    data)
+      [ "$mix" = default ] && mix_flag=() || mix_flag=(--category-mix "$mix")
+      pids=()
+      for g in $(seq 0 $((ngpu - 1))); do
+        CUDA_VISIBLE_DEVICES=$g python -m training.train "${engine[@]}" --set scheduler.max_running_requests=512 \
+          --set "attention.cuda_graph_batch_sizes=[1,2,4,8,16,32,64,128,256,512]" \
+          --out "$out/data$g" --data-only --seed "$g" --samples 200000 --gen-batch 512 \
+          --gen-time-budget "$gen_s" --greedy-fraction 0.7 "${mix_flag[@]}" \
+          > "$out/data$g.log" 2>&1 & pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p"; done ;;
+    heads)
+      parts=()
+      for g in $(seq 0 $((ngpu - 1))); do parts+=("$out/data$g/data/train.jsonl"); done
+      for g in $(seq 1 $((ngpu - 1))); do parts+=("$out/data$g/data/eval.jsonl"); done  # only GPU 0's is held out
+      held="$out/data0/data/eval.jsonl"
+      share=(--set "kv_cache.memory_utilization=0.$(( 90 / per_gpu ))")
+      pids=()
+      for i in "${!heads[@]}"; do
+        h=${heads[$i]}
+        export CUDA_VISIBLE_DEVICES=$((i % ngpu))
+        if [ "$h" = shipped ]; then
+          mkdir -p "$out/shipped"
+          { python -m training.evaluate "${engine[@]}" "${share[@]}" --prompts "$held" --num-prompts "$evals" \
+              --max-tokens "$eval_tokens" --out "$out/shipped/heldout.json" &&
+            python -m training.evaluate "${engine[@]}" "${share[@]}" --no-baseline --max-tokens "$eval_tokens" \
+              --prompts benchmarks/data/mt_bench_questions.jsonl --out "$out/shipped/mt_bench.json"
+          } > "$out/shipped.log" 2>&1 & pids+=($!)
+          continue
+        fi
+        # The held-out split is GPU 0's (join_samples drops its prompts from training).
+        python -m training.train "${engine[@]}" "${share[@]}" $(head_flags "$h") --data "${parts[@]}" \
+          --eval-data "$held" --epochs 40 --train-time-budget "$train_s" --eval-samples "$evals" \
+          --eval-max-tokens "$eval_tokens" --eval-prompts benchmarks/data/mt_bench_questions.jsonl \
+          --eval-batch 128 --out "$out/$h" > "$out/$h.log" 2>&1 & pids+=($!)
+      done
+      unset CUDA_VISIBLE_DEVICES
+      status=0
+      for p in "${pids[@]}"; do wait "$p" || status=1; done
+      echo "heads done (status $status)"
+      [ $status = 0 ] || exit $status ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
 done
-for p in "${pids[@]}"; do wait "$p"; done
-parts=()
-for g in $(seq 0 $((ngpu - 1))); do parts+=("$out/data$g/data/train.jsonl"); done
-for g in $(seq 1 $((ngpu - 1))); do parts+=("$out/data$g/data/eval.jsonl"); done  # only GPU 0's is held out
-
-# 2. two heads; the held-out split is GPU 0's (join_samples drops its prompts from training)
-train=(--data "${parts[@]}" --eval-data "$out/data0/data/eval.jsonl" --arch eagle
-       --epochs 40 --train-time-budget "$train_s" --eval-samples 48 --eval-max-tokens 256
-       --eval-prompts benchmarks/data/mt_bench_questions.jsonl --eval-batch 128)
-pids=()
-CUDA_VISIBLE_DEVICES=0 python -m training.train "${engine[@]}" "${train[@]}" --out "$out/eagle1" \
-  > "$out/eagle1.log" 2>&1 & pids+=($!)
-CUDA_VISIBLE_DEVICES=$((ngpu - 1)) python -m training.train "${engine[@]}" "${train[@]}" --token-weight 0.1 \
-  --out "$out/eagle1-tw01" > "$out/eagle1-tw01.log" 2>&1 & pids+=($!)
-status=0
-for p in "${pids[@]}"; do wait "$p" || status=1; done
-echo "done (status $status)"
-exit $status
