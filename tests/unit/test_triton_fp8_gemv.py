@@ -137,8 +137,9 @@ def test_the_setting_routes_few_rows_to_the_gemv(routed):
 def test_the_schema_setting():
     from pydantic import ValidationError
 
-    from configs.schema import ModelConfig
-    assert ModelConfig().fp8_gemv_max_rows == MAX_ROWS  # the kernel's whole range, on by default
+    from configs.schema import ModelConfig, load_config
+    assert ModelConfig().fp8_gemv_max_rows == 0  # off unless a preset without a draft turns it on
+    assert load_config("configs/h200-72b.yaml").model.fp8_gemv_max_rows == MAX_ROWS
     assert ModelConfig(fp8_gemv_max_rows=8).fp8_gemv_max_rows == 8
     with pytest.raises(ValidationError):
         ModelConfig(fp8_gemv_max_rows=17)
