@@ -6,14 +6,15 @@ y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n] + bias[n]
 On CUDA the product is one `torch._scaled_mm` (cuBLASLt / CUTLASS row-wise scaling, which
 needs a compute capability of 8.9 or more and writes bf16), or at few rows, where that GEMM
 is far from the bandwidth, the Triton kernel of `triton_fp8_gemv.py` (rows up to
-`set_gemv_max_rows`, model.fp8_gemv_max_rows; 16 by default); elsewhere, and as the test
+`set_gemv_max_rows`, model.fp8_gemv_max_rows; off by default); elsewhere, and as the test
 oracle, `fp8_linear_ref` dequantizes both operands to fp32 and multiplies. Both quantize the
 activations alike: the reference with torch ops (`quantize_rows`), CUDA with one Triton
 kernel whose codes and scales are bit-equal to them (`triton_fp8_quant.py`), so the two differ
 only by the fp32 summation order and the final rounding. No host reads: the calls can be captured in a CUDA
-graph. Each row's scale depends on that row alone, so a token's output does not depend on
-the batch it runs in (speculative verify of N tokens and plain decode of one quantize it
-alike).
+graph. Each row's scale depends on that row alone, so speculative verify of N tokens and
+plain decode of one quantize a token alike; the sums are alike only where both take the
+same GEMM (the Triton kernel at any row count up to its limit, or cuBLASLt), which is why
+the kernel is refused with a draft (actors/worker/rank_worker.py).
 """
 from __future__ import annotations
 
