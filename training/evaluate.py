@@ -14,9 +14,11 @@ DEFAULT_SETTINGS = [("chain_k1_s3", 1, 3, 4), ("chain_k1_s5", 1, 5, 6), ("tree_k
                     ("tree_k8_s8_n32", 8, 8, 32)]
 
 
-def _free(engine) -> None:
+def release_device_memory() -> None:
+    """After the caller dropped its engine: collect it (its workers hold reference cycles)
+    and return its cached blocks, so the next engine's memory profile does not count them
+    as this process's weights."""
     import torch
-    del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -105,7 +107,8 @@ def eval_acceptance(cfg, draft_path: str | None, prompts: list[list[int]], *, to
             log.info("%s: mean accept length %s, %.1f tok/s", name, row["mean_accept_length"],
                      row["tokens_per_s"] or 0.0)
         out["settings"][name] = row
-        _free(engine)
+        del engine, reqs
+        release_device_memory()
     base = out["settings"].get("no_spec", {}).get("tokens_per_s")
     if base:
         for name, row in out["settings"].items():

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from actors.models.eagle import EagleHead, EagleSpec
 from actors.models.llama import LlamaForCausalLM
 from training.categories import CATEGORIES, DEFAULT_MIX, parse_mix
+from training.evaluate import release_device_memory
 from training.vocab import DraftVocab
 
 log = logging.getLogger("kestrel.training")
@@ -676,7 +677,7 @@ def main(argv: list[str] | None = None) -> dict:
                               eval_fraction=args.eval_fraction, seed=args.seed,
                               time_budget_s=args.gen_time_budget)
         del engine
-        _free_memory()
+        release_device_memory()
         train, held = ds.train, ds.eval
         save_jsonl(train, data_dir / "train.jsonl")
         save_jsonl(held, data_dir / "eval.jsonl")
@@ -746,7 +747,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["export"] = {"files": [f.name for f in files],
                         "bytes": {f.name: f.stat().st_size for f in files}}
     del trainer, res, head, target
-    _free_memory()
+    release_device_memory()
 
     # 5. acceptance with the real engine --------------------------------------------------------
     if not args.no_eval:
@@ -775,13 +776,6 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "report.json").write_text(json.dumps(report, indent=2))
     _print_summary(report, out)
     return report
-
-
-def _free_memory() -> None:
-    import gc
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _print_summary(report: dict, out: Path) -> None:

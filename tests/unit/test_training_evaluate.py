@@ -66,3 +66,32 @@ def test_read_eval_prompts_from_sample_files(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     prompts, cats = read_eval_prompts(str(path), tokenizer=None)
     assert prompts == [[5, 6], [9]] and cats == ["code", "magpie"]
+
+
+def test_each_engine_is_gone_before_the_next_is_built(tiny_llama_dir, tmp_path, monkeypatch):
+    """On a GPU the next engine's memory profile counts whatever this process still holds as
+    its weights: an engine kept alive by the loop left no room for the next one's KV."""
+    import gc
+    import weakref
+
+    from serve_app.engine import llm_engine
+    target, _ = build_model(tiny_llama_dir, torch.float32, "cpu")
+    head = init_head(make_spec(target.arch, "eagle", None), target, None, seed=3)
+    export_head(head, tmp_path / "head", torch.float32)
+    cfg = load_config(overrides=[f"model.path={tiny_llama_dir}", "model.dtype=float32", "device=cpu",
+                                 "kv_cache.num_slots=4096", "scheduler.max_running_requests=8"])
+    built: list[weakref.ref] = []
+    alive_at_build: list[int] = []
+
+    class Counted(llm_engine.LLMEngine):
+        def __init__(self, *a, **kw):
+            gc.collect()  # what the loop released is collected; what it still holds is not
+            alive_at_build.append(sum(r() is not None for r in built))
+            super().__init__(*a, **kw)
+            built.append(weakref.ref(self))
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", Counted)
+    settings = [s for s in DEFAULT_SETTINGS if s[0] in ("chain_k1_s3", "tree_k4_s5_n8")]
+    eval_acceptance(cfg, str(tmp_path / "head"), [[5, 6, 7]], tokenizer=None, settings=settings,
+                    max_tokens=4, baseline=True, progress=False)
+    assert alive_at_build == [0, 0, 0]
