@@ -209,6 +209,7 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
                              "responses_degenerate": 0, "responses_empty": 0,
                              "responses_aborted": 0, "prompts_aborted": 0, "samples_duplicate": 0}
     asked_by_category: dict[str, int] = {}
+    dropped_by_category: dict[str, dict[str, int]] = {}  # category -> stats key -> count
     seen_prompts: set[str] = set()
     seen_samples: set[tuple[int, ...]] = set()
     samples: list[dict] = []
@@ -218,10 +219,17 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
     asked_prompts = 0
     responses_pending = 0
 
-    def clean(text: str) -> bool:
+    def drop(reason: str, category: str | None) -> None:
+        """Count a prompt or response left out, overall and for its category: where a
+        category's share falls short of the mix, this says why."""
+        stats[reason] += 1
+        per = dropped_by_category.setdefault(category or "none", {})
+        per[reason] = per.get(reason, 0) + 1
+
+    def clean(text: str, category: str | None) -> bool:
         if contamination is None or contamination.keep(text):
             return True
-        stats["prompts_contaminated"] += 1
+        drop("prompts_contaminated", category)
         return False
 
     def ask_prompt(task: Task) -> None:
@@ -229,7 +237,7 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
         seed_ids = tokenizer.encode(task.seed, add_special_tokens=False) if task.seed else []
         ids = head + seed_ids
         if len(ids) + max_prompt_tokens > limit:
-            stats["prompts_too_long"] += 1
+            drop("prompts_too_long", task.category)
             return
         sp = SamplingParams(max_tokens=max_prompt_tokens, temperature=prompt_temperature,
                             stop_token_ids=[eot], seed=next(sub_seed))
@@ -240,7 +248,7 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
         nonlocal responses_pending
         ids = render_prompt(tokenizer, messages)
         if len(ids) > limit:
-            stats["prompts_too_long"] += 1
+            drop("prompts_too_long", category)
             return
         greedy = rng.random() < greedy_fraction
         sp = SamplingParams(max_tokens=max_response_tokens, stop_token_ids=[eot],
@@ -256,20 +264,20 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
         out = list(req.output_ids)
         ended = req.finish_reason == "stop" and bool(out)  # at end-of-turn (or EOS)
         if require_prompt_end and not ended:
-            stats["prompts_unfinished"] += 1  # ran into max_prompt_tokens: cut mid-thought
+            drop("prompts_unfinished", task.category)  # ran into max_prompt_tokens: cut mid-thought
             return
         text = tokenizer.decode(seed_ids + (out[:-1] if ended else out), skip_special_tokens=True).strip()
         if len(text) < min_prompt_chars:
-            stats["prompts_short"] += 1
+            drop("prompts_short", task.category)
             return
         if is_degenerate(out):
-            stats["prompts_degenerate"] += 1
+            drop("prompts_degenerate", task.category)
             return
         key = normalize_text(json.dumps(task.turns) + text)
         if key in seen_prompts:
-            stats["prompts_duplicate"] += 1
+            drop("prompts_duplicate", task.category)
             return
-        if not clean(text):
+        if not clean(text, task.category):
             return
         seen_prompts.add(key)
         ask_response("magpie", task.turns + [{"role": "user", "content": text}], task, task.category)
@@ -280,10 +288,10 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
         body = out[:-1] if out and out[-1] == eot else out
         answer = tokenizer.decode(body, skip_special_tokens=True).strip()
         if not answer:
-            stats["responses_empty"] += 1
+            drop("responses_empty", category)
             return
         if is_degenerate(out):
-            stats["responses_degenerate"] += 1
+            drop("responses_degenerate", category)
             return
         if task is not None and task.category == MULTITURN and not task.follow_up:
             # the first exchange of a conversation: the target now writes the user's next turn
@@ -291,7 +299,7 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
             return
         key = tuple(p + out)
         if key in seen_samples:
-            stats["samples_duplicate"] += 1
+            drop("samples_duplicate", category)
             return
         seen_samples.add(key)
         earlier = assistant_mask(tokenizer, messages, p, eot)
@@ -305,14 +313,15 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
     cats = list(user_categories or [])
     for i, p in enumerate(user_prompts or []):
         key = normalize_text(p if isinstance(p, str) else json.dumps(p, sort_keys=True))
+        cat = cats[i] if i < len(cats) else None
         if key in seen_prompts:
-            stats["prompts_duplicate"] += 1
+            drop("prompts_duplicate", cat or "user")
             continue
         texts = [p] if isinstance(p, str) else [m.get("content", "") for m in p if m.get("role") == "user"]
-        if not all(clean(t) for t in texts):
+        if not all(clean(t, cat or "user") for t in texts):
             continue
         seen_prompts.add(key)
-        users.append((p, cats[i] if i < len(cats) else None))
+        users.append((p, cat))
     rng.shuffle(users)
     for p, cat in users[:n_samples]:
         msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
@@ -336,8 +345,8 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
             break
         if deadline is not None and time.monotonic() > deadline:
             engine.abort_all()
-            for kind, _, _ in pending.values():
-                stats[f"{kind}s_aborted"] += 1
+            for kind, meta, _ in pending.values():
+                drop(f"{kind}s_aborted", meta[0].category if kind == "prompt" else meta[5])
             log.warning("time budget spent: %d prompts and %d responses unfinished",
                         stats["prompts_aborted"], stats["responses_aborted"])
             break
@@ -372,10 +381,12 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
                  generated_tokens=toks, generated_tokens_per_s=round(toks / max(elapsed, 1e-6)),
                  seconds=round(elapsed, 1), engine_steps=engine_step_summary(engine),
                  prompts_asked_by_category=asked_by_category,
+                 dropped_by_category=dropped_by_category,
                  categories=category_coverage(train, held))
     if contamination is not None:
         stats["contamination"] = contamination.report()
     log.info("coverage by category:\n%s", format_coverage(stats["categories"]))
+    log.info("left out by category: %s", json.dumps(dropped_by_category, sort_keys=True))
     if len(samples) < n_samples:
         log.warning("generated %d of %d samples requested", len(samples), n_samples)
     return Dataset(train, held, stats)

@@ -317,6 +317,12 @@ def test_generate_dataset_categories(wide_vocab_target, tokenizer):
     assert sum(c["train"] + c["eval"] for c in cov.values()) == len(rows)
     assert sum(c["assistant_tokens"] for c in cov.values()) == ds.stats["assistant_tokens"]
     assert cov["multiturn"]["train"] + cov["multiturn"]["eval"] >= 1
+    # what was left out, per category, adds up to the totals; the contaminated prompt was the
+    # user's, without a category
+    dropped = ds.stats["dropped_by_category"]
+    assert dropped["user"]["prompts_contaminated"] == 1
+    reasons = {r for per in dropped.values() for r in per}
+    assert reasons and all(sum(per.get(r, 0) for per in dropped.values()) == ds.stats[r] for r in reasons)
 
 
 def test_join_samples_drops_repeats_and_held_out_prompts():
