@@ -10,7 +10,8 @@
 #   heads  the heads named in HEADS (default "eagle1 eagle1-tw01", the shipped recipe and
 #          the EAGLE paper's token weight) trained on the joined data at once, head i on GPU
 #          i mod the GPU count, each for at most TRAIN_S seconds, then measured with the
-#          engine on GPU 0's held-out split and the MT-bench first turns (OUT/<head>/report.json,
+#          engine on GPU 0's held-out split, the MT-bench first turns and the fixed held-out
+#          prompts of benchmarks/data/smollm2_heldout_prompts.jsonl (OUT/<head>/report.json,
 #          logs OUT/<head>.log). "shipped" is no training: the shipped head measured the same way.
 # EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement.
 set -euo pipefail
@@ -22,6 +23,8 @@ ngpu=$(nvidia-smi -L | wc -l)
 heads=(${HEADS:-eagle1 eagle1-tw01})
 mix=${MIX:-magpie=1}
 evals=${EVAL_SAMPLES:-48}
+# Every head is also measured on these, and no generated prompt may copy one of them.
+eval_files=(benchmarks/data/mt_bench_questions.jsonl benchmarks/data/smollm2_heldout_prompts.jsonl)
 eval_tokens=${EVAL_TOKENS:-256}
 # Processes sharing a GPU split its memory between their engines.
 per_gpu=$(( (${#heads[@]} + ngpu - 1) / ngpu ))
@@ -52,7 +55,7 @@ for stage in ${STAGES:-data heads}; do
         CUDA_VISIBLE_DEVICES=$g python -m training.train "${engine[@]}" --set scheduler.max_running_requests=512 \
           --set "attention.cuda_graph_batch_sizes=[1,2,4,8,16,32,64,128,256,512]" \
           --out "$out/data$g" --data-only --seed "$g" --samples 200000 --gen-batch 512 \
-          --gen-time-budget "$gen_s" --greedy-fraction 0.7 "${mix_flag[@]}" \
+          --gen-time-budget "$gen_s" --greedy-fraction 0.7 "${mix_flag[@]}" --eval-only-prompts "${eval_files[@]}" \
           > "$out/data$g.log" 2>&1 & pids+=($!)
       done
       for p in "${pids[@]}"; do wait "$p"; done ;;
@@ -70,15 +73,17 @@ for stage in ${STAGES:-data heads}; do
           mkdir -p "$out/shipped"
           { python -m training.evaluate "${engine[@]}" "${share[@]}" --prompts "$held" --num-prompts "$evals" \
               --max-tokens "$eval_tokens" --out "$out/shipped/heldout.json" &&
-            python -m training.evaluate "${engine[@]}" "${share[@]}" --no-baseline --max-tokens "$eval_tokens" \
-              --prompts benchmarks/data/mt_bench_questions.jsonl --out "$out/shipped/mt_bench.json"
+            for f in "${eval_files[@]}"; do
+              python -m training.evaluate "${engine[@]}" "${share[@]}" --no-baseline --max-tokens "$eval_tokens" \
+                --prompts "$f" --out "$out/shipped/$(basename "$f" .jsonl).json" || exit 1
+            done
           } > "$out/shipped.log" 2>&1 & pids+=($!)
           continue
         fi
         # The held-out split is GPU 0's (join_samples drops its prompts from training).
         python -m training.train "${engine[@]}" "${share[@]}" $(head_flags "$h") --data "${parts[@]}" \
           --eval-data "$held" --epochs 40 --train-time-budget "$train_s" --eval-samples "$evals" \
-          --eval-max-tokens "$eval_tokens" --eval-prompts benchmarks/data/mt_bench_questions.jsonl \
+          --eval-max-tokens "$eval_tokens" --eval-prompts "${eval_files[@]}" \
           --eval-batch 128 --out "$out/$h" > "$out/$h.log" 2>&1 & pids+=($!)
       done
       unset CUDA_VISIBLE_DEVICES

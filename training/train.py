@@ -588,7 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("evaluation")
     e.add_argument("--no-eval", action="store_true")
     e.add_argument("--eval-samples", type=int, default=64, help="held-out prompts run through the engine")
-    e.add_argument("--eval-prompts", default=None, help="also evaluate on these prompts (JSONL: prompt/messages/turns)")
+    e.add_argument("--eval-prompts", nargs="+", default=[], metavar="JSONL",
+                   help="also evaluate on each of these prompt files (JSONL: prompt/messages/turns)")
     e.add_argument("--eval-max-tokens", type=int, default=256)
     e.add_argument("--eval-batch", type=int, default=None, help="concurrent eval requests (default: the config's)")
     return p
@@ -765,11 +766,11 @@ def main(argv: list[str] | None = None) -> dict:
             report["acceptance"]["heldout"] = eval_acceptance(
                 ev_cfg, str(out), prompts, tokenizer=tokenizer, categories=cats,
                 max_tokens=args.eval_max_tokens)
-        if args.eval_prompts:
+        for path in args.eval_prompts:
             from training.evaluate import read_eval_prompts
             tok = get_tokenizer()
-            extra, cats = read_eval_prompts(args.eval_prompts, tok)
-            report["acceptance"][Path(args.eval_prompts).stem] = eval_acceptance(
+            extra, cats = read_eval_prompts(path, tok)
+            report["acceptance"][Path(path).stem] = eval_acceptance(
                 ev_cfg, str(out), extra, tokenizer=tok, categories=cats, max_tokens=args.eval_max_tokens)
         report["seconds"]["eval"] = round(time.monotonic() - t0, 1)
     report["seconds"]["total"] = round(time.monotonic() - t_all, 1)
