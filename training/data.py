@@ -176,7 +176,8 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
                      response_temperature: float = 0.8, eval_fraction: float = 0.05,
                      min_eval: int = 1, require_prompt_end: bool = True, min_prompt_chars: int = 8,
                      seed: int = 0, max_prompt_factor: float = 4.0,
-                     time_budget_s: float | None = None, progress: bool = True) -> Dataset:
+                     time_budget_s: float | None = None, loop_check_tokens: int = 96,
+                     loop_check_every: int = 32, progress: bool = True) -> Dataset:
     """n_samples conversations (train + held-out) from the target behind `engine`.
 
     One pipeline keeps the engine full: the user's prompts (if any) are answered first;
@@ -189,7 +190,10 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
     answered too. Prompts that duplicate an evaluation prompt (`contamination`) are
     dropped. At most max_prompt_factor * n_samples first-turn prompts are asked for.
     time_budget_s bounds the whole generation; what is unfinished at the deadline is
-    dropped.
+    dropped. An answer that has fallen into a loop (`is_degenerate` once it holds
+    loop_check_tokens tokens, looked at every loop_check_every engine steps) is stopped
+    there and dropped, as it would be at its end: a loop runs to max_response_tokens, so
+    these answers took a quarter of a run's generated tokens while giving none.
     """
     from tqdm import tqdm
 
@@ -207,7 +211,8 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
                              "prompts_degenerate": 0, "prompts_duplicate": 0, "prompts_too_long": 0,
                              "prompts_contaminated": 0,
                              "responses_degenerate": 0, "responses_empty": 0,
-                             "responses_aborted": 0, "prompts_aborted": 0, "samples_duplicate": 0}
+                             "responses_aborted": 0, "prompts_aborted": 0, "samples_duplicate": 0,
+                             "responses_stopped_in_loop": 0}
     asked_by_category: dict[str, int] = {}
     dropped_by_category: dict[str, dict[str, int]] = {}  # category -> stats key -> count
     seen_prompts: set[str] = set()
@@ -218,6 +223,7 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
     pending: dict[str, tuple] = {}
     asked_prompts = 0
     responses_pending = 0
+    steps = 0
 
     def drop(reason: str, category: str | None) -> None:
         """Count a prompt or response left out, overall and for its category: where a
@@ -362,6 +368,17 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
                 before = len(samples)
                 on_response(meta, req)
                 bar.update(len(samples) - before)
+        steps += 1
+        if steps % loop_check_every == 0:
+            for rid, (kind, meta, req) in list(pending.items()):
+                out = req.output_ids
+                if kind == "response" and len(out) >= loop_check_tokens and is_degenerate(out):
+                    engine.abort(rid)  # its KV is freed now; no event follows
+                    del pending[rid]
+                    responses_pending -= 1
+                    toks += len(out)
+                    stats["responses_stopped_in_loop"] += 1
+                    drop("responses_degenerate", meta[5])
         bar.set_postfix(tok_s=f"{toks / max(time.monotonic() - t_start, 1e-6):.0f}",
                         steps=engine_step_summary(engine), refresh=False)
     bar.close()

@@ -398,3 +398,23 @@ def test_step_budget_is_re_measured_as_training_goes():
     assert fits[200] == 200 + int((100 - 43.0) / (23.0 / 190))
     frozen = StepBudget(1e9, clock=lambda: 0.0)
     assert frozen.fit(10, 10, planned=50) is None and frozen.fit(20, 20, planned=50) == 50
+
+
+def test_answers_in_a_loop_are_stopped_early(wide_vocab_target, tokenizer):
+    """A looping answer is cut once the loop shows and dropped, as the filter at its end
+    would have dropped it, so the same run generates fewer tokens. (The tiny random
+    target loops in every answer.)"""
+    from training.data import generate_dataset
+    users = [f"Tell me about topic number {i}." for i in range(8)]
+    runs = {}
+    for window in (24, 1000):  # 1000: past max_response_tokens, so never checked
+        eng = LLMEngine(tiny_cfg(wide_vocab_target), tokenizer=tokenizer)
+        runs[window] = generate_dataset(
+            eng, tokenizer, n_samples=8, max_prompt_tokens=8, max_response_tokens=160, user_prompts=users,
+            require_prompt_end=False, greedy_fraction=1.0, eval_fraction=0.0, seed=1, max_prompt_factor=1.0,
+            loop_check_tokens=window, loop_check_every=1, progress=False).stats
+        assert not eng.has_work  # the stopped requests left nothing behind
+    cut, full = runs[24], runs[1000]
+    assert full["responses_stopped_in_loop"] == 0 and full["responses_degenerate"] >= 8
+    assert cut["responses_stopped_in_loop"] == cut["responses_degenerate"] >= 8
+    assert cut["generated_tokens"] < full["generated_tokens"] / 2
