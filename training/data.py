@@ -133,23 +133,37 @@ def normalize_text(s: str) -> str:
     return re.sub(r"\s+", " ", s).strip().lower()
 
 
-def is_degenerate(ids: list[int], n: int = 4, min_distinct: float = 0.35, tail: int = 96,
-                  min_tail_distinct: float = 0.25, max_run: int = 16) -> bool:
-    """Repetitive token streams: few distinct n-grams overall or in the tail (a loop the
-    model fell into), or one token repeated max_run times in a row."""
+def _has_run(ids: list[int], max_run: int) -> bool:
+    """One token max_run times in a row."""
     run = 1
     for a, b in zip(ids, ids[1:]):
         run = run + 1 if a == b else 1
         if run >= max_run:
             return True
+    return False
 
-    def distinct(seq: list[int]) -> float:
-        grams = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)]
-        return len(set(grams)) / len(grams) if grams else 1.0
 
-    if len(ids) >= 4 * n and distinct(ids) < min_distinct:
-        return True
-    return len(ids) >= tail and distinct(ids[-tail:]) < min_tail_distinct
+def _distinct(seq: list[int], n: int) -> float:
+    """The share of distinct n-grams among seq's n-grams."""
+    grams = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def in_loop(ids: list[int], n: int = 4, tail: int = 96, min_tail_distinct: float = 0.25,
+            max_run: int = 16) -> bool:
+    """The stream's last `tail` tokens are a loop: few distinct n-grams, or one token
+    max_run times in a row. It reads the tail alone, so an answer can be checked as it is
+    written; what it finds, is_degenerate finds too."""
+    end = ids[-tail:]
+    return _has_run(end, max_run) or (len(end) >= tail and _distinct(end, n) < min_tail_distinct)
+
+
+def is_degenerate(ids: list[int], n: int = 4, min_distinct: float = 0.35, tail: int = 96,
+                  min_tail_distinct: float = 0.25, max_run: int = 16) -> bool:
+    """Repetitive token streams: few distinct n-grams overall or in the tail (a loop the
+    model fell into), or one token repeated max_run times in a row."""
+    return (_has_run(ids, max_run) or (len(ids) >= 4 * n and _distinct(ids, n) < min_distinct)
+            or in_loop(ids, n, tail, min_tail_distinct, max_run))
 
 
 # ---- engine driving -------------------------------------------------------------------------
@@ -177,7 +191,7 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
                      min_eval: int = 1, require_prompt_end: bool = True, min_prompt_chars: int = 8,
                      seed: int = 0, max_prompt_factor: float = 4.0,
                      time_budget_s: float | None = None, loop_check_tokens: int = 96,
-                     loop_check_every: int = 32, progress: bool = True) -> Dataset:
+                     loop_check_every: int = 64, progress: bool = True) -> Dataset:
     """n_samples conversations (train + held-out) from the target behind `engine`.
 
     One pipeline keeps the engine full: the user's prompts (if any) are answered first;
@@ -190,10 +204,12 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
     answered too. Prompts that duplicate an evaluation prompt (`contamination`) are
     dropped. At most max_prompt_factor * n_samples first-turn prompts are asked for.
     time_budget_s bounds the whole generation; what is unfinished at the deadline is
-    dropped. An answer that has fallen into a loop (`is_degenerate` once it holds
+    dropped. An answer whose last tokens are a loop (`in_loop`, once it holds
     loop_check_tokens tokens, looked at every loop_check_every engine steps) is stopped
-    there and dropped, as it would be at its end: a loop runs to max_response_tokens, so
-    these answers took a quarter of a run's generated tokens while giving none.
+    there and dropped, as is_degenerate would drop it at its end: a loop runs to
+    max_response_tokens, so these answers took about a quarter of a run's generated
+    tokens while giving none. The check reads each answer's tail alone, so it stays cheap
+    beside the engine's steps.
     """
     from tqdm import tqdm
 
@@ -372,7 +388,7 @@ def generate_dataset(engine, tokenizer, n_samples: int, max_prompt_tokens: int =
         if steps % loop_check_every == 0:
             for rid, (kind, meta, req) in list(pending.items()):
                 out = req.output_ids
-                if kind == "response" and len(out) >= loop_check_tokens and is_degenerate(out):
+                if kind == "response" and len(out) >= loop_check_tokens and in_loop(out):
                     engine.abort(rid)  # its KV is freed now; no event follows
                     del pending[rid]
                     responses_pending -= 1

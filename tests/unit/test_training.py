@@ -234,6 +234,17 @@ def test_degenerate_filter():
     assert not is_degenerate([7, 7, 7, 1, 2, 3])
 
 
+def test_in_loop_reads_the_tail_alone():
+    from training.data import in_loop, is_degenerate
+    diverse = list(range(1000, 1200))
+    looping = diverse + [1, 2, 3, 4, 5, 6] * 20  # the answer fell into a loop at its end
+    assert in_loop(looping) and is_degenerate(looping)
+    assert not in_loop(diverse) and not is_degenerate(diverse)
+    early_run = [9] * 20 + diverse  # a run long ago: the end is no loop, the whole is degenerate
+    assert not in_loop(early_run) and is_degenerate(early_run)
+    assert in_loop(diverse + [9] * 16)
+
+
 def test_generate_dataset_with_engine(wide_vocab_target, tokenizer):
     from training.data import generate_dataset, user_turn_prefix
     cfg = tiny_cfg(wide_vocab_target, "kv_cache.prefix_caching=true")
