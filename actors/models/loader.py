@@ -71,6 +71,12 @@ def read_arch(path: str) -> LlamaArch:
     return load_model_weights(path)[0]
 
 
+def serves_fp8(arch: LlamaArch, quantization: str) -> bool:
+    """Whether the target's decoder runs in FP8: model.quantization asks for it, or the
+    checkpoint stores FP8 weights whatever that says."""
+    return quantization == "fp8" or arch.quantization == "fp8"
+
+
 def build_model(
     path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     load_format: str = "auto", seed: int = 0, quantization: str = "none",
@@ -105,7 +111,7 @@ def build_model(
         arch, state = load_model_weights(path)  # headers only: tensors are read as copied
     else:
         raise ValueError(f"model.load_format={load_format!r} is not supported (auto, dummy)")
-    fp8 = quantization == "fp8" or arch.quantization == "fp8"
+    fp8 = serves_fp8(arch, quantization)
     if fp8 and cpu_weights == "packed":
         raise ValueError(f"{path} stores FP8 weights: model.cpu_weights=packed takes float "
                          "or GGUF checkpoints")

@@ -30,8 +30,7 @@ from actors.sampling.logprobs import asked_top, prompt_logprobs, top_logprobs
 from actors.worker.model_runner import ModelRunner
 from actors.sampling.output_counts import OutputCounts
 from actors.sampling.processing_table import ProcessingTable
-from actors.models.loader import build_model, default_model_path, read_arch
-from actors.models.fp8_linear import is_fp8
+from actors.models.loader import build_model, default_model_path, read_arch, serves_fp8
 from actors.sampling.sampler import sample_tokens, sampling_flags
 from actors.protocol.step_plan import StepOutput, StepPlan
 from configs.schema import KestrelConfig
@@ -112,13 +111,6 @@ class RankWorker:
         if loaded is None:
             loaded = self._load(spec)
         self.model, self.arch, draft_head = loaded
-        if spec and cfg.model.fp8_gemv_max_rows and is_fp8(self.model):
-            # Decode rows at or below R take the kernel and a verify's more rows cuBLASLt; the
-            # two sum in different orders, and a last-bit difference moves a token's FP8
-            # activation codes, so speculative output would leave plain output.
-            raise ValueError(f"model.fp8_gemv_max_rows={cfg.model.fp8_gemv_max_rows} with a draft: "
-                             "speculation is lossless with an FP8 target only when every row takes "
-                             "the same GEMM; set model.fp8_gemv_max_rows=0 or draft.enabled=false")
         self.cpu_q4_isa = None  # packed: the Q4_1 kernel's instruction set, "avxvnni" or "avx2"
         if self.cpu_weights == "packed":
             from kestrel_kernels import cpu_q4
@@ -390,7 +382,15 @@ class RankWorker:
         cfg, rank = self.cfg, self.rank
         path = cfg.model.path or default_model_path()
         t0 = time.time()
-        read_arch(path).check_context(cfg.model.max_model_len)  # before reading any weight
+        arch = read_arch(path)  # before reading any weight
+        arch.check_context(cfg.model.max_model_len)
+        if spec and cfg.model.fp8_gemv_max_rows and serves_fp8(arch, cfg.model.quantization):
+            # Decode rows at or below R take the kernel and a verify's more rows cuBLASLt; the
+            # two sum in different orders, and a last-bit difference moves a token's FP8
+            # activation codes, so speculative output would leave plain output.
+            raise ValueError(f"model.fp8_gemv_max_rows={cfg.model.fp8_gemv_max_rows} with a draft: "
+                             "speculation is lossless with an FP8 target only when every row takes "
+                             "the same GEMM; set model.fp8_gemv_max_rows=0 or draft.enabled=false")
         log.info("rank %d: loading %s (%s, %s)", rank, path, self.device, self.dtype)
         model, arch = build_model(path, self.dtype, self.device, cfg.model.load_format, cfg.seed,
                                   quantization=cfg.model.quantization,
