@@ -28,9 +28,13 @@ eval_files=(benchmarks/data/mt_bench_questions.jsonl benchmarks/data/smollm2_hel
 eval_tokens=${EVAL_TOKENS:-256}
 # Processes sharing a GPU split its memory between their engines.
 per_gpu=$(( (${#heads[@]} + ngpu - 1) / ngpu ))
-engine=(--config configs/h200.yaml --set attention.backend=triton --set attention.plan_stream=false
-        --set "attention.cuda_graph_batch_sizes=[1,2,4,8,16,32,64,128]"
-        --set scheduler.max_running_requests=128 "${@:4}")
+# Generation runs 512 answers at once; evaluation at most 128 (--eval-batch). Options after
+# TRAIN_S follow these settings, so they win over them.
+engine=(--config configs/h200.yaml --set attention.backend=triton --set attention.plan_stream=false)
+gen_engine=("${engine[@]}" --set scheduler.max_running_requests=512
+            --set "attention.cuda_graph_batch_sizes=[1,2,4,8,16,32,64,128,256,512]" "${@:4}")
+eval_engine=("${engine[@]}" --set scheduler.max_running_requests=128
+             --set "attention.cuda_graph_batch_sizes=[1,2,4,8,16,32,64,128]" "${@:4}")
 
 head_flags() {  # the trainer's options for one named head
   case $1 in
@@ -52,9 +56,8 @@ for stage in ${STAGES:-data heads}; do
       [ "$mix" = default ] && mix_flag=() || mix_flag=(--category-mix "$mix")
       pids=()
       for g in $(seq 0 $((ngpu - 1))); do
-        CUDA_VISIBLE_DEVICES=$g python -m training.train "${engine[@]}" --set scheduler.max_running_requests=512 \
-          --set "attention.cuda_graph_batch_sizes=[1,2,4,8,16,32,64,128,256,512]" \
-          --out "$out/data$g" --data-only --seed "$g" --samples 200000 --gen-batch 512 \
+        CUDA_VISIBLE_DEVICES=$g python -m training.train "${gen_engine[@]}" --out "$out/data$g" --data-only \
+          --seed "$g" --samples 200000 --gen-batch 512 \
           --gen-time-budget "$gen_s" --greedy-fraction 0.7 "${mix_flag[@]}" --eval-only-prompts "${eval_files[@]}" \
           > "$out/data$g.log" 2>&1 & pids+=($!)
       done
@@ -71,17 +74,17 @@ for stage in ${STAGES:-data heads}; do
         export CUDA_VISIBLE_DEVICES=$((i % ngpu))
         if [ "$h" = shipped ]; then
           mkdir -p "$out/shipped"
-          { python -m training.evaluate "${engine[@]}" "${share[@]}" --prompts "$held" --num-prompts "$evals" \
+          { python -m training.evaluate "${eval_engine[@]}" "${share[@]}" --prompts "$held" --num-prompts "$evals" \
               --max-tokens "$eval_tokens" --out "$out/shipped/heldout.json" &&
             for f in "${eval_files[@]}"; do
-              python -m training.evaluate "${engine[@]}" "${share[@]}" --no-baseline --max-tokens "$eval_tokens" \
+              python -m training.evaluate "${eval_engine[@]}" "${share[@]}" --no-baseline --max-tokens "$eval_tokens" \
                 --prompts "$f" --out "$out/shipped/$(basename "$f" .jsonl).json" || exit 1
             done
           } > "$out/shipped.log" 2>&1 & pids+=($!)
           continue
         fi
         # The held-out split is GPU 0's (join_samples drops its prompts from training).
-        python -m training.train "${engine[@]}" "${share[@]}" $(head_flags "$h") --data "${parts[@]}" \
+        python -m training.train "${eval_engine[@]}" "${share[@]}" $(head_flags "$h") --data "${parts[@]}" \
           --eval-data "$held" --epochs 40 --train-time-budget "$train_s" --eval-samples "$evals" \
           --eval-max-tokens "$eval_tokens" --eval-prompts "${eval_files[@]}" \
           --eval-batch 128 --out "$out/$h" > "$out/$h.log" 2>&1 & pids+=($!)

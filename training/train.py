@@ -766,8 +766,8 @@ def main(argv: list[str] | None = None) -> dict:
             report["acceptance"]["heldout"] = eval_acceptance(
                 ev_cfg, str(out), prompts, tokenizer=tokenizer, categories=cats,
                 max_tokens=args.eval_max_tokens)
+        from training.evaluate import read_eval_prompts
         for path in args.eval_prompts:
-            from training.evaluate import read_eval_prompts
             tok = get_tokenizer()
             extra, cats = read_eval_prompts(path, tok)
             report["acceptance"][Path(path).stem] = eval_acceptance(
