@@ -72,18 +72,54 @@ def ray_env(cfg: KestrelConfig) -> dict[str, str]:
 
 def local_ray_env(cfg: KestrelConfig) -> dict[str, str]:
     """ray_env for a Ray instance of this machine alone: HAProxy's own metrics and stats
-    listeners (9101 and 8404 on every interface by default) move to free ports, so a
-    second server on the same host (or the tests beside a server) can start; and HAProxy
-    dies with the Serve actor that started it (haproxy_with_parent.sh)."""
+    listeners (9101 and 8404 on every interface by default) move to free ports
+    (free_ports_below_ephemeral), so a second server on the same host (or the tests beside
+    a server) can start; and HAProxy dies with the Serve actor that started it
+    (haproxy_with_parent.sh)."""
     env = ray_env(cfg)
     if cfg.serve.http_proxy == "haproxy":
-        import socket
-        for key in ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT"):
-            with socket.socket() as s:
-                s.bind(("", 0))
-                env[key] = str(s.getsockname()[1])
+        ports = free_ports_below_ephemeral(2)
+        env["RAY_SERVE_HAPROXY_METRICS_PORT"], env["RAY_SERVE_HAPROXY_STATS_PORT"] = map(str, ports)
         env.update(_haproxy_with_parent())
     return env
+
+
+# Ray's workers listen on 10002-19999 by default; HAProxy's side ports go above them.
+_SIDE_PORTS_FROM = 20000
+
+
+def free_ports_below_ephemeral(n: int) -> list[int]:
+    """n ports free now, chosen between Ray's worker ports and the kernel's ephemeral range.
+
+    A port from bind(0) lies in the ephemeral range, where any process's bind(0) or
+    outgoing connection can take it in the seconds before HAProxy binds it: Ray starts
+    dozens of processes in that window, and HAProxy then fails with 'Address already in
+    use' and takes the server's start-up with it. Below the range only an explicit bind
+    can take a port."""
+    import random
+    import socket
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default; elsewhere the range is not known
+    candidates = list(range(_SIDE_PORTS_FROM, max(_SIDE_PORTS_FROM, ephemeral_low)))
+    random.shuffle(candidates)  # two servers starting together pick apart
+    ports: list[int] = []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    while len(ports) < n:  # nothing free below the range: the kernel's choice
+        with socket.socket() as s:
+            s.bind(("", 0))
+            ports.append(s.getsockname()[1])
+    return ports
 
 
 def _haproxy_with_parent() -> dict[str, str]:
