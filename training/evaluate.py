@@ -1,7 +1,6 @@
 """Acceptance of a trained head measured with the real engine (not a proxy metric)."""
 from __future__ import annotations
 
-import gc
 import logging
 import time
 
@@ -12,16 +11,6 @@ log = logging.getLogger("kestrel.training.eval")
 # 1.93x (heads/README.md).
 DEFAULT_SETTINGS = [("chain_k1_s3", 1, 3, 4), ("chain_k1_s5", 1, 5, 6), ("tree_k4_s5_n8", 4, 5, 8),
                     ("tree_k8_s8_n32", 8, 8, 32)]
-
-
-def release_device_memory() -> None:
-    """After the caller dropped its engine: collect it (its workers hold reference cycles)
-    and return its cached blocks, so the next engine's memory profile does not count them
-    as this process's weights."""
-    import torch
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def by_category(categories: list[str | None], accept_lengths: list[list[int]]) -> dict[str, dict]:
@@ -76,7 +65,7 @@ def eval_acceptance(cfg, draft_path: str | None, prompts: list[list[int]], *, to
     from tqdm import tqdm
 
     from configs.schema import DraftConfig
-    from serve_app.engine.llm_engine import LLMEngine
+    from serve_app.engine.llm_engine import LLMEngine, release_device_memory
     from serve_app.engine.request import SamplingParams
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from actors.models.eagle import EagleHead, EagleSpec
 from actors.models.llama import LlamaForCausalLM
 from training.categories import CATEGORIES, DEFAULT_MIX, parse_mix
-from training.evaluate import release_device_memory
 from training.vocab import DraftVocab
 
 log = logging.getLogger("kestrel.training")
@@ -655,7 +654,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["data"] = json.loads((data_dir / "stats.json").read_text()) if (data_dir / "stats.json").exists() else {}
         log.info("reusing %s (%d train, %d held-out samples)", data_dir, len(train), len(held))
     else:
-        from serve_app.engine.llm_engine import LLMEngine
+        from serve_app.engine.llm_engine import LLMEngine, release_device_memory
         from training.contamination import ContaminationFilter, build_index
         from training.data import read_prompt_rows
         gen_cfg = cfg.model_copy(deep=True)
@@ -747,6 +746,7 @@ def main(argv: list[str] | None = None) -> dict:
     files = export_head(res.head, out, getattr(torch, args.export_dtype))
     report["export"] = {"files": [f.name for f in files],
                         "bytes": {f.name: f.stat().st_size for f in files}}
+    from serve_app.engine.llm_engine import release_device_memory
     del trainer, res, head, target
     release_device_memory()
 

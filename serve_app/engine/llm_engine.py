@@ -12,6 +12,7 @@ not wait for the host between steps.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -137,3 +138,13 @@ class LLMEngine:
                 if ev.finished and progress is not None:
                     progress.update(1)
         return reqs
+
+
+def release_device_memory() -> None:
+    """After the caller dropped its engine: collect it (its workers hold reference cycles)
+    and return its cached blocks, so the next engine in this process (its memory profile,
+    or its KV cache on a GPU the last one filled) finds the memory free."""
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -15,6 +15,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
 
 
+@pytest.fixture(autouse=True)
+def _engines_released():
+    """Each test's engines go when it ends: their workers hold reference cycles, so without
+    a collection a dozen tests' KV caches and graph pools stayed on the GPU together and a
+    later engine ran out of memory on an 80 GB card."""
+    yield
+    from serve_app.engine.llm_engine import release_device_memory
+    release_device_memory()
+
+
 @pytest.fixture(scope="module")
 def fp32_ref(smollm_path):
     """The fp32 model on the GPU that judges bf16 near-ties."""
