@@ -88,6 +88,15 @@ def local_ray_env(cfg: KestrelConfig) -> dict[str, str]:
 _SIDE_PORTS_FROM = 20000
 
 
+def ephemeral_port_low() -> int:
+    """The first port the kernel hands out for bind(0) and outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere the range is not known
+
+
 def free_ports_below_ephemeral(n: int) -> list[int]:
     """n ports free now, chosen between Ray's worker ports and the kernel's ephemeral range.
 
@@ -98,12 +107,7 @@ def free_ports_below_ephemeral(n: int) -> list[int]:
     can take a port."""
     import random
     import socket
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768  # Linux's default; elsewhere the range is not known
-    candidates = list(range(_SIDE_PORTS_FROM, max(_SIDE_PORTS_FROM, ephemeral_low)))
+    candidates = list(range(_SIDE_PORTS_FROM, max(_SIDE_PORTS_FROM, ephemeral_port_low())))
     random.shuffle(candidates)  # two servers starting together pick apart
     ports: list[int] = []
     for port in candidates:

@@ -603,6 +603,7 @@ def main(argv: list[str] | None = None) -> dict:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     from actors.models.loader import build_model, default_model_path
     from configs.schema import ConfigError, load_config
+    from serve_app.engine.llm_engine import release_device_memory
     from training.data import (category_coverage, format_coverage, generate_dataset, join_samples,
                                load_jsonl, save_jsonl)
 
@@ -654,7 +655,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["data"] = json.loads((data_dir / "stats.json").read_text()) if (data_dir / "stats.json").exists() else {}
         log.info("reusing %s (%d train, %d held-out samples)", data_dir, len(train), len(held))
     else:
-        from serve_app.engine.llm_engine import LLMEngine, release_device_memory
+        from serve_app.engine.llm_engine import LLMEngine
         from training.contamination import ContaminationFilter, build_index
         from training.data import read_prompt_rows
         gen_cfg = cfg.model_copy(deep=True)
@@ -746,7 +747,6 @@ def main(argv: list[str] | None = None) -> dict:
     files = export_head(res.head, out, getattr(torch, args.export_dtype))
     report["export"] = {"files": [f.name for f in files],
                         "bytes": {f.name: f.stat().st_size for f in files}}
-    from serve_app.engine.llm_engine import release_device_memory
     del trainer, res, head, target
     release_device_memory()
 

@@ -7,16 +7,11 @@ from configs.schema import load_config
 from serve_app import app
 
 
-def _ephemeral_low() -> int:
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        return int(f.read().split()[0])
-
-
 def test_side_ports_are_free_distinct_and_below_the_ephemeral_range():
     ports = app.free_ports_below_ephemeral(2)
     assert len(set(ports)) == 2
     for port in ports:
-        assert app._SIDE_PORTS_FROM <= port < _ephemeral_low()
+        assert app._SIDE_PORTS_FROM <= port < app.ephemeral_port_low()
         with socket.socket() as s:
             s.bind(("", port))  # still free
 
@@ -28,29 +23,13 @@ def test_a_port_already_bound_is_skipped(monkeypatch):
         taken = held.getsockname()[1]
         # a range whose first port is the one held: the pick must step over it
         monkeypatch.setattr(app, "_SIDE_PORTS_FROM", taken)
-        monkeypatch.setattr(app, "open", lambda *_: _Range(taken + 50), raising=False)
+        monkeypatch.setattr(app, "ephemeral_port_low", lambda: taken + 50)
         ports = app.free_ports_below_ephemeral(2)
     assert taken not in ports
     assert all(taken < p < taken + 50 for p in ports)
 
 
-class _Range:
-    """A stand-in for /proc/sys/net/ipv4/ip_local_port_range starting at `low`."""
-
-    def __init__(self, low: int):
-        self.text = f"{low}\t{low + 1000}\n"
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def read(self):
-        return self.text
-
-
 def test_local_ray_env_gives_haproxy_those_ports():
     env = app.local_ray_env(load_config(overrides=["device=cpu", "serve.http_proxy=haproxy"]))
     for key in ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT"):
-        assert app._SIDE_PORTS_FROM <= int(env[key]) < _ephemeral_low()
+        assert app._SIDE_PORTS_FROM <= int(env[key]) < app.ephemeral_port_low()
