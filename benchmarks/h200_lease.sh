@@ -27,6 +27,8 @@
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
 #   census7b   the 7B shape's decode step per kernel (kernel_census.py): bf16 at 1 and 64
 #              streams, FP8 at 1, prompts of about 1k tokens                               ~200
+#   ttt        the draft trainer's TTT attention against its dense-mask reference
+#              (ttt_attention_bench.py, B=16, T=1024, 7 steps)                             ~30
 #   kestrel-7b, vllm-7b, kestrel-32b, vllm-32b, kestrel-72b, vllm-72b (FP8)
 #              random weights of the shape, plain decoding: benchmarks/h200_sizes.sh      ~200-300 each
 # LEVELS, REPEATS and MAX_TOKENS pass through to h200_http.sh for tree, plain and vllm.
@@ -123,6 +125,9 @@ for stage in "$@"; do
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 120 python3 benchmarks/attention_bench.py --prefill-chunk 8192 \
         --context 8192 16384 32768 >> "$work/attention.txt" 2>&1
       grep -E "ctx=(1024|32768)|prefill" "$work/attention.txt" | cut -c1-100 | tail -40 ;;
+    ttt)
+      timeout 200 python3 -m benchmarks.ttt_attention_bench --device cuda > "$work/ttt.txt" 2>&1
+      cat "$work/ttt.txt" ;;
     fp8gemm)
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/fp8_gemm_bench.py > "$work/fp8_gemm.txt" 2>&1
       tail -45 "$work/fp8_gemm.txt" ;;

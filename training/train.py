@@ -15,7 +15,7 @@ head's step-(k-1) output h_{k-1}[p] in place of a target feature, at RoPE positi
 it is scored against the target's distribution at p+1+k. Its query attends to the step-0
 keys at positions <= p (what draft extend left in the draft KV cache) plus the keys of
 its own chain's steps 1..k (its ancestors in the draft tree, and itself): a causal block
-followed by k diagonal blocks. This is exactly what the engine's draft decode sees along
+followed by k diagonal blocks (training/ttt_attention.py). This is exactly what the engine's draft decode sees along
 the accepted path, positions included. Step k's loss has weight step_decay**k.
 
 EAGLE-1/2 adds feature regression: smooth-L1 of h_k[p] against the target's feature at
@@ -40,67 +40,10 @@ import torch.nn.functional as F
 from actors.models.eagle import EagleHead, EagleSpec
 from actors.models.llama import LlamaForCausalLM
 from training.categories import CATEGORIES, DEFAULT_MIX, parse_mix
+from training.ttt_attention import CausalAttention, TTTAttention
 from training.vocab import DraftVocab
 
 log = logging.getLogger("kestrel.training")
-
-
-# ---- attention for training ----------------------------------------------------------------
-def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, Hkv, L, D] -> [B, Hkv*groups, L, D]: query head h reads kv head h // groups (HF)."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-class CausalAttention:
-    """Dense causal attention over B right-padded rows of T tokens, flattened to [B*T].
-    Padding sits after each row's tokens, so causality alone keeps it out of their view."""
-
-    def __init__(self, B: int, T: int):
-        self.B, self.T = B, T
-
-    def __call__(self, q, k, v, layer_id):
-        B, T, Hq, D = self.B, self.T, q.shape[1], q.shape[2]
-        q4 = q.view(B, T, Hq, D).transpose(1, 2)  # [B, Hq, T, D]
-        g = Hq // k.shape[1]
-        k4 = _expand_kv(k.view(B, T, -1, D).transpose(1, 2), g)  # [B, Hq, T, D]
-        v4 = _expand_kv(v.view(B, T, -1, D).transpose(1, 2), g)
-        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
-        return o.transpose(1, 2).reshape(B * T, Hq, D)
-
-
-class TTTAttention:
-    """The head's attention across unrolled steps (one instance per training batch).
-
-    Call n (n = 0, 1, ...) is TTT step n. Keys/values of every step are kept; step n's
-    query at chain p sees step-0 keys at positions <= p and the keys of steps 1..n at the
-    same chain p: mask [T, (n+1)T] = [tril | I | ... | I].
-    """
-
-    def __init__(self, B: int, T: int, device: torch.device):
-        self.B, self.T, self.device = B, T, device
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    def mask(self, n: int) -> torch.Tensor:
-        T = self.T
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        eye = torch.eye(T, dtype=torch.bool, device=self.device)
-        return torch.cat([causal] + [eye] * n, dim=1)  # [T, (n+1)T] bool
-
-    def __call__(self, q, k, v, layer_id):
-        B, T, Hq, D = self.B, self.T, q.shape[1], q.shape[2]
-        self.keys.append(k.view(B, T, -1, D))
-        self.values.append(v.view(B, T, -1, D))
-        n = len(self.keys) - 1
-        g = Hq // k.shape[1]
-        q4 = q.view(B, T, Hq, D).transpose(1, 2)  # [B, Hq, T, D]
-        k4 = _expand_kv(torch.cat(self.keys, 1).transpose(1, 2), g)  # [B, Hq, (n+1)T, D]
-        v4 = _expand_kv(torch.cat(self.values, 1).transpose(1, 2), g)
-        if n == 0:
-            o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
-        else:
-            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=self.mask(n))
-        return o.transpose(1, 2).reshape(B * T, Hq, D)
 
 
 def unroll(head: EagleHead, ids: torch.Tensor, feat: torch.Tensor, steps: int,
@@ -110,7 +53,7 @@ def unroll(head: EagleHead, ids: torch.Tensor, feat: torch.Tensor, steps: int,
     B, T = ids.shape
     dev = ids.device
     pos = torch.arange(T, device=dev).repeat(B)  # [B*T] int64
-    attn = TTTAttention(B, T, dev)
+    attn = TTTAttention(B, T)
     h_in, out = feat, []
     for k in range(steps):
         step_ids = torch.zeros_like(ids)  # [B, T] int64: t[p+1+k] at chain p, 0 past the end

@@ -130,7 +130,7 @@ def test_unrolled_steps_predict_engine_accept_lengths(trained, tiny_target, tiny
 
 
 def _causal(T):
-    from training.train import CausalAttention
+    from training.ttt_attention import CausalAttention
     return CausalAttention(1, T)
 
 
