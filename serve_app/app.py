@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from actors.ports import free_ports_below_ephemeral
 from configs.schema import AutoscalingConfig, KestrelConfig, load_config
 
 APP_NAME = "kestrel"
@@ -82,48 +83,6 @@ def local_ray_env(cfg: KestrelConfig) -> dict[str, str]:
         env["RAY_SERVE_HAPROXY_METRICS_PORT"], env["RAY_SERVE_HAPROXY_STATS_PORT"] = map(str, ports)
         env.update(_haproxy_with_parent())
     return env
-
-
-# Ray's workers listen on 10002-19999 by default; HAProxy's side ports go above them.
-_SIDE_PORTS_FROM = 20000
-
-
-def ephemeral_port_low() -> int:
-    """The first port the kernel hands out for bind(0) and outgoing connections."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default; elsewhere the range is not known
-
-
-def free_ports_below_ephemeral(n: int) -> list[int]:
-    """n ports free now, chosen between Ray's worker ports and the kernel's ephemeral range.
-
-    A port from bind(0) lies in the ephemeral range, where any process's bind(0) or
-    outgoing connection can take it in the seconds before HAProxy binds it: Ray starts
-    dozens of processes in that window, and HAProxy then fails with 'Address already in
-    use' and takes the server's start-up with it. Below the range only an explicit bind
-    can take a port."""
-    import random
-    import socket
-    candidates = list(range(_SIDE_PORTS_FROM, max(_SIDE_PORTS_FROM, ephemeral_port_low())))
-    random.shuffle(candidates)  # two servers starting together pick apart
-    ports: list[int] = []
-    for port in candidates:
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    while len(ports) < n:  # nothing free below the range: the kernel's choice
-        with socket.socket() as s:
-            s.bind(("", 0))
-            ports.append(s.getsockname()[1])
-    return ports
 
 
 def _haproxy_with_parent() -> dict[str, str]:

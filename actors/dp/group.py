@@ -21,11 +21,12 @@ nothing.
 from __future__ import annotations
 
 import re
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from actors.ports import free_ports_below_ephemeral
 
 __all__ = ["CollectiveFailed", "DPGroup", "find_free_port", "resolve_backend"]
 
@@ -46,11 +47,13 @@ def _collective(name: str, rank: int, fn, *args, **kwargs) -> None:
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (rank 0 publishes it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port for the group's rendezvous on ``host`` (rank 0 publishes it): free now,
+    and below the kernel's ephemeral range, so no outgoing connection or bind(0) of the
+    processes Ray starts meanwhile can take it before rank 0's TCPStore binds it.
+
+    It is checked on ``host`` (the address the other ranks connect to) and on every
+    address, since TCPStore listens on the wildcard address whatever host it is given."""
+    return free_ports_below_ephemeral(1, hosts=(host, ""))[0]
 
 
 def resolve_backend(backend: str = "auto") -> str:
