@@ -36,13 +36,14 @@ cd "$(dirname "$0")/.."
 levels=${LEVELS:-1 8 32 64}  # LEVELS="1 64" REPEATS=2: a shorter run when device time is short
 repeats=${REPEATS:-3}
 max_tokens=${MAX_TOKENS:-256}  # MAX_TOKENS=1024: runs long enough that the ramp-up is a small part
+# ROUNDS=4: each stream of a closed level sends 4 requests one after another (c streams kept busy)
 sampling=() suffix=""
 if [ "${3:-}" = sampled ]; then sampling=(--sampling '{"temperature": 0.7, "top_p": 0.9}'); suffix=-sampled; fi
 vllm_extra=()
 # SET="key=value ..." TAG=-x: config overrides for the kestrel parts, and a name suffix for them
 sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 tag=${TAG:-}
-load=(--concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats" ${HTTP_ONLY:+--no-in-process})
+load=(--concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats" --rounds "${ROUNDS:-1}" ${HTTP_ONLY:+--no-in-process})
 vllm_limit=270
 if [ "${3:-}" = openloop ] || [ "${3:-}" = both ]; then
   # 500 requests a rate: about 2 minutes of arrivals over the default rates; p99 is the 5th slowest.
@@ -52,7 +53,8 @@ if [ "${3:-}" = openloop ] || [ "${3:-}" = both ]; then
   load=("${open[@]}")
   vllm_limit=420  # its start-up and the sweep
   if [ "${3:-}" = both ]; then  # the closed levels, then the sweep, against one server start
-    load=(--concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats" --no-in-process "${open[@]}")
+    load=(--concurrency $levels --max-tokens "$max_tokens" --repeats "$repeats" --rounds "${ROUNDS:-1}" --no-in-process
+          "${open[@]}")
     vllm_limit=560
   fi
 fi

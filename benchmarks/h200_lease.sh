@@ -31,7 +31,7 @@
 #              (ttt_attention_bench.py, B=16, T=1024, 7 steps)                             ~30
 #   kestrel-7b, vllm-7b, kestrel-32b, vllm-32b, kestrel-72b, vllm-72b (FP8)
 #              random weights of the shape, plain decoding: benchmarks/h200_sizes.sh      ~200-300 each
-# LEVELS, REPEATS and MAX_TOKENS pass through to h200_http.sh for tree, plain and vllm.
+# LEVELS, REPEATS, ROUNDS and MAX_TOKENS pass through to h200_http.sh for tree, plain, vllm and load-*.
 set -uo pipefail
 out=$1; shift
 cd "$(dirname "$0")/.."

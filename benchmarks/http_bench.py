@@ -1,7 +1,7 @@
 """HTTP load benchmark: Kestrel over HTTP beside the same engine in-process, same prompts.
 
     python -m benchmarks.http_bench [--config configs/h200.yaml] [--set KEY=VALUE ...]
-        [--concurrency 1 8 32 64] [--max-tokens 256] [--c1-prompts 10] [--repeats 3] [--out DIR]
+        [--concurrency 1 8 32 64] [--max-tokens 256] [--c1-prompts 10] [--repeats 3] [--rounds 1] [--out DIR]
         [--sampling '{"temperature": 0.7, "top_p": 0.9}'] [--variant NAME=JSON ...]
     python -m benchmarks.http_bench --url http://127.0.0.1:8011 --name vllm   # any server
     python -m benchmarks.http_bench --tiny-model --concurrency 1 4 16 64 256  # CPU, control plane
@@ -12,7 +12,11 @@
 Starts `kestrel serve` with the config on a free port (unless --url names a running
 OpenAI-compatible server) and sends MT-bench first turns as streamed chat completions
 (greedy unless --sampling says otherwise, ignore_eos, stream_options.include_usage): concurrency 1 runs the first
---c1-prompts prompts one after another, concurrency c the first c at once. Per level it
+--c1-prompts prompts one after another, concurrency c the first c at once. With --rounds R
+each of the c streams sends R requests one after another (the next c prompts each round),
+as `vllm bench serve --max-concurrency c` does with R * c prompts: the level then measures
+c streams kept busy, and the first burst's admission and the last answers' tail weigh
+1/R as much (one round at 256-512 streams lasts 1-2 s, a fifth of it admission). Per level it
 reports tokens/s, TTFT p50/p99, TPOT (time per output token after the first) and the gap
 between streamed chunks (p50/p99), and for Kestrel the server's side read from /metrics:
 its own TTFT (from admission), engine steps per second and the per-step phases
@@ -154,7 +158,7 @@ def long_prompt(questions: list[str], i: int, words: int) -> str:
 
 def in_process(config: str | None, overrides: list[str], questions: list[str], levels: list[int],
                max_tokens: int, c1_prompts: int, repeats: int = 1,
-               samplings: list[dict | None] = (None,)) -> list[dict[int, dict]]:
+               samplings: list[dict | None] = (None,), rounds: int = 1) -> list[dict[int, dict]]:
     """Each sampling setting's levels on one in-process engine (loaded once) -> per setting,
     {level: the median run}."""
     from actors.worker.gc_pauses import frozen_heap
@@ -164,17 +168,19 @@ def in_process(config: str | None, overrides: list[str], questions: list[str], l
     eng = LLMEngine(load_config(config, overrides))
     prompts = [apply_chat_template(eng.tokenizer, [{"role": "user", "content": q}]) for q in questions]
     with frozen_heap("http_bench in-process", eng.cfg.serve.gc_freeze):
-        return [_in_process_levels(eng, prompts, sampling, levels, max_tokens, c1_prompts, repeats)
+        return [_in_process_levels(eng, prompts, sampling, levels, max_tokens, c1_prompts, repeats, rounds)
                 for sampling in samplings]
 
 
 def _in_process_levels(eng, prompts: list[str], sampling: dict | None, levels: list[int],
-                       max_tokens: int, c1_prompts: int, repeats: int) -> dict[int, dict]:
+                       max_tokens: int, c1_prompts: int, repeats: int, rounds: int = 1) -> dict[int, dict]:
     from serve_app.engine.request import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {}))
     out = {}
     for c in levels:
-        batches = [[p] for p in prompts[:c1_prompts]] if c == 1 else [prompts[:c]]
+        # a batch a round: the prompts the HTTP level's streams send in that round
+        batches = [[p] for p in prompts[:c1_prompts]] if c == 1 else \
+            [[prompts[(i + r * c) % len(prompts)] for i in range(c)] for r in range(rounds)]
         eng.generate(batches[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         runs = []
         for _ in range(repeats):
@@ -278,6 +284,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-in-process", action="store_true")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per level, HTTP and in-process alike; the median (by tok/s) is reported")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="requests each stream of a closed level sends one after another (c > 1)")
     ap.add_argument("--streams-per-client", type=int, default=16,
                     help="streams per client process (more streams: more processes)")
     ap.add_argument("--sampling", default=None, metavar="JSON",
@@ -324,14 +332,16 @@ def main(argv=None) -> None:
     name = args.name or ("kestrel-tiny" if args.tiny_model else "kestrel")
     qs = load_questions(Path(DATA), 80)
     # More streams than MT-bench has questions go round it again.
-    questions = [qs[i % len(qs)] for i in range(max(max(args.concurrency, default=1), args.c1_prompts))]
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    questions = [qs[i % len(qs)] for i in range(max(max(args.concurrency, default=1) * args.rounds, args.c1_prompts))]
     if args.prompt_words:
         questions = [long_prompt(qs, i, args.prompt_words) for i in range(len(questions))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"config": args.config, "overrides": args.set, "url": args.url, "prompt_words": args.prompt_words,
             "max_tokens": args.max_tokens, "c1_prompts": args.c1_prompts, "cpus": os.cpu_count(),
-            "repeats": args.repeats, "streams_per_client": args.streams_per_client}
+            "repeats": args.repeats, "rounds": args.rounds, "streams_per_client": args.streams_per_client}
     levels: dict[str, list[dict]] = {suffix: [] for suffix, _ in variants}
 
     def save() -> None:  # after every level: a run stopped at its time limit keeps its figures
@@ -355,7 +365,7 @@ def main(argv=None) -> None:
                 for suffix, samp in variants:
                     runs[suffix].append(asyncio.run(run_level(
                         url, args.model, questions, c, args.max_tokens, args.c1_prompts,
-                        args.streams_per_client, samp)))
+                        args.streams_per_client, samp, args.rounds)))
             for suffix, _ in variants:
                 lv = median_run(runs[suffix])
                 levels[suffix].append(lv)
@@ -391,7 +401,7 @@ def main(argv=None) -> None:
         return
     if args.url is None and not args.no_in_process:
         ips = in_process(args.config, overrides, questions, args.concurrency, args.max_tokens,
-                         args.c1_prompts, args.repeats, [samp for _, samp in variants])
+                         args.c1_prompts, args.repeats, [samp for _, samp in variants], args.rounds)
         for (suffix, _), ip in zip(variants, ips):
             for lv in levels[suffix]:
                 lv["in_process"] = ip[lv["concurrency"]]

@@ -86,18 +86,31 @@ async def _sent(session, url: str, model: str, item: str | dict, max_tokens: int
     return {**row, "lag": sent - due, "end": time.time()}
 
 
-async def run_jobs(session, url: str, model: str, jobs: list[tuple[float, str | dict, int]],
+async def _stream(session, url: str, model: str, items: list, max_tokens: int, extra: dict | None,
+                  due: float, keep_errors: bool) -> list[dict]:
+    """A closed stream: its requests one after another, each sent when the one before ends."""
+    rows = []
+    for j, item in enumerate(items):
+        rows.append(await _sent(session, url, model, item, max_tokens, extra, due if j == 0 else time.time(),
+                                keep_errors))
+    return rows
+
+
+async def run_jobs(session, url: str, model: str, jobs: list[tuple[float, str | dict | list, int]],
                    extra: dict | None, start_at: float, keep_errors: bool = False) -> list[dict]:
     """Each job (offset s, request, max_tokens) sent at wall-clock start_at + offset whether or
-    not the earlier ones have finished; the rows in the jobs' order."""
+    not the earlier ones have finished; a job whose request is a list is a closed stream of
+    those requests (`_stream`). The rows in the jobs' order (a stream's in its order)."""
     tasks = []
     for offset, item, max_tokens in jobs:
         delay = start_at + offset - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(_sent(session, url, model, item, max_tokens, extra,
-                                               start_at + offset, keep_errors)))
-    return await asyncio.gather(*tasks)
+        send = _stream(session, url, model, item, max_tokens, extra, start_at + offset, keep_errors) \
+            if isinstance(item, list) else _sent(session, url, model, item, max_tokens, extra,
+                                                  start_at + offset, keep_errors)
+        tasks.append(asyncio.create_task(send))
+    return [row for done in await asyncio.gather(*tasks) for row in (done if isinstance(done, list) else [done])]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -192,7 +205,8 @@ def _client_process(conn, url: str, model: str, jobs: list[tuple[float, str | di
     jobs from the wall-clock time the parent sends, and send back (rows, end time)."""
     async def run() -> None:
         async with client_session(len(jobs)) as session:
-            await asyncio.gather(*(one_request(session, url, model, item, 4, extra) for _, item, _ in jobs[:warm]))
+            await asyncio.gather(*(one_request(session, url, model, item[0] if isinstance(item, list) else item, 4, extra)
+                                   for _, item, _ in jobs[:warm]))
             conn.send("ready")
             start_at = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
             rows = await run_jobs(session, url, model, jobs, extra, start_at, keep_errors)
@@ -243,13 +257,23 @@ async def run_in_processes(url: str, model: str, shares: list[list[tuple[float, 
     return rows, seconds, before, after
 
 
+def stream_questions(questions: list[str], concurrency: int, rounds: int) -> list[list[str]]:
+    """Stream i's questions over `rounds` rounds: i, i + c, i + 2c, ... (the list cycled)."""
+    return [[questions[(i + r * concurrency) % len(questions)] for r in range(rounds)] for i in range(concurrency)]
+
+
 async def run_level(url: str, model: str, questions: list[str], concurrency: int,
                     max_tokens: int, c1_prompts: int, streams_per_client: int = 16,
-                    extra: dict | None = None) -> dict:
+                    extra: dict | None = None, rounds: int = 1) -> dict:
+    """One closed level: `concurrency` streams started together, each sending `rounds`
+    requests one after another (so the level holds that many streams busy past the first
+    burst's admission and the last answers' tail), or at concurrency 1 the first c1_prompts
+    questions one after another."""
     procs = max(1, math.ceil(concurrency / streams_per_client)) if concurrency > 1 else 1
+    streams = stream_questions(questions, concurrency, rounds) if concurrency > 1 else []
     async with client_session(concurrency) as session:
         if procs > 1:
-            jobs = [(0.0, q, max_tokens) for q in questions[:concurrency]]
+            jobs = [(0.0, qs if rounds > 1 else qs[0], max_tokens) for qs in streams]
             per = math.ceil(len(jobs) / procs)
             shares = [jobs[i:i + per] for i in range(0, len(jobs), per)]
             rows, seconds, before, after = await run_in_processes(url, model, shares, session, extra)
@@ -264,12 +288,12 @@ async def run_level(url: str, model: str, questions: list[str], concurrency: int
                 rows = [await one_request(session, url, model, q, max_tokens, extra)
                         for q in questions[:c1_prompts]]
             else:
-                rows = await asyncio.gather(*(one_request(session, url, model, q, max_tokens, extra)
-                                              for q in questions[:concurrency]))
+                rows = await run_jobs(session, url, model, [(0.0, qs, max_tokens) for qs in streams], extra,
+                                      time.time())
             seconds = time.perf_counter() - t0
             after = await scrape(session, url)
-    return {"concurrency": concurrency, "client_processes": procs, **summarize(rows, seconds),
-            "server": server_side(before, after, seconds)}
+    return {"concurrency": concurrency, "client_processes": procs, "rounds": rounds if concurrency > 1 else 1,
+            **summarize(rows, seconds), "server": server_side(before, after, seconds)}
 
 
 def median_run(runs: list[dict]) -> dict:
