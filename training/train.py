@@ -40,20 +40,20 @@ import torch.nn.functional as F
 from actors.models.eagle import EagleHead, EagleSpec
 from actors.models.llama import LlamaForCausalLM
 from training.categories import CATEGORIES, DEFAULT_MIX, parse_mix
-from training.ttt_attention import CausalAttention, TTTAttention
+from training.ttt_attention import CausalAttention, TTTAttention, ttt_attention, ttt_attention_dense
 from training.vocab import DraftVocab
 
 log = logging.getLogger("kestrel.training")
 
 
 def unroll(head: EagleHead, ids: torch.Tensor, feat: torch.Tensor, steps: int,
-           amp: bool = False) -> list[torch.Tensor]:
+           amp: bool = False, attend=ttt_attention) -> list[torch.Tensor]:
     """The head's outputs h_k [B*T, H] for k < steps over right-padded ids [B, T], from
     target features feat [B*T, F] (see the module docstring for the pairing)."""
     B, T = ids.shape
     dev = ids.device
     pos = torch.arange(T, device=dev).repeat(B)  # [B*T] int64
-    attn = TTTAttention(B, T)
+    attn = TTTAttention(B, T, attend)
     h_in, out = feat, []
     for k in range(steps):
         step_ids = torch.zeros_like(ids)  # [B, T] int64: t[p+1+k] at chain p, 0 past the end
@@ -81,6 +81,10 @@ class TrainConfig:
     grad_clip: float = 0.5
     ttt_steps: int | None = None  # unrolled steps; None = 7 for EAGLE-3, 3 for EAGLE-1/2
     step_decay: float = 0.8  # weight of step k's loss: step_decay ** k
+    # "diagonal": the causal block and each query's own chain (training/ttt_attention.py;
+    # materializes [B, H, T, T] scores a step); "dense": one masked SDPA over every step's
+    # keys (no scores held, work growing with the step)
+    ttt_attention: str = "diagonal"
     feature_weight: float = 1.0  # EAGLE-1/2 smooth-L1 on features
     token_weight: float = 0.5  # EAGLE-1/2 token loss
     hard_targets: bool = False  # train on the target's argmax instead of its distribution
@@ -263,7 +267,8 @@ class Trainer:
 
         total = torch.zeros((), device=dev)
         stats = []
-        for k, h in enumerate(unroll(self.head, ids, feat, self.K, self.amp)):
+        attend = ttt_attention_dense if self.cfg.ttt_attention == "dense" else ttt_attention
+        for k, h in enumerate(unroll(self.head, ids, feat, self.K, self.amp, attend)):
             # chain p at step k is scored against the target's row for q = p+1+k
             rows = torch.full_like(row_of, -1)
             rows[:, :max(T - 1 - k, 0)] = row_of[:, 1 + k:]
@@ -508,6 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--grad-clip", type=float, default=0.5)
     t.add_argument("--ttt-steps", type=int, default=None, help="unrolled steps (default 7 eagle3, 3 eagle)")
+    t.add_argument("--ttt-attention", choices=("diagonal", "dense"), default="diagonal",
+                   help="the unrolled steps' attention: the causal block and the diagonals (scores "
+                        "[B, H, T, T] held a step), or one masked SDPA (none held, more work)")
     t.add_argument("--step-decay", type=float, default=0.8)
     t.add_argument("--feature-weight", type=float, default=TrainConfig.feature_weight,
                    help="EAGLE-1/2: weight of the feature regression")
@@ -650,7 +658,8 @@ def main(argv: list[str] | None = None) -> dict:
     tc = TrainConfig(arch=args.arch, epochs=args.epochs, batch_size=args.batch_size,
                      max_batch_tokens=args.max_batch_tokens, max_len=args.max_len, lr=args.lr,
                      warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
-                     grad_clip=args.grad_clip, ttt_steps=args.ttt_steps, step_decay=args.step_decay,
+                     grad_clip=args.grad_clip, ttt_steps=args.ttt_steps, ttt_attention=args.ttt_attention,
+                     step_decay=args.step_decay,
                      feature_weight=args.feature_weight, token_weight=args.token_weight,
                      hard_targets=args.hard_targets, seed=args.seed, save_every=args.save_every,
                      time_budget_s=args.train_time_budget, max_steps=args.max_steps)

@@ -93,6 +93,28 @@ def test_loss_falls(trained, arch):
     assert all(b > a + 0.2 for a, b in zip(first["acc"], last["acc"])), (first["acc"], last["acc"])
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_dense_ttt_attention_trains_the_same(tiny_target, synthetic, arch, monkeypatch):
+    """--ttt-attention dense: the same loss and gradients as the default, a step apart."""
+    import training.train as tt
+    calls = []
+    dense = tt.ttt_attention_dense
+    monkeypatch.setattr(tt, "ttt_attention_dense", lambda *a: calls.append(1) or dense(*a))
+    collate = tt.collate
+    grads = {}
+    for how in ("diagonal", "dense"):
+        head, vocab = _new_head(arch, tiny_target, synthetic)
+        trainer = Trainer(tiny_target, head, _config(arch, ttt_steps=4, ttt_attention=how), vocab)
+        ids, mask, lens = collate(synthetic, list(range(4)), 64, torch.device("cpu"))
+        loss, _ = trainer.losses(ids, mask, lens)
+        loss.backward()
+        grads[how] = (loss.detach(), [p.grad.clone() for p in head.parameters() if p.grad is not None])
+    assert len(calls) == 4  # the dense run's four steps, and only its
+    torch.testing.assert_close(grads["diagonal"][0], grads["dense"][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads["diagonal"][1], grads["dense"][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 # ---- training-time test drafts as the engine does ---------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 def test_unrolled_steps_predict_engine_accept_lengths(trained, tiny_target, tiny_llama_dir, tmp_path, arch):
