@@ -89,7 +89,7 @@ class ModelConfig(_Strict):
     # Q8_0 blocks (a Q8_0 embedding's own), multiplied by AVX2 kernels on int8-quantized
     # activations (kestrel_kernels/cpu_q4.cpp, compiled by make setup or on first use; where
     # it cannot be built or run, packed is refused; the Q4_1 kernel sums its products with
-    # AVX-VNNI where the CPU has it, chosen at run time, the same bits) in every decode and
+    # VNNI where the CPU has it, chosen at run time, the same bits) in every decode and
     # verify step, where a step then reads a quarter of the bytes; by a float GEMM on the
     # same weights in prefill (bfloat16 where the CPU multiplies it natively, else
     # float32). The kernels are batch-invariant, so a verify and a decode step give a row
@@ -101,7 +101,7 @@ class ModelConfig(_Strict):
     # and GPUs. auto: packed where it applies and the kernels load, else float, with a
     # warning naming why the kernels do not (an explicit packed is refused there instead);
     # the rank's info() reports which it serves (cpu_weights) and, packed, the Q4_1 kernel's
-    # instruction set (cpu_q4_isa: avxvnni or avx2).
+    # instruction set (cpu_q4_isa: avxvnni, avx512vnni or avx2).
     cpu_weights: Literal["float", "packed", "auto"] = "float"
     # On a CPU with float32 weights: linear layers at 2-4 rows (a speculative verify or
     # draft extend) computed as weight @ x^T (kestrel_kernels/small_rows_linear.py). auto:

@@ -1,5 +1,5 @@
-// Block-quantized matmuls for the CPU (AVX2, FMA, F16C; the Q4_1 code products with AVX-VNNI
-// where the CPU has it, chosen at load): y[M, N] = x[M, K] @ W^T with W in
+// Block-quantized matmuls for the CPU (AVX2, FMA, F16C; the Q4_1 code products with VNNI's
+// vpdpbusd where the CPU has it, chosen at load): y[M, N] = x[M, K] @ W^T with W in
 // GGUF-style blocks of 32 inputs, the activations quantized to int8 per block of 32.
 //
 //   Q4_1 weights: per block a scale d and a min m (fp16) and 4-bit codes c, w = c * d + m.
@@ -11,7 +11,7 @@
 // vector's 8 int32 lanes holds inputs of one block (lane L of a t-block piece: block
 // L / (8 / t)), weights and activations alike. A piece's code products then add up per
 // lane without any horizontal step: for Q4_1 in int16 (at most 8 * 2 * 15 * 127 < 2^15)
-// before one madd to int32, or with AVX-VNNI in int32 at once, for Q8_0 in int32 after each
+// before one madd to int32, or with VNNI in int32 at once, for Q8_0 in int32 after each
 // madd. Per piece the lanes are scaled in float32 by their block's d * s (the scales are
 // stored once per lane):
 //   Q4_1: y += sum over lanes (d * s) * sum(c * q) + m * (s * sum(q))
@@ -164,9 +164,11 @@ inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_c
 
 // A Q4_1 piece's code products, summed per int32 lane. AVX2 sums them in int16 and widens
 // once: maddubs saturates its pair sums to int16 and the adds wrap, neither of which codes
-// 0..15 times |q| <= 127 can reach (see above). AVX-VNNI's vpdpbusd adds a lane's four
-// products straight into int32. Each lane gets the same integer either way, so the
-// kernel's output is the same bit for bit.
+// 0..15 times |q| <= 127 can reach (see above). VNNI's vpdpbusd adds a lane's four
+// products straight into int32, in its VEX encoding (AVX-VNNI) or its EVEX one on 256-bit
+// vectors (AVX512-VNNI with AVX512VL: CPUs that have AVX-512 but not AVX-VNNI, such as
+// Cascade Lake, Ice Lake server and Zen 4). Each lane gets the same integer every way, so
+// the kernel's output is the same bit for bit.
 struct Avx2Dot {
   // acc (int16 lanes) + the products of lo with qlo and of hi with qhi
   static __m256i add(__m256i acc, __m256i lo, __m256i qlo, __m256i hi, __m256i qhi) {
@@ -187,11 +189,22 @@ struct VnniDot {
   static __m256i lanes(__m256i acc) { return acc; }
 };
 
+struct Vnni512Dot {
+  __attribute__((target("avx512vnni,avx512vl"))) static __m256i add(__m256i acc, __m256i lo, __m256i qlo,
+                                                                    __m256i hi, __m256i qhi) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, qlo), hi, qhi);
+  }
+  __attribute__((target("avx512vnni,avx512vl"))) static __m256i one(__m256i c, __m256i q) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, q);
+  }
+  static __m256i lanes(__m256i acc) { return acc; }
+};
+
 // R activation rows (at most kMaxTile) against one output row of Q4_1 weights; every row
 // gets the same sequence whatever R is. A t-block piece's t * 16 code bytes hold its first
 // t / 2 vectors in the low nibbles and the others in the high nibbles (t = 1: one vector,
-// bytes 0-15 low, 16-31 high). Inlined into q4_1_rows_avx2 / q4_1_rows_vnni, so that it
-// compiles for the caller's instruction set (VnniDot's steps only inline there).
+// bytes 0-15 low, 16-31 high). Inlined into q4_1_rows_avx2 / _vnni / _vnni512, so that it
+// compiles for the caller's instruction set (the VNNI steps only inline there).
 template <int R, class Dot>
 __attribute__((always_inline)) inline void q4_1_tile(const int8_t* q, const float* scale, const float* qsum,
                                                      int64_t K, int64_t np, const uint8_t* cn, const uint16_t* dmn,
@@ -315,17 +328,25 @@ __attribute__((target("avxvnni"))) void q4_1_rows_vnni(const Q4_1Call& a, int64_
   q4_1_rows<VnniDot>(a, n0, n1);
 }
 
-// AVX-VNNI itself, not AVX512-VNNI: vpdpbusd's VEX encoding faults on CPUs that have only
-// the latter (Cascade Lake, Ice Lake server).
-bool cpu_has_avxvnni() {
+__attribute__((target("avx512vnni,avx512vl"))) void q4_1_rows_vnni512(const Q4_1Call& a, int64_t n0, int64_t n1) {
+  q4_1_rows<Vnni512Dot>(a, n0, n1);
+}
+
+enum class Q4Isa { kAvx2, kAvxVnni, kAvx512Vnni };
+
+// The VEX encoding where the CPU has it, else the EVEX one: each faults where its own
+// feature flag is missing, whatever the other says.
+Q4Isa best_q4_isa() {
   __builtin_cpu_init();  // this runs among static initialisers, maybe before libgcc's
-  return __builtin_cpu_supports("avxvnni");
+  if (__builtin_cpu_supports("avxvnni")) return Q4Isa::kAvxVnni;
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) return Q4Isa::kAvx512Vnni;
+  return Q4Isa::kAvx2;
 }
 
 // The Q4_1 kernel's instruction set, chosen once when the extension loads;
 // set_q4_isa("avx2") forces the AVX2 step (tests and benchmarks compare the two).
-const bool kHasAvxVnni = cpu_has_avxvnni();
-std::atomic<bool> use_vnni{kHasAvxVnni};
+const Q4Isa kBestQ4Isa = best_q4_isa();
+std::atomic<Q4Isa> q4_isa_now{kBestQ4Isa};
 
 }  // namespace
 
@@ -341,7 +362,9 @@ torch::Tensor q4_1_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
   const QuantRows& a = quantize_rows(x);
   const Q4_1Call call{a.q.data(), a.scale.data(), a.qsum.data(), codes.data_ptr<uint8_t>(),
                       reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K, a.np};
-  const auto rows = use_vnni.load(std::memory_order_relaxed) ? q4_1_rows_vnni : q4_1_rows_avx2;
+  const Q4Isa isa = q4_isa_now.load(std::memory_order_relaxed);
+  const auto rows = isa == Q4Isa::kAvxVnni ? q4_1_rows_vnni : isa == Q4Isa::kAvx512Vnni ? q4_1_rows_vnni512
+                                                                                        : q4_1_rows_avx2;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows(call, n0, n1); });
   return y;
 }
@@ -385,10 +408,16 @@ torch::Tensor q8_0_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
 
 void set_q4_isa(const std::string& isa) {
   TORCH_CHECK(isa == "avx2" || isa == "auto", "the Q4_1 kernel's ISA: avx2 or auto, not ", isa);
-  use_vnni = isa == "auto" && kHasAvxVnni;
+  q4_isa_now = isa == "auto" ? kBestQ4Isa : Q4Isa::kAvx2;
 }
 
-std::string q4_isa() { return use_vnni ? "avxvnni" : "avx2"; }
+std::string q4_isa() {
+  switch (q4_isa_now.load()) {
+    case Q4Isa::kAvxVnni: return "avxvnni";
+    case Q4Isa::kAvx512Vnni: return "avx512vnni";
+    default: return "avx2";
+  }
+}
 
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
   const torch::Tensor x = checked_x(x_in);

@@ -33,7 +33,7 @@ async def streamed_completion_text(client, model: str, prompt: str, max_tokens: 
 
 @contextmanager
 def q4_kernel_on(name: str):
-    """The Q4_1 kernel on `name` ("avx2", or "auto": AVX-VNNI where the CPU has it) inside
+    """The Q4_1 kernel on `name` ("avx2", or "auto": VNNI where the CPU has it) inside
     the block, on auto again after it (the choice holds for the whole process)."""
     from kestrel_kernels.cpu_q4 import set_isa
     set_isa(name)

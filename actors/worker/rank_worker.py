@@ -111,7 +111,7 @@ class RankWorker:
         if loaded is None:
             loaded = self._load(spec)
         self.model, self.arch, draft_head = loaded
-        self.cpu_q4_isa = None  # packed: the Q4_1 kernel's instruction set, "avxvnni" or "avx2"
+        self.cpu_q4_isa = None  # packed: the Q4_1 kernel's instruction set, "avxvnni", "avx512vnni" or "avx2"
         if self.cpu_weights == "packed":
             from kestrel_kernels import cpu_q4
             self.cpu_q4_isa = cpu_q4.isa()
