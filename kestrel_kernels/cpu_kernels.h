@@ -10,7 +10,7 @@
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& dm);
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, int64_t rows);
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x);
-// The Q4_1 kernel's code products: "auto" (VNNI where the CPU has it) or "avx2".
+// The Q4_1 and Q8_0 kernels' code products: "auto" (VNNI where the CPU has it) or "avx2".
 void set_q4_isa(const std::string& isa);
 std::string q4_isa();  // "avxvnni", "avx512vnni" or "avx2": the one q4_1_linear uses now
 

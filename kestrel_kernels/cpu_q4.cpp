@@ -1,4 +1,4 @@
-// Block-quantized matmuls for the CPU (AVX2, FMA, F16C; the Q4_1 code products with VNNI's
+// Block-quantized matmuls for the CPU (AVX2, FMA, F16C; the code products with VNNI's
 // vpdpbusd where the CPU has it, chosen at load): y[M, N] = x[M, K] @ W^T with W in
 // GGUF-style blocks of 32 inputs, the activations quantized to int8 per block of 32.
 //
@@ -12,8 +12,8 @@
 // L / (8 / t)), weights and activations alike. A piece's code products then add up per
 // lane without any horizontal step: for Q4_1 in int16 (at most 8 * 2 * 15 * 127 < 2^15)
 // before one madd to int32, or with VNNI in int32 at once, for Q8_0 in int32 after each
-// madd. Per piece the lanes are scaled in float32 by their block's d * s (the scales are
-// stored once per lane):
+// madd (or VNNI's add). Per piece the lanes are scaled in float32 by their block's d * s
+// (the scales are stored once per lane):
 //   Q4_1: y += sum over lanes (d * s) * sum(c * q) + m * (s * sum(q))
 //   Q8_0: y += sum over lanes (d * s) * sum(c * q)
 // Every output row is computed by the same instruction sequence whatever M is and whichever
@@ -176,6 +176,10 @@ struct Avx2Dot {
   }
   static __m256i one(__m256i c, __m256i q) { return _mm256_maddubs_epi16(c, q); }
   static __m256i lanes(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }  // -> int32
+  // int32 acc + the products of u (unsigned) with s, pairs summed in int16 first
+  static __m256i signed_add(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
 };
 
 struct VnniDot {
@@ -187,6 +191,9 @@ struct VnniDot {
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), c, q);
   }
   static __m256i lanes(__m256i acc) { return acc; }
+  __attribute__((target("avxvnni"))) static __m256i signed_add(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+  }
 };
 
 struct Vnni512Dot {
@@ -198,6 +205,9 @@ struct Vnni512Dot {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, q);
   }
   static __m256i lanes(__m256i acc) { return acc; }
+  __attribute__((target("avx512vnni,avx512vl"))) static __m256i signed_add(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(acc, u, s);
+  }
 };
 
 // R activation rows (at most kMaxTile) against one output row of Q4_1 weights; every row
@@ -251,13 +261,13 @@ __attribute__((always_inline)) inline void q4_1_tile(const int8_t* q, const floa
 }
 
 // R activation rows against one output row of Q8_0 weights, as q4_1_tile; a t-block piece
-// is t vectors of codes. maddubs multiplies unsigned by signed bytes: |c| times q with c's
-// sign, its int16 pair sums (at most 2 * 127 * 127) widened to int32 at once.
-template <int R>
-void q8_0_tile(const int8_t* q, const float* scale, int64_t K, int64_t np, const int8_t* cn, const uint16_t* dn,
-               float* y, int64_t N) {
+// is t vectors of codes. The products are |c| (unsigned) times q with c's sign: AVX2's
+// maddubs sums them in int16 pairs (at most 2 * 127 * 127, below saturation), widened to
+// int32 at once; VNNI's vpdpbusd adds a lane's four straight into int32: the same integers.
+template <int R, class Dot>
+__attribute__((always_inline)) inline void q8_0_tile(const int8_t* q, const float* scale, int64_t K, int64_t np,
+                                                     const int8_t* cn, const uint16_t* dn, float* y, int64_t N) {
   const int64_t nb = K / kBlock;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   int64_t slot = 0;
@@ -271,10 +281,8 @@ void q8_0_tile(const int8_t* q, const float* scale, int64_t K, int64_t np, const
       _mm_prefetch(reinterpret_cast<const char*>(cp + j * kBlock + 1024), _MM_HINT_T0);
       const __m256i c = load32(cp + j * kBlock);
       const __m256i cabs = _mm256_sign_epi8(c, c);
-      for (int i = 0; i < R; ++i) {
-        const __m256i qv = load32(qp + i * K + j * kBlock);
-        dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(cabs, _mm256_sign_epi8(qv, c)), ones));
-      }
+      for (int i = 0; i < R; ++i)
+        dot[i] = Dot::signed_add(dot[i], cabs, _mm256_sign_epi8(load32(qp + i * K + j * kBlock), c));
     }
     const __m256 d = load_halves(dn + slot);
     for (int i = 0; i < R; ++i)
@@ -332,6 +340,44 @@ __attribute__((target("avx512vnni,avx512vl"))) void q4_1_rows_vnni512(const Q4_1
   q4_1_rows<Vnni512Dot>(a, n0, n1);
 }
 
+// One q8_0_linear call's operands.
+struct Q8_0Call {
+  const int8_t* q;  // the activations as QuantRows holds them
+  const float* scale;
+  const int8_t* codes;  // [N, K]
+  const uint16_t* d;    // [N, P * 8] float16 bits
+  float* y;             // [M, N]
+  int64_t M, N, K, np;
+};
+
+// Output rows n0..n1-1 of a Q8_0 call, Dot's code products.
+template <class Dot>
+__attribute__((always_inline)) inline void q8_0_rows(const Q8_0Call& a, int64_t n0, int64_t n1) {
+  tiles(n0, n1, a.M, [&](int64_t n, int64_t r, int64_t rows) __attribute__((always_inline)) {
+    const int8_t* qr = a.q + r * a.K;
+    const float* sr = a.scale + r * a.np;
+    const int8_t* cn = a.codes + n * a.K;
+    const uint16_t* dn = a.d + n * a.np;
+    float* yr = a.y + r * a.N + n;
+    switch (rows) {
+      case 1: q8_0_tile<1, Dot>(qr, sr, a.K, a.np, cn, dn, yr, a.N); break;
+      case 2: q8_0_tile<2, Dot>(qr, sr, a.K, a.np, cn, dn, yr, a.N); break;
+      case 3: q8_0_tile<3, Dot>(qr, sr, a.K, a.np, cn, dn, yr, a.N); break;
+      default: q8_0_tile<4, Dot>(qr, sr, a.K, a.np, cn, dn, yr, a.N); break;
+    }
+  });
+}
+
+void q8_0_rows_avx2(const Q8_0Call& a, int64_t n0, int64_t n1) { q8_0_rows<Avx2Dot>(a, n0, n1); }
+
+__attribute__((target("avxvnni"))) void q8_0_rows_vnni(const Q8_0Call& a, int64_t n0, int64_t n1) {
+  q8_0_rows<VnniDot>(a, n0, n1);
+}
+
+__attribute__((target("avx512vnni,avx512vl"))) void q8_0_rows_vnni512(const Q8_0Call& a, int64_t n0, int64_t n1) {
+  q8_0_rows<Vnni512Dot>(a, n0, n1);
+}
+
 enum class Q4Isa { kAvx2, kAvxVnni, kAvx512Vnni };
 
 // The VEX encoding where the CPU has it, else the EVEX one: each faults where its own
@@ -343,7 +389,7 @@ Q4Isa best_q4_isa() {
   return Q4Isa::kAvx2;
 }
 
-// The Q4_1 kernel's instruction set, chosen once when the extension loads;
+// The Q4_1 and Q8_0 kernels' instruction set, chosen once when the extension loads;
 // set_q4_isa("avx2") forces the AVX2 step (tests and benchmarks compare the two).
 const Q4Isa kBestQ4Isa = best_q4_isa();
 std::atomic<Q4Isa> q4_isa_now{kBestQ4Isa};
@@ -382,27 +428,12 @@ torch::Tensor q8_0_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantRows& a = quantize_rows(x);
-  const int8_t* q = a.q.data();
-  const float* s = a.scale.data();
-  const int8_t* c = codes.data_ptr<int8_t>();
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  const int64_t np = a.np;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    tiles(n0, n1, M, [&](int64_t n, int64_t r, int64_t rows) {
-      const int8_t* qr = q + r * K;
-      const float* sr = s + r * np;
-      const int8_t* cn = c + n * K;
-      const uint16_t* dn = h + n * np;
-      float* yr = yp + r * N + n;
-      switch (rows) {
-        case 1: q8_0_tile<1>(qr, sr, K, np, cn, dn, yr, N); break;
-        case 2: q8_0_tile<2>(qr, sr, K, np, cn, dn, yr, N); break;
-        case 3: q8_0_tile<3>(qr, sr, K, np, cn, dn, yr, N); break;
-        default: q8_0_tile<4>(qr, sr, K, np, cn, dn, yr, N); break;
-      }
-    });
-  });
+  const Q8_0Call call{a.q.data(), a.scale.data(), codes.data_ptr<int8_t>(),
+                      reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K, a.np};
+  const Q4Isa isa = q4_isa_now.load(std::memory_order_relaxed);
+  const auto rows_of = isa == Q4Isa::kAvxVnni ? q8_0_rows_vnni : isa == Q4Isa::kAvx512Vnni ? q8_0_rows_vnni512
+                                                                                           : q8_0_rows_avx2;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows_of(call, n0, n1); });
   return y;
 }
 

@@ -95,6 +95,30 @@ def test_q4_1_avx_vnni_equals_avx2_bit_for_bit(avx_vnni, rows):
         assert torch.equal(vnni, avx2), blocks
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 32])
+def test_q8_0_vnni_equals_avx2_bit_for_bit(avx_vnni, rows):
+    g = torch.Generator().manual_seed(100 + rows)
+    for blocks in (18, 48, 7, 9):
+        w = quantize_q8_0(torch.randn(70, blocks * BLOCK, generator=g))
+        x = torch.randn(rows, blocks * BLOCK, generator=g) * torch.logspace(-3, 2, rows)[:, None]
+        vnni = q8_0_linear(x, w, 50)
+        with q4_kernel_on("avx2"):
+            avx2 = q8_0_linear(x, w, 50)
+        assert torch.equal(vnni, avx2), blocks
+
+
+def test_q8_0_largest_products_do_not_saturate(q4_isa):
+    """Codes +-127 against activation codes +-127: AVX2's maddubs pair sums reach
+    2 * 127 * 127, short of int16 saturation, so every path gives the exact integers."""
+    K, N = 9 * BLOCK, 2
+    w = quantize_q8_0(torch.ones(N, K))  # codes 127, d = 1 / 127
+    w.codes[1] = -127
+    x = torch.full((2, K), 127.0)  # [2, K]: codes 127 with s = 1, then -127
+    x[1] = -127
+    out = q8_0_linear(x, w)
+    assert torch.equal(out, q8_0_linear_ref(x, w))
+
+
 def test_q4_1_largest_products_do_not_saturate(q4_isa):
     """Codes 15 against activation codes +-127 in every input: AVX2's int16 sums reach
     8 * 2 * 15 * 127 in an 8-block piece, short of maddubs' saturation, so both paths give
