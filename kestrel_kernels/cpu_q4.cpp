@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -213,7 +214,7 @@ struct Vnni512Dot {
 // R activation rows (at most kMaxTile) against one output row of Q4_1 weights; every row
 // gets the same sequence whatever R is. A t-block piece's t * 16 code bytes hold its first
 // t / 2 vectors in the low nibbles and the others in the high nibbles (t = 1: one vector,
-// bytes 0-15 low, 16-31 high). Inlined into q4_1_rows_avx2 / _vnni / _vnni512, so that it
+// bytes 0-15 low, 16-31 high). Inlined into rows_avx2 / rows_vnni / rows_vnni512, so that it
 // compiles for the caller's instruction set (the VNNI steps only inline there).
 template <int R, class Dot>
 __attribute__((always_inline)) inline void q4_1_tile(const int8_t* q, const float* scale, const float* qsum,
@@ -294,88 +295,76 @@ __attribute__((always_inline)) inline void q8_0_tile(const int8_t* q, const floa
 
 // Output rows n0..n1-1 (a thread's share) against the M activation rows: per output row the
 // activation rows in tiles of up to kMaxTile, so the row's weights come from memory once
-// and from L1 for later tiles. Inlined, tile and all, into its caller (q4_1_rows_vnni
-// compiles it for AVX-VNNI).
+// and from L1 for later tiles. Inlined, tile and all, into its caller (rows_vnni compiles
+// it for AVX-VNNI).
 template <typename Tile>
 __attribute__((always_inline)) inline void tiles(int64_t n0, int64_t n1, int64_t M, const Tile& tile) {
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t r = 0; r < M; r += kMaxTile) tile(n, r, std::min<int64_t>(kMaxTile, M - r));
 }
 
-// One q4_1_linear call's operands.
-struct Q4_1Call {
+// f(std::integral_constant<int, R>{}) with R = rows (1 to kMaxTile): each row count compiles
+// its own register tile. Inlined, as tiles is.
+template <class F>
+__attribute__((always_inline)) inline void with_rows(int64_t rows, const F& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, kMaxTile>{}); break;
+  }
+}
+
+// One call's operands, for either kernel.
+struct BlockCall {
   const int8_t* q;  // the activations as QuantRows holds them
-  const float *scale, *qsum;
-  const uint8_t* codes;  // [N, K/2]
-  const uint16_t* dm;    // [N, P, 2, 8] float16 bits
-  float* y;              // [M, N]
+  const float *scale, *qsum;  // qsum: Q4_1 only
+  const void* codes;          // Q4_1: uint8 [N, K/2]; Q8_0: int8 [N, K]
+  const uint16_t* d;          // float16 bits: Q4_1 [N, P, 2, 8] (d, m); Q8_0 [N, P * 8]
+  float* y;                   // [M, N]
   int64_t M, N, K, np;
 };
 
-// Output rows n0..n1-1 of a Q4_1 call, Dot's code products.
-template <class Dot>
-__attribute__((always_inline)) inline void q4_1_rows(const Q4_1Call& a, int64_t n0, int64_t n1) {
-  tiles(n0, n1, a.M, [&](int64_t n, int64_t r, int64_t rows) __attribute__((always_inline)) {
-    const int8_t* qr = a.q + r * a.K;
-    const float *sr = a.scale + r * a.np, *qsr = a.qsum + r * a.np;
-    const uint8_t* cn = a.codes + n * (a.K / 2);
-    const uint16_t* dmn = a.dm + n * a.np * 2;
-    float* yr = a.y + r * a.N + n;
-    switch (rows) {
-      case 1: q4_1_tile<1, Dot>(qr, sr, qsr, a.K, a.np, cn, dmn, yr, a.N); break;
-      case 2: q4_1_tile<2, Dot>(qr, sr, qsr, a.K, a.np, cn, dmn, yr, a.N); break;
-      case 3: q4_1_tile<3, Dot>(qr, sr, qsr, a.K, a.np, cn, dmn, yr, a.N); break;
-      default: q4_1_tile<4, Dot>(qr, sr, qsr, a.K, a.np, cn, dmn, yr, a.N); break;
-    }
-  });
-}
-
-void q4_1_rows_avx2(const Q4_1Call& a, int64_t n0, int64_t n1) { q4_1_rows<Avx2Dot>(a, n0, n1); }
-
-__attribute__((target("avxvnni"))) void q4_1_rows_vnni(const Q4_1Call& a, int64_t n0, int64_t n1) {
-  q4_1_rows<VnniDot>(a, n0, n1);
-}
-
-__attribute__((target("avx512vnni,avx512vl"))) void q4_1_rows_vnni512(const Q4_1Call& a, int64_t n0, int64_t n1) {
-  q4_1_rows<Vnni512Dot>(a, n0, n1);
-}
-
-// One q8_0_linear call's operands.
-struct Q8_0Call {
-  const int8_t* q;  // the activations as QuantRows holds them
-  const float* scale;
-  const int8_t* codes;  // [N, K]
-  const uint16_t* d;    // [N, P * 8] float16 bits
-  float* y;             // [M, N]
-  int64_t M, N, K, np;
+// A kernel's tile of R activation rows (from r) against output row n of a call.
+struct Q4_1Kernel {
+  template <int R, class Dot>
+  __attribute__((always_inline)) static void tile(const BlockCall& a, int64_t n, int64_t r) {
+    q4_1_tile<R, Dot>(a.q + r * a.K, a.scale + r * a.np, a.qsum + r * a.np, a.K, a.np,
+                      static_cast<const uint8_t*>(a.codes) + n * (a.K / 2), a.d + n * a.np * 2,
+                      a.y + r * a.N + n, a.N);
+  }
 };
 
-// Output rows n0..n1-1 of a Q8_0 call, Dot's code products.
-template <class Dot>
-__attribute__((always_inline)) inline void q8_0_rows(const Q8_0Call& a, int64_t n0, int64_t n1) {
+struct Q8_0Kernel {
+  template <int R, class Dot>
+  __attribute__((always_inline)) static void tile(const BlockCall& a, int64_t n, int64_t r) {
+    q8_0_tile<R, Dot>(a.q + r * a.K, a.scale + r * a.np, a.K, a.np, static_cast<const int8_t*>(a.codes) + n * a.K,
+                      a.d + n * a.np, a.y + r * a.N + n, a.N);
+  }
+};
+
+// Output rows n0..n1-1 of a call, Kernel's tiles on Dot's code products.
+template <class Kernel, class Dot>
+__attribute__((always_inline)) inline void block_rows(const BlockCall& a, int64_t n0, int64_t n1) {
   tiles(n0, n1, a.M, [&](int64_t n, int64_t r, int64_t rows) __attribute__((always_inline)) {
-    const int8_t* qr = a.q + r * a.K;
-    const float* sr = a.scale + r * a.np;
-    const int8_t* cn = a.codes + n * a.K;
-    const uint16_t* dn = a.d + n * a.np;
-    float* yr = a.y + r * a.N + n;
-    switch (rows) {
-      case 1: q8_0_tile<1, Dot>(qr, sr, a.K, a.np, cn, dn, yr, a.N); break;
-      case 2: q8_0_tile<2, Dot>(qr, sr, a.K, a.np, cn, dn, yr, a.N); break;
-      case 3: q8_0_tile<3, Dot>(qr, sr, a.K, a.np, cn, dn, yr, a.N); break;
-      default: q8_0_tile<4, Dot>(qr, sr, a.K, a.np, cn, dn, yr, a.N); break;
-    }
+    with_rows(rows, [&](auto R) __attribute__((always_inline)) {
+      Kernel::template tile<decltype(R)::value, Dot>(a, n, r);
+    });
   });
 }
 
-void q8_0_rows_avx2(const Q8_0Call& a, int64_t n0, int64_t n1) { q8_0_rows<Avx2Dot>(a, n0, n1); }
+// One function per instruction set, compiled for it (the VNNI steps inline only there).
+template <class Kernel>
+void rows_avx2(const BlockCall& a, int64_t n0, int64_t n1) { block_rows<Kernel, Avx2Dot>(a, n0, n1); }
 
-__attribute__((target("avxvnni"))) void q8_0_rows_vnni(const Q8_0Call& a, int64_t n0, int64_t n1) {
-  q8_0_rows<VnniDot>(a, n0, n1);
+template <class Kernel>
+__attribute__((target("avxvnni"))) void rows_vnni(const BlockCall& a, int64_t n0, int64_t n1) {
+  block_rows<Kernel, VnniDot>(a, n0, n1);
 }
 
-__attribute__((target("avx512vnni,avx512vl"))) void q8_0_rows_vnni512(const Q8_0Call& a, int64_t n0, int64_t n1) {
-  q8_0_rows<Vnni512Dot>(a, n0, n1);
+template <class Kernel>
+__attribute__((target("avx512vnni,avx512vl"))) void rows_vnni512(const BlockCall& a, int64_t n0, int64_t n1) {
+  block_rows<Kernel, Vnni512Dot>(a, n0, n1);
 }
 
 enum class Q4Isa { kAvx2, kAvxVnni, kAvx512Vnni };
@@ -394,6 +383,15 @@ Q4Isa best_q4_isa() {
 const Q4Isa kBestQ4Isa = best_q4_isa();
 std::atomic<Q4Isa> q4_isa_now{kBestQ4Isa};
 
+// A call's output rows over the threads, on the instruction set in use.
+template <class Kernel>
+void run_rows(const BlockCall& call) {
+  const Q4Isa isa = q4_isa_now.load(std::memory_order_relaxed);
+  const auto rows = isa == Q4Isa::kAvxVnni ? rows_vnni<Kernel> : isa == Q4Isa::kAvx512Vnni ? rows_vnni512<Kernel>
+                                                                                           : rows_avx2<Kernel>;
+  at::parallel_for(0, call.N, 16, [&](int64_t n0, int64_t n1) { rows(call, n0, n1); });
+}
+
 }  // namespace
 
 torch::Tensor q4_1_linear(const torch::Tensor& x_in, const torch::Tensor& codes, const torch::Tensor& dm) {
@@ -406,12 +404,8 @@ torch::Tensor q4_1_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantRows& a = quantize_rows(x);
-  const Q4_1Call call{a.q.data(), a.scale.data(), a.qsum.data(), codes.data_ptr<uint8_t>(),
-                      reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K, a.np};
-  const Q4Isa isa = q4_isa_now.load(std::memory_order_relaxed);
-  const auto rows = isa == Q4Isa::kAvxVnni ? q4_1_rows_vnni : isa == Q4Isa::kAvx512Vnni ? q4_1_rows_vnni512
-                                                                                        : q4_1_rows_avx2;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows(call, n0, n1); });
+  run_rows<Q4_1Kernel>({a.q.data(), a.scale.data(), a.qsum.data(), codes.data_ptr<uint8_t>(),
+                        reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K, a.np});
   return y;
 }
 
@@ -428,12 +422,8 @@ torch::Tensor q8_0_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantRows& a = quantize_rows(x);
-  const Q8_0Call call{a.q.data(), a.scale.data(), codes.data_ptr<int8_t>(),
-                      reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K, a.np};
-  const Q4Isa isa = q4_isa_now.load(std::memory_order_relaxed);
-  const auto rows_of = isa == Q4Isa::kAvxVnni ? q8_0_rows_vnni : isa == Q4Isa::kAvx512Vnni ? q8_0_rows_vnni512
-                                                                                           : q8_0_rows_avx2;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows_of(call, n0, n1); });
+  run_rows<Q8_0Kernel>({a.q.data(), a.scale.data(), nullptr, codes.data_ptr<int8_t>(),
+                        reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K, a.np});
   return y;
 }
 
