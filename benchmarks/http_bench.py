@@ -66,7 +66,7 @@ from pathlib import Path
 
 from benchmarks import open_loop
 from benchmarks.arrivals import arrival_offsets
-from benchmarks.http_client import median_run, pct, run_level
+from benchmarks.http_client import median_run, pct, run_level, stream_questions
 from benchmarks.length_mix import requests_for, resolve_mix
 from benchmarks.offline import DATA, load_questions
 
@@ -180,7 +180,7 @@ def _in_process_levels(eng, prompts: list[str], sampling: dict | None, levels: l
     for c in levels:
         # a batch a round: the prompts the HTTP level's streams send in that round
         batches = [[p] for p in prompts[:c1_prompts]] if c == 1 else \
-            [[prompts[(i + r * c) % len(prompts)] for i in range(c)] for r in range(rounds)]
+            [list(sent) for sent in zip(*stream_questions(prompts, c, rounds))]
         eng.generate(batches[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         runs = []
         for _ in range(repeats):

@@ -273,7 +273,7 @@ async def run_level(url: str, model: str, questions: list[str], concurrency: int
     streams = stream_questions(questions, concurrency, rounds) if concurrency > 1 else []
     async with client_session(concurrency) as session:
         if procs > 1:
-            jobs = [(0.0, qs if rounds > 1 else qs[0], max_tokens) for qs in streams]
+            jobs = [(0.0, qs, max_tokens) for qs in streams]
             per = math.ceil(len(jobs) / procs)
             shares = [jobs[i:i + per] for i in range(0, len(jobs), per)]
             rows, seconds, before, after = await run_in_processes(url, model, shares, session, extra)

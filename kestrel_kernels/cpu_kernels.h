@@ -12,7 +12,7 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes, co
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x);
 // The Q4_1 and Q8_0 kernels' code products: "auto" (VNNI where the CPU has it) or "avx2".
 void set_q4_isa(const std::string& isa);
-std::string q4_isa();  // "avxvnni", "avx512vnni" or "avx2": the one q4_1_linear uses now
+std::string q4_isa();  // "avxvnni", "avx512vnni" or "avx2": the one the kernels use now
 
 // cpu_attention.cpp
 // Which keys each query token sees, read once from the attention metadata (kv_index [B, L],

@@ -4,8 +4,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &q4_1_linear, "x [M, K] float32 @ Q4_1 weights^T -> [M, N] float32");
   m.def("q8_0_linear", &q8_0_linear, "x [M, K] float32 @ the first rows of Q8_0 weights^T -> [M, rows] float32");
-  m.def("set_q4_isa", &set_q4_isa, "the Q4_1 kernel's code products: 'auto' (VNNI where present) or 'avx2'");
-  m.def("q4_isa", &q4_isa, "the Q4_1 kernel's instruction set in use: 'avxvnni', 'avx512vnni' or 'avx2'");
+  m.def("set_q4_isa", &set_q4_isa, "the block kernels' code products: 'auto' (VNNI where present) or 'avx2'");
+  m.def("q4_isa", &q4_isa, "the block kernels' instruction set in use: 'avxvnni', 'avx512vnni' or 'avx2'");
   m.def("quantize_activations", &quantize_activations, "x [M, K] -> (q int8, scale, scale * sum(q)), in input order");
   m.def("paged_attention", &paged_attention, "attention of q [T, H, D] over paged K/V -> [T, H, D] float32");
   m.def("add_rmsnorm", &add_rmsnorm, "(rmsnorm(x + residual) * weight, x + residual)");

@@ -428,7 +428,7 @@ torch::Tensor q8_0_linear(const torch::Tensor& x_in, const torch::Tensor& codes,
 }
 
 void set_q4_isa(const std::string& isa) {
-  TORCH_CHECK(isa == "avx2" || isa == "auto", "the Q4_1 kernel's ISA: avx2 or auto, not ", isa);
+  TORCH_CHECK(isa == "avx2" || isa == "auto", "the block kernels' ISA: avx2 or auto, not ", isa);
   q4_isa_now = isa == "auto" ? kBestQ4Isa : Q4Isa::kAvx2;
 }
 

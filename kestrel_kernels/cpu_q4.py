@@ -12,9 +12,10 @@ of the call (the kernels are batch-invariant), so a one-row decode step and a ve
 several rows give a row the same bits.
 
 The kernels live in the CPU extension (kestrel_kernels/cpu_build.py). The Q4_1 and Q8_0
-kernels sum their code products with VNNI where the CPU has it (AVX-VNNI, else AVX512-VNNI on 256-bit
-vectors), else with AVX2, chosen when the extension loads; all give the same bits. set_isa("avx2") forces AVX2 (tests and benchmarks
-compare the two), isa() says which runs.
+kernels sum their code products with VNNI where the CPU has it (AVX-VNNI, else AVX512-VNNI
+on 256-bit vectors), else with AVX2, chosen when the extension loads; all give the same
+bits. set_isa("avx2") forces AVX2 (tests and benchmarks compare the two), isa() says which
+runs.
 """
 from __future__ import annotations
 
@@ -174,13 +175,13 @@ def quantize_q8_0(w: torch.Tensor) -> Q8_0Weights:
 
 
 def set_isa(name: str) -> None:
-    """The Q4_1 and Q8_0 kernels' code products, for every later call in this process (the decoder
-    stack's too): "auto" (VNNI where the CPU has it, the default) or "avx2"."""
+    """The Q4_1 and Q8_0 kernels' code products, for every later call in this process (the
+    decoder stack's too): "auto" (VNNI where the CPU has it, the default) or "avx2"."""
     kernels().set_q4_isa(name)
 
 
 def isa() -> str:
-    """The Q4_1 kernel's instruction set in use: "avxvnni", "avx512vnni" or "avx2"."""
+    """The block kernels' instruction set in use: "avxvnni", "avx512vnni" or "avx2"."""
     return kernels().q4_isa()
 
 

@@ -15,8 +15,9 @@ head's step-(k-1) output h_{k-1}[p] in place of a target feature, at RoPE positi
 it is scored against the target's distribution at p+1+k. Its query attends to the step-0
 keys at positions <= p (what draft extend left in the draft KV cache) plus the keys of
 its own chain's steps 1..k (its ancestors in the draft tree, and itself): a causal block
-followed by k diagonal blocks (training/ttt_attention.py). This is exactly what the engine's draft decode sees along
-the accepted path, positions included. Step k's loss has weight step_decay**k.
+followed by k diagonal blocks (training/ttt_attention.py). This is exactly what the
+engine's draft decode sees along the accepted path, positions included. Step k's loss has
+weight step_decay**k.
 
 EAGLE-1/2 adds feature regression: smooth-L1 of h_k[p] against the target's feature at
 p+1+k, plus the token loss weighted 0.5. The EAGLE paper's 0.1 measured lower acceptance

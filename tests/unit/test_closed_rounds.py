@@ -14,8 +14,9 @@ from benchmarks.http_client import run_level, stream_questions
 
 
 class Recorder:
-    """A streamed chat endpoint: 3 chunks 20 ms apart per request; logs (question, start, end)
-    and the most requests in flight at once."""
+    """A streamed chat endpoint: one chunk per max_tokens, 20 ms apart; logs (question, start,
+    end) of each measured request (not the 4-token warm-ups) and the most requests in flight
+    at once."""
 
     def __init__(self):
         self.log, self.inflight, self.most = [], 0, 0
