@@ -13,7 +13,8 @@
 #          engine on GPU 0's held-out split, the MT-bench first turns and the fixed held-out
 #          prompts of benchmarks/data/smollm2_heldout_prompts.jsonl (OUT/<head>/report.json,
 #          logs OUT/<head>.log). "shipped" is no training: the shipped head measured the same way.
-# EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement.
+# EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement; SEED (default 0)
+# the first generator's seed.
 set -euo pipefail
 out=${1:-runs/smollm2}
 gen_s=${2:-300}
@@ -22,6 +23,7 @@ mkdir -p "$out"
 ngpu=$(nvidia-smi -L | wc -l)
 heads=(${HEADS:-eagle1 eagle1-tw01})
 mix=${MIX:-magpie=1}
+seed0=${SEED:-0}  # GPU g generates with seed SEED+g: a second data run on one GPU takes SEED=1
 evals=${EVAL_SAMPLES:-48}
 # Every head is also measured on these, and no generated prompt may copy one of them.
 eval_files=(benchmarks/data/mt_bench_questions.jsonl benchmarks/data/smollm2_heldout_prompts.jsonl)
@@ -57,7 +59,7 @@ for stage in ${STAGES:-data heads}; do
       pids=()
       for g in $(seq 0 $((ngpu - 1))); do
         CUDA_VISIBLE_DEVICES=$g python -m training.train "${gen_engine[@]}" --out "$out/data$g" --data-only \
-          --seed "$g" --samples 200000 --gen-batch 512 \
+          --seed "$((seed0 + g))" --samples 200000 --gen-batch 512 \
           --gen-time-budget "$gen_s" --greedy-fraction 0.7 "${mix_flag[@]}" --eval-only-prompts "${eval_files[@]}" \
           > "$out/data$g.log" 2>&1 & pids+=($!)
       done
