@@ -29,6 +29,8 @@
 #              streams, FP8 at 1, prompts of about 1k tokens                               ~200
 #   ttt        the draft trainer's TTT attention against its dense-mask reference
 #              (ttt_attention_bench.py, B=16, T=1024, 7 steps)                             ~30
+#   softce     the draft trainer's chunked token loss against the autograd path, alone and in
+#              whole EAGLE-1 and EAGLE-3 training steps (soft_ce_bench.py)                 ~90
 #   kestrel-7b, vllm-7b, kestrel-32b, vllm-32b, kestrel-72b, vllm-72b (FP8)
 #              random weights of the shape, plain decoding: benchmarks/h200_sizes.sh      ~200-300 each
 # LEVELS, REPEATS, ROUNDS and MAX_TOKENS pass through to h200_http.sh for tree, plain, vllm and load-*.
@@ -128,6 +130,9 @@ for stage in "$@"; do
     ttt)
       timeout 200 python3 -m benchmarks.ttt_attention_bench --device cuda > "$work/ttt.txt" 2>&1
       cat "$work/ttt.txt" ;;
+    softce)
+      timeout 300 python3 -m benchmarks.soft_ce_bench --device cuda > "$work/softce.txt" 2>&1
+      grep -v "loading" "$work/softce.txt" ;;
     fp8gemm)
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/fp8_gemm_bench.py > "$work/fp8_gemm.txt" 2>&1
       tail -45 "$work/fp8_gemm.txt" ;;

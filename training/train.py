@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from actors.models.eagle import EagleHead, EagleSpec
 from actors.models.llama import LlamaForCausalLM
 from training.categories import CATEGORIES, DEFAULT_MIX, parse_mix
+from training.soft_ce import soft_ce
 from training.ttt_attention import CausalAttention, TTTAttention, ttt_attention, ttt_attention_dense
 from training.vocab import DraftVocab
 
@@ -228,6 +229,11 @@ class Trainer:
             vocab = vocab or _vocab_of(head)
             self.draft_ids = vocab.token_ids.to(self.device)  # [Vd] int64 target id of draft id
             self.t2d = vocab.t2d.to(self.device)  # [V] bool
+        # The token loss's LM head: EAGLE-3's own (trained), else the target's (frozen).
+        if head.max_token_id is not None:
+            raise ValueError("a head is trained over the whole vocabulary (draft.max_token_id is a serving cut)")
+        self.lm_weight = head.lm_head.weight if self.eagle3 else target.lm_head.weight  # [Vd|V, H]
+        self.logit_dtype = torch.bfloat16 if self.amp else torch.float32
         params = [p for p in head.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas,
                                      weight_decay=cfg.weight_decay)
@@ -276,18 +282,15 @@ class Trainer:
             chains = (rows.reshape(-1) >= 0).nonzero().squeeze(1)  # [Mk] int64 flat chain p
             r = rows.reshape(-1)[chains]  # [Mk] int64 rows of the target tensors
             with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.amp):
-                logits = self.head.compute_logits(h[chains])  # [Mk, Vd|V] fp32
-            logp = torch.log_softmax(logits.float(), -1)
+                x = self.head.norm(h[chains]) if self.eagle3 else h[chains]  # [Mk, H] the LM head's input
             w = in_vocab[r].float()  # [Mk]
             n = w.sum().clamp(min=1.0)
-            ce = -(t_probs[r] * logp).sum(-1)  # [Mk]
-            loss_k = (ce * w).sum() / n
+            loss_k, guess = soft_ce(x, self.lm_weight, t_probs, r, w / n, self.logit_dtype)  # guess [Mk]
             if not self.eagle3:
                 reg = F.smooth_l1_loss(h[chains].float(), t_feat[chains + 1 + k], reduction="none").mean(-1)
                 loss_k = self.cfg.feature_weight * (reg * w).sum() / n + self.cfg.token_weight * loss_k
             total = total + (self.cfg.step_decay ** k) * loss_k
             with torch.no_grad():
-                guess = logits.argmax(-1)
                 if self.eagle3:
                     guess = self.draft_ids[guess]
                 correct = (guess == t_top[r]).sum()

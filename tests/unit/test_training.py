@@ -115,6 +115,34 @@ def test_the_dense_ttt_attention_trains_the_same(tiny_target, synthetic, arch, m
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_chunked_token_loss_trains_as_the_autograd_path(tiny_target, synthetic, arch, monkeypatch):
+    """The trainer's soft_ce (gradient formed in the forward, a few rows at a time) gives
+    the loss, the per-step agreement and the gradients of the plain autograd path."""
+    import training.soft_ce as sc
+    import training.train as tt
+    collate = tt.collate
+    results = {}
+    for how in ("chunked", "reference"):
+        if how == "chunked":
+            monkeypatch.setattr(tt, "soft_ce", lambda *a: sc.soft_ce(*a, chunk=7))
+        else:
+            monkeypatch.setattr(tt, "soft_ce", sc.soft_ce_reference)
+        head, vocab = _new_head(arch, tiny_target, synthetic)
+        trainer = Trainer(tiny_target, head, _config(arch, ttt_steps=3), vocab)
+        ids, mask, lens = collate(synthetic, list(range(6)), 64, torch.device("cpu"))
+        loss, stats = trainer.losses(ids, mask, lens)
+        loss.backward()
+        results[how] = (loss.detach(), [int(c) for _, c, _ in stats],
+                        [p.grad.clone() for p in head.parameters() if p.grad is not None])
+    (loss_a, corr_a, grads_a), (loss_b, corr_b, grads_b) = results["chunked"], results["reference"]
+    torch.testing.assert_close(loss_a, loss_b, atol=1e-5, rtol=1e-5)
+    assert corr_a == corr_b
+    assert len(grads_a) == len(grads_b) > 0
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 # ---- training-time test drafts as the engine does ---------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 def test_unrolled_steps_predict_engine_accept_lengths(trained, tiny_target, tiny_llama_dir, tmp_path, arch):
