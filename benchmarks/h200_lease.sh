@@ -29,6 +29,8 @@
 #              streams, FP8 at 1, prompts of about 1k tokens                               ~200
 #   ttt        the draft trainer's TTT attention against its dense-mask reference
 #              (ttt_attention_bench.py, B=16, T=1024, 7 steps)                             ~30
+#   shapes     draft shapes in-process, graphs, batch 1 (8 prompts) to 64: the preset's tree
+#              against wider trees of top-k 8 (gpu_bench.py; SHAPES to choose others)        ~200
 #   softce     the draft trainer's chunked token loss against the autograd path, alone and in
 #              whole EAGLE-1 and EAGLE-3 training steps (soft_ce_bench.py)                 ~90
 #   kestrel-7b, vllm-7b, kestrel-32b, vllm-32b, kestrel-72b, vllm-72b (FP8)
@@ -130,6 +132,11 @@ for stage in "$@"; do
     ttt)
       timeout 200 python3 -m benchmarks.ttt_attention_bench --device cuda > "$work/ttt.txt" 2>&1
       cat "$work/ttt.txt" ;;
+    shapes)
+      timeout 420 python3 -m benchmarks.gpu_bench --backends triton --modes graphs --skip-hf --b1-prompts 8 \
+        --spec-shapes ${SHAPES:-tree 8-8-32 8-6-16 8-5-8} --batch-sizes 1 8 32 64 --out "$work/shapes" \
+        > "$work/shapes.txt" 2>&1
+      grep "^|" "$work/shapes.txt" ;;
     softce)
       timeout 300 python3 -m benchmarks.soft_ce_bench --device cuda > "$work/softce.txt" 2>&1
       grep -v "loading" "$work/softce.txt" ;;
