@@ -12,15 +12,16 @@ from typing import NamedTuple
 
 import torch
 
-from kestrel_kernels import activation
+from kestrel_kernels import activation, kv_store
 from kestrel_kernels import rmsnorm as rmsnorm_ref
 from kestrel_kernels import rope as rope_ref
 from kestrel_kernels.triton_activation import silu_and_mul_triton
 from kestrel_kernels.triton_rmsnorm import HAS_TRITON, fused_add_rmsnorm_triton, rmsnorm_triton
+from kestrel_kernels.triton_kv_store import store_kv_fits, store_kv_triton
 from kestrel_kernels.triton_rope import rope_triton
 
 __all__ = ["set_fused", "force_torch", "use_triton", "rmsnorm", "fused_add_rmsnorm", "rope", "Rotary",
-           "rotary", "rope_at", "silu_and_mul"]
+           "rotary", "rope_at", "silu_and_mul", "store_kv"]
 
 _forced_torch = False
 
@@ -99,3 +100,11 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`kestrel_kernels.activation.silu_and_mul`."""
     fn = silu_and_mul_triton if use_triton(gate, up) else activation.silu_and_mul
     return fn(gate, up)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """`kestrel_kernels.kv_store.store_kv`; the kernel takes K/V whose tokens are contiguous
+    runs (a strided view of a fused GEMM's output is), anything else the reference."""
+    fast = use_triton(k, v) and store_kv_fits(k_cache, v_cache, k, v)
+    (store_kv_triton if fast else kv_store.store_kv)(k_cache, v_cache, loc, k, v)

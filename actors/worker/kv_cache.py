@@ -17,6 +17,7 @@ import torch
 
 from actors.worker.host_copy import to_device
 from configs.schema import MAX_STEPS_IN_FLIGHT
+from kestrel_kernels import layer_ops
 from kestrel_kernels.fp8_format import FP8
 from kestrel_kernels.kv_fp8 import dequantize_kv, gather_fp8, quantize_kv, scatter_fp8
 
@@ -202,8 +203,7 @@ class TokenToKVPool:
             scatter_fp8(self.k[layer], loc, quantize_kv(k, self.k_scale[layer]))
             scatter_fp8(self.v[layer], loc, quantize_kv(v, self.v_scale[layer]))
             return
-        self.k[layer][loc] = k.to(self.k[layer].dtype)
-        self.v[layer][loc] = v.to(self.v[layer].dtype)
+        layer_ops.store_kv(self.k[layer], self.v[layer], loc, k, v)  # one launch on CUDA
 
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `slots` (integer, any shape S) in `dtype`, dequantized: [*S, Hkv, D] each."""

@@ -1,5 +1,5 @@
-"""Triton decoder-layer kernels (RMSNorm, fused add+RMSNorm, RoPE, silu*mul) against their
-torch references, and the layer_ops dispatch.
+"""Triton decoder-layer kernels (RMSNorm, fused add+RMSNorm, RoPE, silu*mul, the KV store)
+against their torch references, and the layer_ops dispatch.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (modest sizes); with
 CUDA the same tests run compiled on the GPU (tests/gpu/test_layer_ops_gpu.py adds the
@@ -14,8 +14,9 @@ import torch
 
 import triton_interpreter  # before actors/kernels import triton: picks its interpreter without CUDA
 from actors.models.rope import rope_inv_freq
-from kestrel_kernels import activation, layer_ops, rmsnorm, rope
+from kestrel_kernels import activation, kv_store, layer_ops, rmsnorm, rope
 from kestrel_kernels import triton_activation as tact
+from kestrel_kernels import triton_kv_store as tkv
 from kestrel_kernels import triton_rmsnorm as trms
 from kestrel_kernels import triton_rope as trope
 
@@ -140,6 +141,40 @@ def test_silu_and_mul_on_slices_of_a_fused_output(T, I):
     assert_near(got, activation.silu_and_mul(gate, up))
 
 
+def _caches(slots, H, D, dtype, gen):
+    return randn(slots, H, D, dtype=dtype, gen=gen), randn(slots, H, D, dtype=dtype, gen=gen)  # [slots, H, D]
+
+
+@needs_triton
+@pytest.mark.parametrize("cache_dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                  (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("T,HQ,HKV,D", [(1, 9, 3, 64), (7, 4, 4, 64), (5, 8, 1, 128), (3, 6, 2, 80)])
+def test_store_kv(T, HQ, HKV, D, cache_dtype, kv_dtype):
+    """K contiguous, V a column slice of one fused q/k/v output, written at scattered slots
+    (pages 0 and beyond): the caches equal the reference's bit for bit, other slots untouched."""
+    gen = torch.Generator().manual_seed(T * HKV * D)
+    qkv = randn(T, (HQ + 2 * HKV) * D, dtype=kv_dtype, gen=gen)  # [T, (Hq + 2 Hkv) D]
+    k = qkv[:, HQ * D:(HQ + HKV) * D].reshape(T, HKV, D).contiguous()  # [T, Hkv, D]
+    v = qkv[:, (HQ + HKV) * D:].view(T, HKV, D)  # [T, Hkv, D], token stride (Hq + 2 Hkv) D
+    loc = torch.randperm(64, generator=gen)[:T].to(DEV)  # [T] int64, distinct slots
+    got_k, got_v = _caches(64, HKV, D, cache_dtype, gen)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    tkv.store_kv_triton(got_k, got_v, loc, k, v)
+    kv_store.store_kv(want_k, want_v, loc, k, v)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@needs_triton
+def test_store_kv_refuses_layouts_it_does_not_address():
+    gen = torch.Generator().manual_seed(5)
+    kc, vc = _caches(8, 2, 16, torch.float32, gen)
+    k = randn(3, 16, 2, dtype=torch.float32, gen=gen).transpose(1, 2)  # [T, H, D], heads not contiguous
+    v = randn(3, 2, 16, dtype=torch.float32, gen=gen)
+    assert not tkv.store_kv_fits(kc, vc, k, v)
+    with pytest.raises(ValueError, match="contiguous"):
+        tkv.store_kv_triton(kc, vc, torch.arange(3).to(DEV), k, v)
+
+
 def test_cpu_dispatch_is_the_reference():
     """On CPU tensors every op is its torch reference, bit for bit (the CPU model path)."""
     gen = torch.Generator().manual_seed(0)
@@ -154,3 +189,6 @@ def test_cpu_dispatch_is_the_reference():
                       (layer_ops.rope(q, k, pos, inv_freq), rope.rope(q, k, pos, inv_freq))]:
         assert all(torch.equal(g, h) for g, h in zip(got, want))
     assert torch.equal(layer_ops.silu_and_mul(x, res), activation.silu_and_mul(x, res))
+    kc, vc = torch.zeros(8, 2, 64), torch.zeros(8, 2, 64)
+    layer_ops.store_kv(kc, vc, torch.tensor([6, 1, 3]), k, k + 1)
+    assert torch.equal(kc[[6, 1, 3]], k) and torch.equal(vc[[6, 1, 3]], k + 1) and not kc[[0, 2, 4, 5, 7]].any()
