@@ -25,6 +25,7 @@
 #   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target)    ~50
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
+#   census     SmolLM2's decode step and tree iteration per kernel, with graphs (kernel_census.py) ~60
 #   census7b   the 7B shape's decode step per kernel (kernel_census.py): bf16 at 1 and 64
 #              streams, FP8 at 1, prompts of about 1k tokens                               ~200
 #   ttt        the draft trainer's TTT attention against its dense-mask reference
@@ -85,6 +86,10 @@ for stage in "$@"; do
       timeout 400 python3 -m pytest -q tests/gpu/test_mixed_steps_gpu.py tests/unit/test_triton_attention.py \
         > "$work/mixed.txt" 2>&1
       tail -5 "$work/mixed.txt" ;;
+    census)
+      timeout 300 python3 -m benchmarks.kernel_census --variants plain_graphs spec_graphs --out "$work/census" \
+        > "$work/census.txt" 2>&1
+      grep -E "tok/s|kernels/step|Error" "$work/census.txt" | cut -c1-200 ;;
     census7b)
       for q in bf16 fp8; do
         set_=(--batch 1 64); [ $q = fp8 ] && set_=(--batch 1 --set model.quantization=fp8)
