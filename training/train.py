@@ -90,6 +90,10 @@ class TrainConfig:
     feature_weight: float = 1.0  # EAGLE-1/2 smooth-L1 on features
     token_weight: float = 0.5  # EAGLE-1/2 token loss
     hard_targets: bool = False  # train on the target's argmax instead of its distribution
+    # EAGLE-3: "rms" divides each captured feature dimension by its RMS over the first
+    # batches (the residual streams of a small target carry a few dimensions hundreds of
+    # times the others, which then set the fc's updates); folded into the fc at the end.
+    feature_scale: str = "none"
     seed: int = 0
     log_every: int = 10
     save_every: int = 200  # optimizer steps between checkpoints (0: only at the end)
@@ -108,12 +112,22 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
 
 
-def make_spec(target_arch, arch: str, vocab: DraftVocab | None) -> EagleSpec:
+def make_spec(target_arch, arch: str, vocab: DraftVocab | None,
+              aux_layers: tuple[int, ...] | None = None) -> EagleSpec:
+    """The head's shape; for EAGLE-3 `aux_layers` picks the captured residual streams (i:
+    the stream entering layer i, num_layers: the last layer's output before the final norm)."""
     s = EagleSpec.for_target(target_arch, arch, vocab.size if vocab is not None else None)
     if arch == "eagle3":
-        # (2, L//2, L-3) leaves 0..L for targets of fewer than 3 layers (tiny test models).
         L = target_arch.num_layers
-        s.aux_layers = tuple(min(max(i, 0), L) for i in s.aux_layers)
+        if aux_layers:
+            if len(aux_layers) != 3 or not all(0 <= i <= L for i in aux_layers):
+                raise ValueError(f"--aux-layers takes three layers in 0..{L}, not {list(aux_layers)}")
+            s.aux_layers = tuple(aux_layers)
+        else:
+            # (2, L//2, L-3) leaves 0..L for targets of fewer than 3 layers (tiny test models).
+            s.aux_layers = tuple(min(max(i, 0), L) for i in s.aux_layers)
+    elif aux_layers:
+        raise ValueError("--aux-layers is an EAGLE-3 option (EAGLE-1 reads the final hidden state)")
     return s
 
 
@@ -237,23 +251,65 @@ class Trainer:
         params = [p for p in head.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas,
                                      weight_decay=cfg.weight_decay)
+        if cfg.feature_scale not in ("none", "rms"):
+            raise ValueError(f"feature_scale {cfg.feature_scale!r}: none or rms")
+        if cfg.feature_scale != "none" and not self.eagle3:
+            raise ValueError("feature_scale is an EAGLE-3 option")
+        self.feat_scale: torch.Tensor | None = None  # [3H] fp32: what features are divided by
         self.step = 0
         self.total_steps = 1
+
+    def features(self, ids: torch.Tensor):
+        """The frozen target over a [B, T] batch -> (its final hidden [B*T, H], the head's
+        input features [B*T, 3H] for EAGLE-3 (scaled), else the final hidden)."""
+        B, T = ids.shape
+        pos = torch.arange(T, device=ids.device).repeat(B)  # [B*T] int64
+        hidden, aux = self.target(ids.reshape(-1), pos, CausalAttention(B, T), self.head.aux_layers)
+        if not self.eagle3:
+            return hidden, hidden
+        feat = torch.cat(aux, -1)  # [B*T, 3H]
+        return hidden, feat if self.feat_scale is None else feat / self.feat_scale
+
+    @torch.no_grad()
+    def calibrate_feature_scale(self, samples: list[dict], batches: list[list[int]]) -> None:
+        """feature_scale=rms: each feature dimension's RMS over these batches' tokens (the
+        first token of each sequence left out: its residual stream is an outlier of its own)."""
+        self.feat_scale = None
+        sq, n = None, 0
+        for idx in batches:
+            ids, _, lens = collate(samples, idx, self.cfg.max_len, self.device)
+            B, T = ids.shape
+            _, feat = self.features(ids)
+            keep = (torch.arange(T, device=ids.device)[None, :] < lens[:, None])
+            keep[:, 0] = False
+            f = feat.float()[keep.reshape(-1)]  # [N, 3H]
+            sq = f.square().sum(0) if sq is None else sq + f.square().sum(0)
+            n += f.shape[0]
+        self.feat_scale = (sq / max(n, 1)).sqrt().clamp(min=1e-6)  # [3H] fp32
+        log.info("feature scale (RMS per captured layer): %s",
+                 [round(float(x.square().mean().sqrt()), 3) for x in self.feat_scale.chunk(3)])
+
+    @torch.no_grad()
+    def fold_feature_scale(self) -> None:
+        """Move the scale into the fc's columns, so the head takes the target's features as
+        they are (the engine's input) and computes what it computed on scaled ones."""
+        if self.feat_scale is None:
+            return
+        w = self.head.fc.weight  # [H, 3H]
+        w.copy_((w.float() / self.feat_scale[None, :]).to(w.dtype))
+        self.feat_scale = None
 
     # -- one batch ------------------------------------------------------------------------------
     def losses(self, ids: torch.Tensor, loss_mask: torch.Tensor, lens: torch.Tensor):
         """ids/loss_mask [B, T], lens [B] -> (weighted loss, per-step [loss, correct, count])."""
         B, T = ids.shape
         dev = ids.device
-        flat = ids.reshape(-1)  # [B*T] int64
-        pos = torch.arange(T, device=dev).repeat(B)  # [B*T] int64
         valid = torch.arange(T, device=dev)[None, :] < lens[:, None]  # [B, T] bool
         # pred[b, q]: the target's prediction at q is for t[q+1], an assistant token.
         pred = torch.zeros_like(loss_mask)
         pred[:, :-1] = loss_mask[:, 1:] & valid[:, 1:]
         with torch.no_grad():
-            hidden, aux = self.target(flat, pos, CausalAttention(B, T), self.head.aux_layers)
-            feat = torch.cat(aux, -1) if self.eagle3 else hidden  # [B*T, 3H] or [B*T, H]
+            hidden, feat = self.features(ids)  # [B*T, H], [B*T, 3H] or [B*T, H]
             q_rows = pred.reshape(-1).nonzero().squeeze(1)  # [M] int64 flat supervised positions
             t_logits = self.target.compute_logits(hidden[q_rows])  # [M, V] fp32
             t_top = t_logits.argmax(-1)  # [M] int64 target's greedy token
@@ -349,7 +405,7 @@ class Trainer:
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                     "total_steps": self.total_steps, "epoch": epoch, "batch": batch,
                     "arch": self.head.spec.arch, "cfg": asdict(self.cfg), "history": history,
-                    "data_key": data_key,
+                    "data_key": data_key, "feat_scale": self.feat_scale,
                     "draft_ids": self.draft_ids.cpu() if self.eagle3 else None}, tmp)
         tmp.replace(path)  # never a torn checkpoint
         prog = path.parent / "progress.json"
@@ -370,6 +426,8 @@ class Trainer:
         self.head.load_state_dict(st["head"])
         self.opt.load_state_dict(st["opt"])
         self.step, self.total_steps = st["step"], st["total_steps"]
+        fs = st.get("feat_scale")
+        self.feat_scale = None if fs is None else fs.to(self.device)
         return st
 
     # -- the loop -------------------------------------------------------------------------------
@@ -400,6 +458,9 @@ class Trainer:
             epoch, next_batch, history = st["epoch"], st["batch"], st["history"]
             log.info("resumed from %s at step %d (epoch %d, batch %d)", state_path, self.step,
                      epoch, next_batch)
+        if c.feature_scale == "rms" and self.feat_scale is None:
+            first = make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed))
+            self.calibrate_feature_scale(samples, first[:8])
         self.total_steps = planned
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.head.spec.arch}",
                    unit="step", file=sys.stderr, disable=not progress)
@@ -526,6 +587,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--token-weight", type=float, default=TrainConfig.token_weight,
                    help="EAGLE-1/2: weight of the token loss")
     t.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    t.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="I",
+                   help="EAGLE-3: the target's residual streams the head reads (i: entering layer i; "
+                        "the layer count: the last layer's output); default 2, L/2, L-3")
+    t.add_argument("--feature-scale", choices=("none", "rms"), default="none",
+                   help="EAGLE-3: divide each feature dimension by its RMS in training (folded into the fc)")
     t.add_argument("--hard-targets", action="store_true", help="match the target's argmax, not its distribution")
     t.add_argument("--lm-head-init", choices=["random", "target"], default="random",
                    help="EAGLE-3: start the LM head and norm at random (default) or from the target's")
@@ -665,9 +731,10 @@ def main(argv: list[str] | None = None) -> dict:
                      grad_clip=args.grad_clip, ttt_steps=args.ttt_steps, ttt_attention=args.ttt_attention,
                      step_decay=args.step_decay,
                      feature_weight=args.feature_weight, token_weight=args.token_weight,
-                     hard_targets=args.hard_targets, seed=args.seed, save_every=args.save_every,
+                     hard_targets=args.hard_targets, feature_scale=args.feature_scale,
+                     seed=args.seed, save_every=args.save_every,
                      time_budget_s=args.train_time_budget, max_steps=args.max_steps)
-    head = init_head(make_spec(tarch, args.arch, vocab), target, vocab, seed=args.seed,
+    head = init_head(make_spec(tarch, args.arch, vocab, args.aux_layers), target, vocab, seed=args.seed,
                      lm_head_from_target=args.lm_head_init == "target")
     trainer = Trainer(target, head, tc, vocab)
     # measured once, by the first leg: later legs start from a trained head
@@ -683,6 +750,8 @@ def main(argv: list[str] | None = None) -> dict:
     res = trainer.fit(train, state_path, resume=args.resume, leg_steps=args.leg_steps,
                       leg_seconds=args.leg_time_budget)
     finished = trainer.step >= trainer.total_steps
+    if finished:
+        trainer.fold_feature_scale()  # the exported head and the measures below take raw features
     report["train"] = {"config": asdict(tc), "steps": res.steps, "total_steps": trainer.total_steps,
                        "finished": finished, "seconds": round(res.seconds, 1),
                        "heldout_before": before, "history": res.history}

@@ -143,6 +143,45 @@ def test_the_chunked_token_loss_trains_as_the_autograd_path(tiny_target, synthet
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_feature_scale_trains_on_scaled_features_and_folds_into_the_fc(tiny_target, synthetic, tmp_path):
+    """feature_scale=rms: features divided per dimension by their RMS (calibrated on the first
+    batches, kept across a resume); folded into the fc, the head computes the same losses
+    from the target's raw features, which is what the engine feeds it."""
+    import training.train as tt
+    head, vocab = _new_head("eagle3", tiny_target, synthetic)
+    cfg = _config("eagle3", feature_scale="rms", epochs=1, save_every=0)
+    trainer = Trainer(tiny_target, head, cfg, vocab)
+    state = tmp_path / "state.pt"
+    trainer.fit(synthetic, state, progress=False, stop_at=2)
+    scale = trainer.feat_scale
+    assert scale is not None and scale.shape == (3 * tiny_target.arch.hidden_size,)
+    assert float(scale.max() / scale.min()) > 1.5  # dimensions differ: not a no-op
+    ids, mask, lens = tt.collate(synthetic, list(range(4)), 64, torch.device("cpu"))
+    with torch.no_grad():
+        before, stats_before = trainer.losses(ids, mask, lens)
+    resumed = Trainer(tiny_target, head, cfg, vocab)
+    resumed.load(state)
+    torch.testing.assert_close(resumed.feat_scale, scale)
+    trainer.fold_feature_scale()
+    assert trainer.feat_scale is None
+    with torch.no_grad():
+        after, stats_after = trainer.losses(ids, mask, lens)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    assert [int(c) for _, c, _ in stats_after] == [int(c) for _, c, _ in stats_before]
+
+
+def test_aux_layers_choice(tiny_target):
+    L = tiny_target.arch.num_layers
+    assert make_spec(tiny_target.arch, "eagle3", None, (0, 1, L)).aux_layers == (0, 1, L)
+    with pytest.raises(ValueError, match="three layers"):
+        make_spec(tiny_target.arch, "eagle3", None, (0, 1, L + 1))
+    with pytest.raises(ValueError, match="EAGLE-3 option"):
+        make_spec(tiny_target.arch, "eagle", None, (0, 1, 2))
+    with pytest.raises(ValueError, match="EAGLE-3 option"):
+        Trainer(tiny_target, init_head(make_spec(tiny_target.arch, "eagle", None), tiny_target, None),
+                _config("eagle", feature_scale="rms"))
+
+
 # ---- training-time test drafts as the engine does ---------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 def test_unrolled_steps_predict_engine_accept_lengths(trained, tiny_target, tiny_llama_dir, tmp_path, arch):
