@@ -55,8 +55,9 @@ class _SoftCE(torch.autograd.Function):
             # ce = sum_v t_v * (lse - logit_v)
             ce = lse * t_sum - torch.linalg.vecdot(t, logits)  # [c]
             loss += (ce * rw).sum()
-            # d(rw * ce) / d logits = rw * (softmax * sum(t) - t), built in logits' storage
-            g = logits.sub_(lse[:, None]).exp_().mul_(t_sum[:, None]).sub_(t).mul_(rw[:, None])
+            # d(rw * ce) / d logits = softmax * (rw * sum(t)) - t * rw: softmax, then two
+            # in-place passes (each pass over [c, V] costs as much as the matmul's output)
+            g = torch.softmax(logits, -1).mul_((rw * t_sum)[:, None]).addcmul_(t, rw[:, None], value=-1.0)
             g = g.to(dtype)  # [c, V]: the matmul's input dtype, as autograd's backward would cast it
             d_hidden[a:a + chunk] = (g @ w).float()
             if d_weight is not None:
