@@ -518,3 +518,18 @@ def test_answers_in_a_loop_are_stopped_early(wide_vocab_target, tokenizer):
     assert full["responses_stopped_in_loop"] == 0 and full["responses_degenerate"] >= 8
     assert cut["responses_stopped_in_loop"] == cut["responses_degenerate"] >= 8
     assert cut["generated_tokens"] < full["generated_tokens"] / 2
+
+
+def test_feature_stats_measures_the_captured_streams(tiny_target, synthetic):
+    from training.ttt_attention import CausalAttention
+    from training.feature_stats import stream_stats
+    L = tiny_target.arch.num_layers
+    samples = [s["input_ids"] for s in synthetic[:3]]
+    stats = stream_stats(tiny_target, samples, (0, L))
+    assert set(stats) == {0, L}
+    with torch.no_grad():
+        rows = [tiny_target(torch.tensor(ids), torch.arange(len(ids)), CausalAttention(1, len(ids)), (L,))[1][0][1:]
+                for ids in samples]
+    x = torch.cat(rows)  # [N, H] the last layer's output, first tokens left out
+    assert stats[L]["rms"] == round(float(x.square().mean().sqrt()), 2)
+    assert stats[L]["top_dim_rms"][0] >= stats[L]["median_dim_rms"] > 0
