@@ -91,8 +91,8 @@ class TrainConfig:
     token_weight: float = 0.5  # EAGLE-1/2 token loss
     hard_targets: bool = False  # train on the target's argmax instead of its distribution
     # EAGLE-3: "rms" divides each captured feature dimension by its RMS over the first
-    # batches (the residual streams of a small target carry a few dimensions hundreds of
-    # times the others, which then set the fc's updates); folded into the fc at the end.
+    # batches (a small target's residual streams carry a few dimensions far larger than
+    # the rest, which then set the fc's updates); folded into the fc at the end.
     feature_scale: str = "none"
     seed: int = 0
     log_every: int = 10
@@ -278,9 +278,8 @@ class Trainer:
         sq, n = None, 0
         for idx in batches:
             ids, _, lens = collate(samples, idx, self.cfg.max_len, self.device)
-            B, T = ids.shape
             _, feat = self.features(ids)
-            keep = (torch.arange(T, device=ids.device)[None, :] < lens[:, None])
+            keep = torch.arange(ids.shape[1], device=ids.device)[None, :] < lens[:, None]  # [B, T] bool
             keep[:, 0] = False
             f = feat.float()[keep.reshape(-1)]  # [N, 3H]
             sq = f.square().sum(0) if sq is None else sq + f.square().sum(0)
