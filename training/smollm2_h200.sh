@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct draft heads on the GPUs of one machine (training/README.md).
 #   usage: bash training/smollm2_h200.sh [OUT=runs/smollm2] [GEN_S=300] [TRAIN_S=960] [--set K=V ...]
-# Two stages (STAGES, default "data heads"), each of which fits one 10-minute device command
+# Stages (STAGES, default "data heads"), each of which fits one 10-minute device command
 # when GEN_S, or TRAIN_S plus about 3 minutes of evaluation, does:
-#   data   one generator per GPU (one seed each, batch 512, 70% greedy answers, since
-#          acceptance is measured on greedy decoding), prompts by MIX (--category-mix;
-#          default magpie=1, the recipe of the 2026-11-30 heads; "default" = the trainer's
-#          mix of chat, code, math, multi-turn, long and short prompts)
+#   data   one generator per GPU (seed SEED+g on GPU g, into OUT/data<seed>; batch 512, 70%
+#          greedy answers, since acceptance is measured on greedy decoding), prompts by MIX
+#          (--category-mix; default magpie=1, the recipe of the 2026-11-30 heads; "default" =
+#          the trainer's mix of chat, code, math, multi-turn, long and short prompts). More
+#          data on one GPU: run it again with SEED=1, 2, ...
 #   heads  the heads named in HEADS (default "eagle1 eagle1-tw01", the shipped recipe and
-#          the EAGLE paper's token weight) trained on the joined data at once, head i on GPU
+#          the EAGLE paper's token weight) trained on every OUT/data*/ at once, head i on GPU
 #          i mod the GPU count, each for at most TRAIN_S seconds, then measured with the
-#          engine on GPU 0's held-out split, the MT-bench first turns and the fixed held-out
+#          engine on OUT/data0's held-out split, the MT-bench first turns and the fixed held-out
 #          prompts of benchmarks/data/smollm2_heldout_prompts.jsonl (OUT/<head>/report.json,
 #          logs OUT/<head>.log). "shipped" is no training: the shipped head measured the same way.
-# EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement; SEED (default 0)
-# the first generator's seed.
+#   legs   the same heads on the same data, STEPS optimizer steps each (default 13000, the
+#          shipped head's length), as resumable legs (python -m training.legs, one leg of at
+#          most LEG_S seconds, default 540, per run of this stage): run the stage again, on this
+#          machine or on another with OUT carried over (python -m training.run_pieces), until
+#          each head's report is written; the last leg measures it as `heads` does.
+# EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement.
 set -euo pipefail
 out=${1:-runs/smollm2}
 gen_s=${2:-300}
@@ -23,7 +28,7 @@ mkdir -p "$out"
 ngpu=$(nvidia-smi -L | wc -l)
 heads=(${HEADS:-eagle1 eagle1-tw01})
 mix=${MIX:-magpie=1}
-seed0=${SEED:-0}  # GPU g generates with seed SEED+g: a second data run on one GPU takes SEED=1
+seed0=${SEED:-0}
 evals=${EVAL_SAMPLES:-48}
 # Every head is also measured on these, and no generated prompt may copy one of them.
 eval_files=(benchmarks/data/mt_bench_questions.jsonl benchmarks/data/smollm2_heldout_prompts.jsonl)
@@ -60,22 +65,33 @@ for stage in ${STAGES:-data heads}; do
       [ "$mix" = default ] && mix_flag=() || mix_flag=(--category-mix "$mix")
       pids=()
       for g in $(seq 0 $((ngpu - 1))); do
-        CUDA_VISIBLE_DEVICES=$g python -m training.train "${gen_engine[@]}" --out "$out/data$g" --data-only \
-          --seed "$((seed0 + g))" --samples 200000 --gen-batch 512 \
+        seed=$((seed0 + g))
+        CUDA_VISIBLE_DEVICES=$g python -m training.train "${gen_engine[@]}" --out "$out/data$seed" --data-only \
+          --seed "$seed" --samples 200000 --gen-batch 512 \
           --gen-time-budget "$gen_s" --greedy-fraction 0.7 "${mix_flag[@]}" --eval-only-prompts "${eval_files[@]}" \
-          > "$out/data$g.log" 2>&1 & pids+=($!)
+          > "$out/data$seed.log" 2>&1 & pids+=($!)
       done
       for p in "${pids[@]}"; do wait "$p"; done ;;
-    heads)
-      parts=()
-      for g in $(seq 0 $((ngpu - 1))); do parts+=("$out/data$g/data/train.jsonl"); done
-      for g in $(seq 1 $((ngpu - 1))); do parts+=("$out/data$g/data/eval.jsonl"); done  # only GPU 0's is held out
+    heads|legs)
+      parts=("$out"/data*/data/train.jsonl)
+      for d in "$out"/data*/; do  # only data0's held-out split is held out
+        [ "$d" = "$out/data0/" ] || parts+=("$d/data/eval.jsonl")
+      done
       held="$out/data0/data/eval.jsonl"
       share=(--set "kv_cache.memory_utilization=0.$(( 90 / per_gpu ))")
       pids=()
       for i in "${!heads[@]}"; do
         h=${heads[$i]}
         export CUDA_VISIBLE_DEVICES=$((i % ngpu))
+        if [ "$stage" = legs ]; then
+          [ "$h" = shipped ] && continue
+          # status 3: legs are left (run the stage again); the last leg measures the head
+          { python -m training.legs --out "$out/$h" --leg-seconds "${LEG_S:-540}" --max-legs 1 -- \
+              "${eval_engine[@]}" "${share[@]}" $(head_flags "$h") --data "${parts[@]}" --eval-data "$held" \
+              --epochs 40 --max-steps "${STEPS:-13000}" --eval-samples "$evals" --eval-max-tokens "$eval_tokens" \
+              --eval-prompts "${eval_files[@]}" --eval-batch 128 || [ $? = 3 ]; } >> "$out/$h.log" 2>&1 & pids+=($!)
+          continue
+        fi
         if [ "$h" = shipped ]; then
           mkdir -p "$out/shipped"
           { python -m training.evaluate "${eval_engine[@]}" "${share[@]}" --prompts "$held" --num-prompts "$evals" \
@@ -96,7 +112,12 @@ for stage in ${STAGES:-data heads}; do
       unset CUDA_VISIBLE_DEVICES
       status=0
       for p in "${pids[@]}"; do wait "$p" || status=1; done
-      echo "heads done (status $status)"
+      echo "$stage done (status $status)"
+      if [ "$stage" = legs ]; then
+        for h in "${heads[@]}"; do
+          [ "$h" = shipped ] || echo "$h: $(cat "$out/$h/train_state/progress.json" 2>/dev/null || echo 'no progress yet')"
+        done
+      fi
       [ $status = 0 ] || exit $status ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
