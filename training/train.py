@@ -258,6 +258,9 @@ class Trainer:
         self.feat_scale: torch.Tensor | None = None  # [3H] fp32: what features are divided by
         self.step = 0
         self.total_steps = 1
+        self.warm_steps = 1
+        # (step, cosine progress there): where the decay continues from after a re-plan
+        self.sched: tuple[int, float] = (1, 0.0)
 
     def features(self, ids: torch.Tensor):
         """The frozen target over a [B, T] batch -> (its final hidden [B*T, H], the head's
@@ -353,12 +356,27 @@ class Trainer:
         return total, stats
 
     # -- schedule -------------------------------------------------------------------------------
+    def set_schedule(self, total: int, from_step: int | None = None) -> None:
+        """The schedule's length in steps: linear warm-up, then cosine decay to its end. A
+        re-plan mid-run (from_step: a time budget's new estimate) keeps the warm-up and
+        continues the decay from its progress at that step, so the learning rate neither
+        jumps nor rises again."""
+        if from_step is None:
+            self.warm_steps = max(1, int(self.cfg.warmup_ratio * total))
+            self.sched = (self.warm_steps, 0.0)
+        elif from_step > self.warm_steps:
+            self.sched = (from_step, self._progress(from_step))
+        self.total_steps = total
+
+    def _progress(self, step: int) -> float:
+        s0, t0 = self.sched
+        return min(1.0, t0 + (1 - t0) * (step - s0) / max(1, self.total_steps - s0))
+
     def lr_at(self, step: int) -> float:
         c = self.cfg
-        warm = max(1, int(c.warmup_ratio * self.total_steps))
-        if step < warm:
-            return c.lr * (step + 1) / warm
-        t = min(1.0, (step - warm) / max(1, self.total_steps - warm))
+        if step < self.warm_steps:
+            return c.lr * (step + 1) / self.warm_steps
+        t = self._progress(step)
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
     def train_step(self, ids, loss_mask, lens) -> tuple[float, list[tuple[float, int, int]]]:
@@ -405,6 +423,7 @@ class Trainer:
                     "total_steps": self.total_steps, "epoch": epoch, "batch": batch,
                     "arch": self.head.spec.arch, "cfg": asdict(self.cfg), "history": history,
                     "data_key": data_key, "feat_scale": self.feat_scale,
+                    "warm_steps": self.warm_steps, "sched": self.sched,
                     "draft_ids": self.draft_ids.cpu() if self.eagle3 else None}, tmp)
         tmp.replace(path)  # never a torn checkpoint
         prog = path.parent / "progress.json"
@@ -425,6 +444,10 @@ class Trainer:
         self.head.load_state_dict(st["head"])
         self.opt.load_state_dict(st["opt"])
         self.step, self.total_steps = st["step"], st["total_steps"]
+        if "sched" in st:
+            self.warm_steps, self.sched = st["warm_steps"], tuple(st["sched"])
+        else:
+            self.set_schedule(self.total_steps)
         fs = st.get("feat_scale")
         self.feat_scale = None if fs is None else fs.to(self.device)
         return st
@@ -452,7 +475,8 @@ class Trainer:
         data_key = _data_key(lengths, c.seed)
         history: list[dict] = []
         epoch, next_batch = 0, 0  # where the batch stream continues
-        if resume and state_path is not None and state_path.exists():
+        resumed = resume and state_path is not None and state_path.exists()
+        if resumed:
             st = self.load(state_path, data_key)
             epoch, next_batch, history = st["epoch"], st["batch"], st["history"]
             log.info("resumed from %s at step %d (epoch %d, batch %d)", state_path, self.step,
@@ -460,7 +484,10 @@ class Trainer:
         if c.feature_scale == "rms" and self.feat_scale is None:
             first = make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed))
             self.calibrate_feature_scale(samples, first[:8])
-        self.total_steps = planned
+        if not resumed:
+            self.set_schedule(planned)
+        elif planned != self.total_steps:  # a resumed run with another length: decay from here
+            self.set_schedule(planned, from_step=self.step)
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.head.spec.arch}",
                    unit="step", file=sys.stderr, disable=not progress)
         t0 = time.monotonic()
@@ -486,7 +513,8 @@ class Trainer:
             window.append((loss, stats))
             fits = budget.fit(self.step - first_step, self.step, planned) if budget else None
             if fits is not None and fits != self.total_steps:
-                self.total_steps = bar.total = fits
+                self.set_schedule(fits, from_step=self.step)
+                bar.total = fits
             bar.update(1)
             if self.step % c.log_every == 0 or self.step == self.total_steps:
                 rec = _summarise(window, self.step, self.lr_at(self.step - 1))

@@ -3,6 +3,7 @@ does, export round trip, draft vocabulary, Magpie data with the engine, the CLI,
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -498,6 +499,32 @@ def test_step_budget_is_re_measured_as_training_goes():
     assert fits[200] == 200 + int((100 - 43.0) / (23.0 / 190))
     frozen = StepBudget(1e9, clock=lambda: 0.0)
     assert frozen.fit(10, 10, planned=50) is None and frozen.fit(20, 20, planned=50) == 50
+
+
+def test_a_re_planned_schedule_continues_its_decay(tiny_target, synthetic):
+    """Unchanged, the schedule is warm-up then cosine over the planned steps; re-planned at
+    step 300 (a time budget's new estimate) the learning rate goes on from where it was,
+    never rising, and reaches its floor at the new end."""
+    head, _ = _new_head("eagle", tiny_target, synthetic)
+    cfg = _config("eagle", lr=1e-3)
+    tr = Trainer(tiny_target, head, cfg)
+    tr.set_schedule(1000)
+    warm = int(cfg.warmup_ratio * 1000)
+    for step in (0, warm - 1, warm, 400, 999):
+        t = min(1.0, max(0, step - warm) / (1000 - warm))
+        want = (cfg.lr * (step + 1) / warm if step < warm else
+                cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))))
+        assert tr.lr_at(step) == pytest.approx(want)
+    before = [tr.lr_at(s) for s in range(300)]
+    at_300 = tr.lr_at(300)
+    tr.set_schedule(1800, from_step=300)  # the run turned out faster: more steps fit
+    after = [tr.lr_at(s) for s in range(300, 1800)]
+    assert after[0] == pytest.approx(at_300) and at_300 < before[-1]
+    assert all(b <= a + 1e-15 for a, b in zip(before[warm:] + after, before[warm + 1:] + after[1:]))  # never rises
+    assert after[-1] == pytest.approx(cfg.lr * cfg.min_lr_ratio, rel=1e-3)
+    at_1000 = tr.lr_at(1000)
+    tr.set_schedule(1100, from_step=1000)  # and slower: the end comes sooner
+    assert tr.lr_at(1000) == pytest.approx(at_1000) and tr.lr_at(1100) == pytest.approx(cfg.lr * cfg.min_lr_ratio)
 
 
 def test_answers_in_a_loop_are_stopped_early(wide_vocab_target, tokenizer):
