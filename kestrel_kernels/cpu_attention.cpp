@@ -200,39 +200,53 @@ torch::Tensor paged_attention_over(const torch::Tensor& q, const torch::Tensor& 
   const float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   float* op = o.data_ptr<float>();
   const int64_t group = H / Hkv, stride = Hkv * D;
-  // One task per request and query head: its rows share the keys' loads, kRows at a time.
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  // The query heads that read one KV head share each key's loads, kRows (row, head) pairs
+  // at a time: a request's pairs for a KV head, a row's heads together (they see the same
+  // keys), then the rows in order (a verify's rows share their prefix), cut into chunks of
+  // nearly equal size, one task each. Each pair's output is what it alone would give
+  // (attend's contract), whatever chunk it lands in.
+  struct Chunk { int64_t b, g, first, count; };
+  std::vector<Chunk> chunks;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = static_cast<int64_t>(keys.rows_of[b].size()) * group;
+    const int64_t parts = (n + kRows - 1) / kRows;
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t c = 0; c < parts; ++c) {
+        const int64_t lo = n * c / parts, hi = n * (c + 1) / parts;
+        chunks.push_back({b, g, lo, hi - lo});
+      }
+  }
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p[kRows];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H, h = task % H, g = h / group;
-      const std::vector<int64_t>& rows = keys.rows_of[b];
-      for (size_t first = 0; first < rows.size(); first += kRows) {
-        const int R = static_cast<int>(std::min<size_t>(kRows, rows.size() - first));
-        const float* qr[kRows];
-        float* outr[kRows];
-        const std::vector<int64_t>* sr[kRows];
-        for (int r = 0; r < R; ++r) {
-          const int64_t t = rows[first + r];
-          qr[r] = qp + (t * H + h) * D;
-          outr[r] = op + (t * H + h) * D;
-          sr[r] = &keys.slots[t];
-        }
-        int64_t shared = static_cast<int64_t>(sr[0]->size());  // the keys every row sees first
-        for (int r = 1; r < R; ++r) {
-          int64_t j = 0;
-          const int64_t n = std::min<int64_t>(shared, static_cast<int64_t>(sr[r]->size()));
-          while (j < n && (*sr[r])[j] == (*sr[0])[j]) ++j;
-          shared = j;
-        }
-        const float* kc = kp + g * D;
-        const float* vc = vp + g * D;
-        const float sc = static_cast<float>(scale);
-        switch (R) {
-          case 1: attend<1>(qr, outr, sr, 0, kc, vc, stride, D, sc, p); break;
-          case 2: attend<2>(qr, outr, sr, shared, kc, vc, stride, D, sc, p); break;
-          case 3: attend<3>(qr, outr, sr, shared, kc, vc, stride, D, sc, p); break;
-          default: attend<4>(qr, outr, sr, shared, kc, vc, stride, D, sc, p); break;
-        }
+    for (int64_t c = begin; c < end; ++c) {
+      const Chunk& ch = chunks[c];
+      const std::vector<int64_t>& rows = keys.rows_of[ch.b];
+      const int R = static_cast<int>(ch.count);
+      const float* qr[kRows];
+      float* outr[kRows];
+      const std::vector<int64_t>* sr[kRows];
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = ch.first + r, t = rows[i / group], h = ch.g * group + i % group;
+        qr[r] = qp + (t * H + h) * D;
+        outr[r] = op + (t * H + h) * D;
+        sr[r] = &keys.slots[t];
+      }
+      int64_t shared = static_cast<int64_t>(sr[0]->size());  // the keys every pair sees first
+      for (int r = 1; r < R; ++r) {
+        if (sr[r] == sr[0]) continue;  // the same row: all of its keys
+        int64_t j = 0;
+        const int64_t n = std::min<int64_t>(shared, static_cast<int64_t>(sr[r]->size()));
+        while (j < n && (*sr[r])[j] == (*sr[0])[j]) ++j;
+        shared = j;
+      }
+      const float* kc = kp + ch.g * D;
+      const float* vc = vp + ch.g * D;
+      const float sc = static_cast<float>(scale);
+      switch (R) {
+        case 1: attend<1>(qr, outr, sr, 0, kc, vc, stride, D, sc, p); break;
+        case 2: attend<2>(qr, outr, sr, shared, kc, vc, stride, D, sc, p); break;
+        case 3: attend<3>(qr, outr, sr, shared, kc, vc, stride, D, sc, p); break;
+        default: attend<4>(qr, outr, sr, shared, kc, vc, stride, D, sc, p); break;
       }
     }
   });
