@@ -36,14 +36,15 @@ def soft_ce_reference(hidden: torch.Tensor, weight: torch.Tensor, t_probs: torch
 
 class _SoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, t_probs, rows, row_weights, dtype, chunk):
+    def forward(ctx, hidden, weight, t_probs, rows, row_weights, dtype, chunk, grads):
         N, H = hidden.shape
         dev = hidden.device
         w = weight.detach().to(dtype)  # [V, H]; no copy when already in dtype
         loss = torch.zeros((), dtype=torch.float32, device=dev)
         guess = torch.empty(N, dtype=torch.int64, device=dev)  # [N] argmax of the logits
-        d_hidden = torch.empty(N, H, dtype=torch.float32, device=dev)  # [N, H]
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if ctx.needs_input_grad[1] else None
+        d_hidden = torch.empty(N, H, dtype=torch.float32, device=dev) if grads else None  # [N, H]
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) \
+            if grads and ctx.needs_input_grad[1] else None
         for a in range(0, N, chunk):
             h = hidden[a:a + chunk].detach().to(dtype)  # [c, H]
             logits = _logits(h, w, dtype)  # [c, V] fp32
@@ -55,6 +56,8 @@ class _SoftCE(torch.autograd.Function):
             # ce = sum_v t_v * (lse - logit_v)
             ce = lse * t_sum - torch.linalg.vecdot(t, logits)  # [c]
             loss += (ce * rw).sum()
+            if not grads:  # evaluation: the loss and the argmax only
+                continue
             # d(rw * ce) / d logits = softmax * (rw * sum(t)) - t * rw: softmax, then two
             # in-place passes (each pass over [c, V] costs as much as the matmul's output)
             g = torch.softmax(logits, -1).mul_((rw * t_sum)[:, None]).addcmul_(t, rw[:, None], value=-1.0)
@@ -72,7 +75,7 @@ class _SoftCE(torch.autograd.Function):
         d_hidden, d_weight = ctx.saved_tensors
         gh = (d_hidden * grad_loss).to(ctx.hidden_dtype)
         gw = None if d_weight is None else (d_weight * grad_loss).to(ctx.weight_dtype)
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def soft_ce(hidden: torch.Tensor, weight: torch.Tensor, t_probs: torch.Tensor, rows: torch.Tensor,
@@ -80,5 +83,6 @@ def soft_ce(hidden: torch.Tensor, weight: torch.Tensor, t_probs: torch.Tensor, r
             chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """The same as soft_ce_reference, holding at most `chunk` rows of logits at a time.
     The loss is differentiable in hidden and (when it requires grad) weight; t_probs and
-    row_weights are constants."""
-    return _SoftCE.apply(hidden, weight, t_probs.detach(), rows, row_weights.detach(), dtype, chunk)
+    row_weights are constants. Without grad mode (evaluation) no gradient is formed."""
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _SoftCE.apply(hidden, weight, t_probs.detach(), rows, row_weights.detach(), dtype, chunk, grads)

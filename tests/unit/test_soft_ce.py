@@ -58,3 +58,13 @@ def test_bfloat16_logits_match_the_autograd_path_in_bfloat16():
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     assert got[2][0].dtype == torch.float32 and got[2][1].dtype == torch.float32
 
+
+
+def test_evaluation_forms_no_gradient():
+    # under no_grad (the trainer's held-out evaluation): the same loss and argmax, nothing saved
+    case = _case(weight_grad=True)
+    ref_loss, ref_guess = soft_ce_reference(*case)
+    with torch.no_grad():
+        loss, guess = soft_ce(*case, chunk=8)
+    assert loss.grad_fn is None and torch.equal(guess, ref_guess)
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=1e-5)
