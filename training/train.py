@@ -468,8 +468,8 @@ class Trainer:
         if not samples:
             raise ValueError("no training samples")
         lengths = [min(len(s["input_ids"]), c.max_len) for s in samples]
-        per_epoch = len(make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed)))
-        planned = max(1, int(math.ceil(per_epoch * c.epochs)))
+        first_epoch = make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed))
+        planned = max(1, int(math.ceil(len(first_epoch) * c.epochs)))
         if c.max_steps:
             planned = min(planned, c.max_steps)
         data_key = _data_key(lengths, c.seed)
@@ -482,8 +482,7 @@ class Trainer:
             log.info("resumed from %s at step %d (epoch %d, batch %d)", state_path, self.step,
                      epoch, next_batch)
         if c.feature_scale == "rms" and self.feat_scale is None:
-            first = make_batches(lengths, c.batch_size, c.max_batch_tokens, random.Random(c.seed))
-            self.calibrate_feature_scale(samples, first[:8])
+            self.calibrate_feature_scale(samples, first_epoch[:8])
         if not resumed:
             self.set_schedule(planned)
         elif planned != self.total_steps:  # a resumed run with another length: decay from here

@@ -1,9 +1,12 @@
 """A training run carried in pieces: packed, checked and unpacked to the same files."""
+import io
+import json
 import os
+import tarfile
 
 import pytest
 
-from training.run_pieces import MANIFEST, PREFIX, main, pack, unpack
+from training.run_pieces import MANIFEST, PREFIX, _PieceWriter, main, pack, unpack
 
 
 def _run(tmp_path):
@@ -51,3 +54,19 @@ def test_pack_replaces_older_pieces(tmp_path):
     pack(run, tmp_path / "pieces", 2**19)
     m = pack(run, tmp_path / "pieces", 2**21)
     assert len(list((tmp_path / "pieces").glob(PREFIX + "*"))) == len(m["pieces"])
+
+
+def test_a_path_outside_the_run_is_refused(tmp_path):
+    dest = tmp_path / "pieces"
+    dest.mkdir()
+    writer = _PieceWriter(dest, 2**20)
+    with tarfile.open(fileobj=writer, mode="w|gz") as tar:
+        info = tarfile.TarInfo("../escaped.txt")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"bad"))
+    writer.close()
+    (dest / MANIFEST).write_text(json.dumps({"pieces": writer.pieces, "sha256": writer.whole.hexdigest()}))
+    with pytest.raises(tarfile.TarError):
+        unpack(dest, tmp_path / "run")
+    assert not (tmp_path / "escaped.txt").exists()
+    assert main(["unpack", str(dest), str(tmp_path / "run2")]) == 1
