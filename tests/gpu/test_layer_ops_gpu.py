@@ -19,9 +19,10 @@ from unit.test_layer_ops import TOL  # isort: skip
 import torch.nn.functional as F  # noqa: E402
 from gpu.test_gpu_engine import check_near_ties  # noqa: E402
 from actors.models.rope import rope_inv_freq  # noqa: E402
-from kestrel_kernels import activation, layer_ops, rmsnorm, rope  # noqa: E402
+from kestrel_kernels import activation, kv_store, layer_ops, rmsnorm, rope  # noqa: E402
 from kestrel_testing import require_compiled_triton  # noqa: E402
 from kestrel_kernels import triton_activation as tact  # noqa: E402
+from kestrel_kernels import triton_kv_store as tkv  # noqa: E402
 from kestrel_kernels import triton_rmsnorm as trms  # noqa: E402
 from kestrel_kernels import triton_rope as trope  # noqa: E402
 
@@ -79,6 +80,45 @@ def test_silu_and_mul(T, I, dtype):
 def test_silu_and_mul_on_a_fused_gate_up_output(T, I):
     gate, up = randn(T, 2 * I, dtype=torch.bfloat16, seed=T, scale=4.0).split(I, -1)  # strided rows
     assert_near(tact.silu_and_mul_triton(gate, up), activation.silu_and_mul(gate, up))
+
+
+@pytest.mark.parametrize("cache_dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                  (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("T,HQ,HKV,D", [(1, 9, 3, 64), (512, 9, 3, 64), (64, 28, 4, 128), (8, 64, 8, 128)])
+def test_store_kv(T, HQ, HKV, D, cache_dtype, kv_dtype):
+    """SmolLM2's and the 7B/72B shapes' K and V (V a column slice of the fused q/k/v output)
+    at scattered slots of a large cache: bit for bit the reference's, other slots untouched."""
+    qkv = randn(T, (HQ + 2 * HKV) * D, dtype=kv_dtype, seed=T + D)  # [T, (Hq + 2 Hkv) D]
+    k = qkv[:, HQ * D:(HQ + HKV) * D].reshape(T, HKV, D).contiguous()  # [T, Hkv, D]
+    v = qkv[:, (HQ + HKV) * D:].view(T, HKV, D)  # [T, Hkv, D], token stride (Hq + 2 Hkv) D
+    slots = 1 << 16
+    loc = torch.randperm(slots, device="cuda")[:T]  # [T] int64, distinct
+    got_k, got_v = (randn(slots, HKV, D, dtype=cache_dtype, seed=s) for s in (1, 2))  # [slots, Hkv, D]
+    want_k, want_v = got_k.clone(), got_v.clone()
+    tkv.store_kv_triton(got_k, got_v, loc, k, v)
+    kv_store.store_kv(want_k, want_v, loc, k, v)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_store_kv_in_a_cuda_graph():
+    """Captured once, replayed with new rows and new slots in the same buffers."""
+    T, HKV, D = 16, 3, 64
+    k, v = randn(T, HKV, D, dtype=torch.bfloat16, seed=1), randn(T, HKV, D, dtype=torch.bfloat16, seed=2)
+    loc = torch.arange(T, device="cuda")  # [T] int64
+    kc, vc = (torch.zeros(4096, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    with torch.no_grad():
+        layer_ops.store_kv(kc, vc, loc, k, v)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer_ops.store_kv(kc, vc, loc, k, v)
+        kc.zero_(), vc.zero_()
+        k.copy_(randn(T, HKV, D, dtype=torch.bfloat16, seed=3))
+        v.copy_(randn(T, HKV, D, dtype=torch.bfloat16, seed=4))
+        loc.copy_(torch.randperm(4096, device="cuda")[:T])
+        graph.replay()
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    kv_store.store_kv(want_k, want_v, loc, k, v)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
 def test_dispatch_on_cuda():
