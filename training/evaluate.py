@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 log = logging.getLogger("kestrel.training.eval")
@@ -11,6 +12,18 @@ log = logging.getLogger("kestrel.training.eval")
 # 1.93x (heads/README.md).
 DEFAULT_SETTINGS = [("chain_k1_s3", 1, 3, 4), ("chain_k1_s5", 1, 5, 6), ("tree_k4_s5_n8", 4, 5, 8),
                     ("tree_k8_s8_n32", 8, 8, 32)]
+SETTING_NAME = re.compile(r"(?:chain_k1_s(\d+)|tree_k(\d+)_s(\d+)_n(\d+))")
+
+
+def parse_setting(name: str) -> tuple[str, int, int, int]:
+    """'chain_k1_sS' or 'tree_kK_sS_nN' -> (name, K, S, N), any shape the config accepts."""
+    m = SETTING_NAME.fullmatch(name)
+    if m is None:
+        raise ValueError(f"draft shape {name!r}: use chain_k1_sS or tree_kK_sS_nN, e.g. tree_k4_s5_n16")
+    if m.group(1):
+        s = int(m.group(1))
+        return name, 1, s, s + 1
+    return name, int(m.group(2)), int(m.group(3)), int(m.group(4))
 
 
 def by_category(categories: list[str | None], accept_lengths: list[list[int]]) -> dict[str, dict]:
@@ -126,10 +139,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=None, help="concurrent requests (default: the config's)")
-    p.add_argument("--settings", nargs="+", choices=names, default=names)
+    p.add_argument("--settings", nargs="+", default=names, metavar="SHAPE",
+                   help="draft shapes: chain_k1_sS or tree_kK_sS_nN (default: %(default)s)")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding")
     p.add_argument("--out", default=None, help="write the result here as JSON")
     args = p.parse_args(argv)
+    try:
+        settings = [parse_setting(n) for n in args.settings]
+    except ValueError as e:
+        p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     cfg = load_config(args.config, args.set)
     if args.batch:
@@ -140,7 +158,6 @@ def main(argv: list[str] | None = None) -> dict:
     tok = load_tokenizer(cfg.model.path or default_model_path())
     prompts, cats = read_eval_prompts(args.prompts, tok)
     prompts, cats = prompts[:args.num_prompts], cats[:args.num_prompts]
-    settings = [s for s in DEFAULT_SETTINGS if s[0] in args.settings]
     res = eval_acceptance(cfg, draft, prompts, tokenizer=tok, categories=cats, settings=settings,
                           max_tokens=args.max_tokens, baseline=not args.no_baseline)
     res["draft"], res["prompts_file"] = draft, args.prompts

@@ -9,7 +9,8 @@ import torch
 
 from actors.models.loader import build_model
 from configs.schema import load_config
-from training.evaluate import DEFAULT_SETTINGS, by_category, category_table, eval_acceptance, read_eval_prompts
+from training.evaluate import (DEFAULT_SETTINGS, by_category, category_table, eval_acceptance, parse_setting,
+                               read_eval_prompts)
 from training.export import export_head
 from training.train import init_head, make_spec
 
@@ -21,6 +22,15 @@ def test_default_settings_include_chain_tree_and_wide_tree():
     shapes = {name: (k, s, n) for name, k, s, n in DEFAULT_SETTINGS}
     assert shapes["chain_k1_s3"] == (1, 3, 4) and shapes["tree_k4_s5_n8"] == (4, 5, 8)
     assert shapes["tree_k8_s8_n32"] == (8, 8, 32)
+
+
+def test_any_draft_shape_parses_by_name():
+    assert all(parse_setting(name) == (name, k, s, n) for name, k, s, n in DEFAULT_SETTINGS)
+    assert parse_setting("tree_k4_s5_n16") == ("tree_k4_s5_n16", 4, 5, 16)
+    assert parse_setting("chain_k1_s4") == ("chain_k1_s4", 1, 4, 5)
+    for bad in ("tree_k4_s5", "chain_k2_s3", "tree_k4_s5_n16x"):
+        with pytest.raises(ValueError, match="tree_kK_sS_nN"):
+            parse_setting(bad)
 
 
 def test_by_category_means_over_iterations():
