@@ -14,7 +14,7 @@ import torch
 # Imported first: on a CPU-only machine the unit module switches on Triton's interpreter
 # before anything imports triton, so the unit tests still run whichever file is collected
 # first (here they are skipped anyway).
-from unit.test_layer_ops import TOL  # isort: skip
+from unit.test_layer_ops import TOL, check_store_kv  # isort: skip
 
 import torch.nn.functional as F  # noqa: E402
 from gpu.test_gpu_engine import check_near_ties  # noqa: E402
@@ -22,7 +22,6 @@ from actors.models.rope import rope_inv_freq  # noqa: E402
 from kestrel_kernels import activation, kv_store, layer_ops, rmsnorm, rope  # noqa: E402
 from kestrel_testing import require_compiled_triton  # noqa: E402
 from kestrel_kernels import triton_activation as tact  # noqa: E402
-from kestrel_kernels import triton_kv_store as tkv  # noqa: E402
 from kestrel_kernels import triton_rmsnorm as trms  # noqa: E402
 from kestrel_kernels import triton_rope as trope  # noqa: E402
 
@@ -86,18 +85,8 @@ def test_silu_and_mul_on_a_fused_gate_up_output(T, I):
                                                   (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("T,HQ,HKV,D", [(1, 9, 3, 64), (512, 9, 3, 64), (64, 28, 4, 128), (8, 64, 8, 128)])
 def test_store_kv(T, HQ, HKV, D, cache_dtype, kv_dtype):
-    """SmolLM2's and the 7B/72B shapes' K and V (V a column slice of the fused q/k/v output)
-    at scattered slots of a large cache: bit for bit the reference's, other slots untouched."""
-    qkv = randn(T, (HQ + 2 * HKV) * D, dtype=kv_dtype, seed=T + D)  # [T, (Hq + 2 Hkv) D]
-    k = qkv[:, HQ * D:(HQ + HKV) * D].reshape(T, HKV, D).contiguous()  # [T, Hkv, D]
-    v = qkv[:, (HQ + HKV) * D:].view(T, HKV, D)  # [T, Hkv, D], token stride (Hq + 2 Hkv) D
-    slots = 1 << 16
-    loc = torch.randperm(slots, device="cuda")[:T]  # [T] int64, distinct
-    got_k, got_v = (randn(slots, HKV, D, dtype=cache_dtype, seed=s) for s in (1, 2))  # [slots, Hkv, D]
-    want_k, want_v = got_k.clone(), got_v.clone()
-    tkv.store_kv_triton(got_k, got_v, loc, k, v)
-    kv_store.store_kv(want_k, want_v, loc, k, v)
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    """The unit test's check at SmolLM2's and the 7B/72B shapes' heads, on a 65k-slot cache."""
+    check_store_kv(T, HQ, HKV, D, cache_dtype, kv_dtype, slots=1 << 16)
 
 
 def test_store_kv_in_a_cuda_graph():

@@ -150,14 +150,18 @@ def _caches(slots, H, D, dtype, gen):
                                                   (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("T,HQ,HKV,D", [(1, 9, 3, 64), (7, 4, 4, 64), (5, 8, 1, 128), (3, 6, 2, 80)])
 def test_store_kv(T, HQ, HKV, D, cache_dtype, kv_dtype):
+    check_store_kv(T, HQ, HKV, D, cache_dtype, kv_dtype, slots=64)
+
+
+def check_store_kv(T, HQ, HKV, D, cache_dtype, kv_dtype, slots):
     """K contiguous, V a column slice of one fused q/k/v output, written at scattered slots
     (pages 0 and beyond): the caches equal the reference's bit for bit, other slots untouched."""
     gen = torch.Generator().manual_seed(T * HKV * D)
     qkv = randn(T, (HQ + 2 * HKV) * D, dtype=kv_dtype, gen=gen)  # [T, (Hq + 2 Hkv) D]
     k = qkv[:, HQ * D:(HQ + HKV) * D].reshape(T, HKV, D).contiguous()  # [T, Hkv, D]
     v = qkv[:, (HQ + HKV) * D:].view(T, HKV, D)  # [T, Hkv, D], token stride (Hq + 2 Hkv) D
-    loc = torch.randperm(64, generator=gen)[:T].to(DEV)  # [T] int64, distinct slots
-    got_k, got_v = _caches(64, HKV, D, cache_dtype, gen)
+    loc = torch.randperm(slots, generator=gen)[:T].to(DEV)  # [T] int64, distinct slots
+    got_k, got_v = _caches(slots, HKV, D, cache_dtype, gen)
     want_k, want_v = got_k.clone(), got_v.clone()
     tkv.store_kv_triton(got_k, got_v, loc, k, v)
     kv_store.store_kv(want_k, want_v, loc, k, v)
