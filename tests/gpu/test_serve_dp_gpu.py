@@ -1,6 +1,6 @@
 """DP=2 over NCCL through the Serve app (issue 18): an Engine replica whose two RankActors
 hold a GPU each (its placement group's bundles), independent ranks and dp_attention,
-speculating (tree K4 S5 N8, the shipped head) with CUDA graphs, in fp32: its greedy
+speculating (the h200 preset's tree and the shipped head) with CUDA graphs, in fp32: its greedy
 completions over HTTP equal the in-process engine's on one GPU, token for token. Skipped
 without two GPUs; tests/integration/test_serve_dp.py and test_serve_dp_attention.py are the
 CPU (gloo) twins."""
