@@ -237,8 +237,11 @@ class LlamaForCausalLM(nn.Module):
             if not 0 <= i <= self.arch.num_layers:
                 raise ValueError(f"aux layer {i} is outside 0..{self.arch.num_layers}")
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [T, V] fp32 so sampling and verification agree
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, V] fp32, so sampling and verification agree; into `out` [T, V] fp32 when
+        given (a static buffer shared by graphs of several sizes), at the cost of the cast."""
+        logits = self.lm_head(hidden)  # [T, V] model dtype
+        return logits.float() if out is None else out.copy_(logits)
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """Parameters under checkpoint (HF) names: the fused projections split back (views)."""

@@ -195,6 +195,14 @@ class EagleWorker:
         and with ``attention.feature_graphs`` sampled ones too.
         ``use_cuda_graph`` None: CUDA graphs on a GPU; on CPU the runners' eager stand-in,
         which runs the same padded batches (how CPU tests check the wiring)."""
+        # Every verify graph (the per-phase runner's and the step graph's verify part, kept
+        # for grammar rows) writes its logits here, not into an output of its own: one
+        # [bs*N, V] float32 output per size would hold 14 GiB over 27 sizes up to 512 at
+        # N=16 with SmolLM2's vocabulary (three times that with Qwen2's). One rank runs
+        # one step at a time, and each step reads its logits before the next one's verify
+        # is queued behind them on the same stream.
+        self.verify_logits = torch.empty(max(sizes) * self.N, self.w.arch.vocab_size, dtype=torch.float32,
+                                         device=self.w.device)  # [max_bs*N, V] fp32
         self.graphs = capture_spec_graphs(self, sizes, use_cuda_graph=use_cuda_graph)
         self.verify_path = VerifyPath(self.verify_path.backend, self._verify_forward,
                                       runner=self.graphs.verify, plan=self.plan)
@@ -510,13 +518,13 @@ class EagleWorker:
         loc = assign_cache_locs(table, rows, seq, N)  # [bs*N] int64 tree node slots
         return Drafted(rows, valid, seq, tree, loc)
 
-    def step_verify(self, d: Drafted) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_verify(self, d: Drafted, logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's verify forward over the drafted tree -> (logits [bs, N, V] fp32,
-        draft features [bs*N, F])."""
+        in ``logits_out`` [bs*N, V] when given, draft features [bs*N, F])."""
         B, N = d.tree.tokens.shape
         logits, feats = self.verify_body(GraphBatch(
             B, d.tree.tokens.reshape(-1), d.tree.positions.reshape(-1), d.loc, d.rows, d.seq,
-            width=N, custom_mask=d.tree.tree_mask))
+            width=N, custom_mask=d.tree.tree_mask), logits_out)
         return logits.view(B, N, -1), feats
 
     def step_accept(self, d: Drafted, logits: torch.Tensor, feats: torch.Tensor,
@@ -655,18 +663,25 @@ class EagleWorker:
         return organize_draft(torch.cat(all_scores, 1), torch.cat(all_tokens, 1),
                               torch.cat(all_parents, 1), N)
 
-    def verify_body(self, b: GraphBatch):
-        """Target forward over the tree -> (logits [B*N, V] fp32, draft features [B*N, F])."""
+    def verify_body(self, b: GraphBatch, logits_out: torch.Tensor | None = None):
+        """Target forward over the tree -> (logits [B*N, V] fp32, in ``logits_out`` when
+        given, draft features [B*N, F])."""
         return self._verify_forward(ForwardBatch(
             ForwardMode.TARGET_VERIFY, b.input_ids, b.positions, b.out_cache_loc,
-            b.req_pool_indices, b.seq_lens, [b.width] * b.batch_size, custom_mask=b.custom_mask))
+            b.req_pool_indices, b.seq_lens, [b.width] * b.batch_size, custom_mask=b.custom_mask),
+            logits_out)
 
-    def _verify_forward(self, fb: ForwardBatch):
+    def graph_verify_body(self, b: GraphBatch):
+        """verify_body for a captured size: its logits in the first rows of verify_logits,
+        the one buffer every verify graph writes (capture_graphs says why)."""
+        return self.verify_body(b, self.verify_logits[:b.batch_size * b.width])
+
+    def _verify_forward(self, fb: ForwardBatch, logits_out: torch.Tensor | None = None):
         # Eager verify enters here from VerifyPath, which built metadata after DP padding
         # (C15); ModelRunner builds it again: one model entry point for every path, at the
         # cost of a few small metadata ops on eager steps only.
         hidden, aux = self.w.target.forward(fb, aux_layers=self.aux_layers)
-        return self.w.model.compute_logits(hidden), self.features(hidden, aux)
+        return self.w.model.compute_logits(hidden, logits_out), self.features(hidden, aux)
 
     def extend_body(self, b: GraphBatch):
         """Draft forward over N rows per request -> (topk_p [B,K], topk_index [B,K], hidden

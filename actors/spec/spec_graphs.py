@@ -48,7 +48,7 @@ def capture_spec_graphs(eagle: Any, sizes: list[int], *,
     draft_extend = GraphRunner(GraphKind.DRAFT_EXTEND, sizes, graph_backend(eagle.extend_backend),
                                width=N, hidden_size=eagle.feature_size, hidden_dtype=w.dtype,
                                **common)
-    for name, runner, body in (("target verify", verify, eagle.verify_body),
+    for name, runner, body in (("target verify", verify, eagle.graph_verify_body),
                                ("draft decode", draft_decode, eagle.draft_body),
                                ("draft extend", draft_extend, eagle.extend_body)):
         if runner is None:

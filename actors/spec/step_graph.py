@@ -28,7 +28,9 @@ attention.feature_graphs, the four greedy variants and eight sampled ones (the 2
 processed/logprobs combinations, sampled unfiltered or filtered), twelve per size, where a
 sampled batch used to leave the graph for the per-phase path. The memory the pool holds
 beyond one graph's working set is each graph's outputs (a few [bs, S+1] tensors, with
-logprobs [bs, S+1, MAX_TOP] twice); the cost is capture time at start-up.
+logprobs [bs, S+1, MAX_TOP] twice); the cost is capture time at start-up. The verify
+part's logits, the one large output, go to the EagleWorker's verify_logits, one buffer
+for every size.
 
 Grammars need the host in the middle of an iteration: their masks are walked over the
 drafted tree on the host while the target verifies it. For them (``mask_words``) the
@@ -95,7 +97,8 @@ class StepGraph:
             return whole
         masks = self.masks[:bs]
         return whole + [(("draft", bs), e.step_draft, rows),
-                        (("verify", bs), lambda _: e.step_verify(out("draft", bs)), None)] + [
+                        (("verify", bs), lambda _: e.step_verify(out("draft", bs), e.verify_logits[:bs * e.N]),
+                         None)] + [
             (("accept", v, bs), lambda _, v=v: e.step_accept(out("draft", bs), *out("verify", bs), masks, v, coins), None)
             for v in self.variants]
 

@@ -10,6 +10,7 @@ the C17 order around verify and draft extend inside the real iteration. The step
 from __future__ import annotations
 
 import pytest
+import torch
 from graph_fakes import FakeEvent, FakeStream, without_event_names
 from spec_helpers import CHAIN, TREE, outputs, random_prompts, tiny_engine
 
@@ -70,6 +71,38 @@ def test_graph_runners_equal_eager(tiny_llama_dir, shape, raw, step_graph):
     else:  # every kind replayed the full raw batch, padded to the next captured size
         full = {(kind, bs) for kind, n, bs in seen if n == raw}
         assert full == {(k, padded) for k in ("target_verify", "draft_decode", "draft_extend")}
+
+
+def test_every_verify_graph_writes_the_one_logits_buffer(tiny_llama_dir):
+    """The per-phase verify runner at every size and the step graph's verify part (grammar
+    rows) return their logits in the EagleWorker's one verify_logits buffer, not in outputs
+    of their own: one [bs*N, V] float32 output per size would be most of the graphs' memory."""
+    eng = tiny_engine(tiny_llama_dir, *TREE)
+    eagle = eng.workers[0].eagle
+    eagle.capture_graphs(SIZES, step_graph=False)
+    base = eagle.verify_logits
+    assert base.shape == (max(SIZES) * eagle.N, eagle.w.arch.vocab_size) and base.dtype == torch.float32
+    runner, starts = eagle.graphs.verify, []
+
+    def replay(batch, *, bs=None, metadata_ready=False):
+        out = GraphRunner.replay(runner, batch, bs=bs, metadata_ready=metadata_ready)
+        starts.append((bs or runner.pad_size(batch.batch_size), out[0].data_ptr()))
+        return out
+
+    runner.replay = replay
+    outputs(eng, random_prompts(5, seed=5), MAX_TOKENS)
+    assert {bs for bs, _ in starts} == {4, 8}  # five requests, then four, as they finish
+    assert {p for _, p in starts} == {base.data_ptr()}
+
+    eagle.capture_graphs(SIZES)  # with the step graph and its parts
+    g = eagle.step_graph
+    assert g.masks is not None
+    for bs in SIZES:
+        g.run_draft([-1] * bs)  # every lane padded: row 0 and slot 0
+        g.run_verify(bs)
+        logits = g._graphs["verify", bs].output[0]  # [bs, N, V] fp32
+        assert logits.shape == (bs, eagle.N, base.shape[1])
+        assert logits.data_ptr() == eagle.verify_logits.data_ptr()
 
 
 def test_batches_above_largest_size_run_eagerly(tiny_llama_dir):
