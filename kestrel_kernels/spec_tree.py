@@ -114,13 +114,15 @@ def organize_draft(
     tokens: torch.Tensor,
     parent_flat: torch.Tensor,
     num_draft_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keep the N-1 best candidates and express the tree with node indices.
 
     Selection is by score, stable (ties toward the lower flat index). Because a parent's
     score is >= its child's (scores are products of probabilities <= 1) and its flat
     index is lower, a selected child's parent is always selected too. The kept
     candidates are ordered by ascending flat index, so parents precede children.
+    For the same reason the n-1 best of them (node_rank < n-1) are the tree a draft of
+    n nodes from the same candidates would keep, and hold every one of their ancestors.
 
     Args:
         scores: [B, M] float, cumulative scores of all candidates.
@@ -133,6 +135,7 @@ def organize_draft(
         parent_node: [B, N-1] int64, parent of node i+1 as a node index (0 = root,
             i+1 = the i-th kept candidate); always < i+1. If the precondition above is
             violated (a kept candidate's parent was not kept) the entry is -1.
+        node_rank: [B, N-1] int64, node i+1's place in the selection (0 = best score).
     """
     B, M = scores.shape
     n_keep = num_draft_tokens - 1
@@ -140,7 +143,8 @@ def organize_draft(
         raise ValueError(f"num_draft_tokens - 1 = {n_keep} > {M} candidates")
     device = scores.device
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [B, M] int64
-    picked = torch.sort(order[:, :n_keep], dim=-1).values  # [B, N-1] int64 flat indices, ascending
+    # [B, N-1] int64 each: flat indices ascending, and where each stood in the selection
+    picked, node_rank = torch.sort(order[:, :n_keep], dim=-1)
     draft_tokens = torch.gather(tokens.to(torch.int64), 1, picked)  # [B, N-1] int64
     pflat = torch.gather(parent_flat.to(torch.int64), 1, picked)  # [B, N-1] int64
 
@@ -150,7 +154,7 @@ def organize_draft(
     flat_to_node.scatter_(1, picked, node_ids)
     mapped = torch.gather(flat_to_node, 1, pflat.clamp(min=0))  # [B, N-1] int64
     parent_node = torch.where(pflat < 0, torch.zeros_like(mapped), mapped)  # [B, N-1] int64
-    return draft_tokens, parent_node
+    return draft_tokens, parent_node, node_rank
 
 
 @dataclass

@@ -12,7 +12,8 @@ organize_draft: the reference's stable descending sort keeps candidate j iff its
     #{i: s_i > s_j} + #{i < j: s_i == s_j} is below N-1, and a kept candidate's node id is
     1 + the number of kept candidates before it (ascending flat order). The kernel counts
     ranks pairwise in tiles (M is a few hundred at most), then numbers the kept ones with a
-    running prefix sum, then maps parents through the flat -> node table it wrote.
+    running prefix sum (writing each one's rank as its node_rank), then maps parents
+    through the flat -> node table it wrote.
 build_tree: the ancestor mask comes from walking every node up one parent per step, as
     in the reference; first child and next sibling are row minima over [N, N] relations.
 """
@@ -61,7 +62,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _organize_draft_kernel(
-        Scores, Tokens, ParentFlat, FlatToNode, DraftTokens, ParentNode,
+        Scores, Tokens, ParentFlat, FlatToNode, DraftTokens, ParentNode, NodeRank,
         M, N_KEEP,
         TILE: tl.constexpr,
     ):
@@ -70,8 +71,7 @@ if HAS_TRITON:
         flat_to_node = FlatToNode + b * M
         n_tiles = tl.cdiv(M, TILE)
 
-        # 1. Kept flag of every candidate (stable descending rank < N-1), staged in
-        #    FlatToNode.
+        # 1. The stable descending rank of every candidate, staged in FlatToNode.
         for jt in range(n_tiles):
             j = jt * TILE + tl.arange(0, TILE)
             j_ok = j < M
@@ -84,8 +84,8 @@ if HAS_TRITON:
                     (s_i[None, :] == s_j[:, None]) & (i[None, :] < j[:, None]))
                 before = before & (i[None, :] < M)
                 rank += tl.sum(before.to(tl.int32), axis=1)
-            tl.store(flat_to_node + j, (rank < N_KEEP).to(tl.int64), mask=j_ok)
-        tl.debug_barrier()  # every thread's kept flags are written before they are summed
+            tl.store(flat_to_node + j, rank.to(tl.int64), mask=j_ok)
+        tl.debug_barrier()  # every thread's ranks are written before they are summed
 
         # 2. Node id of each kept candidate (1 + kept before it, in flat order); gather its
         #    token into place. Non-kept candidates map to -1.
@@ -93,13 +93,15 @@ if HAS_TRITON:
         for jt in range(n_tiles):
             j = jt * TILE + tl.arange(0, TILE)
             j_ok = j < M
-            kept = tl.load(flat_to_node + j, mask=j_ok, other=0)
+            rank = tl.load(flat_to_node + j, mask=j_ok, other=N_KEEP)
+            is_kept = rank < N_KEEP
+            kept = is_kept.to(tl.int64)
             node = carry + tl.cumsum(kept, axis=0)  # inclusive count = node id when kept
             carry += tl.sum(kept, axis=0)
-            is_kept = kept > 0
             tl.store(flat_to_node + j, tl.where(is_kept, node, -1), mask=j_ok)
             tok = tl.load(Tokens + b * M + j, mask=j_ok & is_kept, other=0)
             tl.store(DraftTokens + b * N_KEEP + node - 1, tok.to(tl.int64), mask=j_ok & is_kept)
+            tl.store(NodeRank + b * N_KEEP + node - 1, rank, mask=j_ok & is_kept)
         tl.debug_barrier()  # the whole flat -> node table is written before parents read it
 
         # 3. Parent of each kept candidate as a node id (0 = root, -1 = parent not kept).
@@ -189,7 +191,7 @@ def organize_draft_triton(
     tokens: torch.Tensor,
     parent_flat: torch.Tensor,
     num_draft_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `organize_draft`; same arguments and results ([B, N-1] int64 each)."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; use kestrel_kernels.spec_tree.organize_draft")
@@ -200,14 +202,15 @@ def organize_draft_triton(
     device = scores.device
     draft_tokens = torch.empty((B, n_keep), dtype=torch.int64, device=device)  # [B, N-1] int64
     parent_node = torch.empty((B, n_keep), dtype=torch.int64, device=device)  # [B, N-1] int64
+    node_rank = torch.empty((B, n_keep), dtype=torch.int64, device=device)  # [B, N-1] int64
     if B == 0 or n_keep == 0:
-        return draft_tokens, parent_node
+        return draft_tokens, parent_node, node_rank
     flat_to_node = torch.empty((B, M), dtype=torch.int64, device=device)  # [B, M] int64 scratch
     _organize_draft_kernel[(B,)](
         scores.contiguous(), tokens.contiguous(), parent_flat.contiguous(), flat_to_node,
-        draft_tokens, parent_node, M, n_keep, TILE=_TILE, num_warps=4,
+        draft_tokens, parent_node, node_rank, M, n_keep, TILE=_TILE, num_warps=4,
     )
-    return draft_tokens, parent_node
+    return draft_tokens, parent_node, node_rank
 
 
 def build_tree_triton(

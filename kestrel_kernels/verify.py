@@ -16,7 +16,7 @@ import torch
 
 from kestrel_kernels.sampling import sample_from_probs
 
-__all__ = ["greedy_verify", "tree_sampling_verify", "select_last_index"]
+__all__ = ["greedy_verify", "tree_sampling_verify", "select_last_index", "nested_accept_lengths"]
 
 
 def _init_outputs(B: int, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,3 +181,29 @@ def select_last_index(accept_length: torch.Tensor, num_draft_tokens: int) -> tor
     B = accept_length.shape[0]
     rows = torch.arange(B, dtype=torch.int64, device=accept_length.device)  # [B] int64
     return rows * num_draft_tokens + accept_length.to(torch.int64) - 1
+
+
+def nested_accept_lengths(accept_index: torch.Tensor, node_rank: torch.Tensor,
+                          nodes: list[int]) -> torch.Tensor:
+    """The accept length each smaller tree of the same draft would have given.
+
+    The tree of n nodes keeps the n-1 best-ranked draft nodes (node_rank < n-1), which hold
+    all of their ancestors (organize_draft), so under greedy verification its accepted path
+    is this tree's up to the first node outside them: the target's logits at a node depend
+    on its ancestors only. For rows that sample it is an estimate (the sampled path cut
+    the same way).
+
+    Args:
+        accept_index: [B, S+1] int64, the accepted path's nodes, root first, -1 past its end.
+        node_rank: [B, N-1] int64, each draft node's rank (organize_draft).
+        nodes: the smaller trees' node counts, each at least 1.
+
+    Returns:
+        [B, len(nodes)] int64 accept lengths (the bonus token included).
+    """
+    B = accept_index.shape[0]
+    root = torch.full((B, 1), -1, dtype=torch.int64, device=accept_index.device)  # [B, 1] int64
+    rank = torch.cat([root, node_rank], 1).gather(1, accept_index.clamp(min=0))  # [B, S+1] int64
+    rank = torch.where(accept_index >= 0, rank, torch.iinfo(torch.int64).max)  # past the end: outside
+    cols = [(rank < n - 1).to(torch.int64).cumprod(1).sum(1) for n in nodes]  # [B] int64 each
+    return torch.stack(cols, 1) if cols else accept_index.new_zeros((B, 0))  # [B, J] int64

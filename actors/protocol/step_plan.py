@@ -22,6 +22,15 @@ def deepest_accept(steps: int, nodes: int) -> int:
     return min(steps, nodes - 1) + 1
 
 
+def nested_shapes(shapes: list[tuple[int, int, int]], i: int) -> list[int]:
+    """Indices of the (topk, steps, nodes) shapes whose tree is the first nodes, by score, of
+    shape i's tree from the same draft: the same top-k and steps, fewer nodes but more than
+    the root. A step at shape i also reports the accept length each of them would have
+    given (StepOutput.nested_accepts, in this order)."""
+    k, s, n = shapes[i]
+    return [j for j, (k2, s2, n2) in enumerate(shapes) if (k2, s2) == (k, s) and 1 < n2 < n]
+
+
 def coins_per_request(cfg) -> int:
     """Uniforms a sampled request draws per step (a KestrelConfig): one per tree node and a
     final one under speculation, else one."""
@@ -138,3 +147,6 @@ class StepOutput:
     # The draft shape a speculative iteration ran at: the plan's, or 0 where that shape's
     # step graph could not hold the step; PLAIN_STEP for a plain step the policy chose.
     draft_shape: int = 0
+    # Speculative decode rows, in plan order: the accept length each shape nested in
+    # draft_shape (nested_shapes) would have given on this step; None when none is.
+    nested_accepts: list[list[int]] | None = None

@@ -48,6 +48,7 @@ def shape_view(eagle: Any, steps: int, nodes: int) -> Any:
     view.S, view.N = steps, nodes
     view.graphs = view.step_graph = None  # the configured shape's runners do not fit it
     view.shapes = [view]
+    view.nested_nodes = view.nested_node_counts()
     return view
 
 

@@ -45,14 +45,14 @@ from actors.spec.draft_shapes import (PlainStep, eager_step_costs, plain_step_co
                                       step_costs)
 from actors.spec.pending_draft_kv import PendingDraftKV
 from actors.spec.step_graph import StepGraph, Variant
-from actors.protocol.step_plan import StepPlan
+from actors.protocol.step_plan import StepPlan, nested_shapes
 from configs.schema import KestrelConfig
 from kestrel_kernels.sampling import process_logits
 from kestrel_kernels.spec_tree import TreeInfo
 from kestrel_kernels.spec_ops import (assign_cache_locs, build_tree, expand_level, greedy_verify,
                               organize_draft, tree_sampling_verify)
 from kestrel_kernels.token_bitmask import mask_logits_
-from kestrel_kernels.verify import select_last_index
+from kestrel_kernels.verify import nested_accept_lengths, select_last_index
 
 log = logging.getLogger("kestrel.worker")
 
@@ -65,6 +65,7 @@ class Drafted:
     seq: torch.Tensor  # [bs] int64 lengths (FILL in padded lanes)
     tree: TreeInfo
     loc: torch.Tensor  # [bs*N] int64 tree node slots
+    node_rank: torch.Tensor  # [bs, N-1] int64 each draft node's rank by score (organize_draft)
 
 
 class PhaseClock:
@@ -125,9 +126,26 @@ class EagleWorker:
         self.plain_costs: list[float] | None = None  # a plain decode step's (draft.plain_steps)
         self.eager_cost_sizes: list[int] | None = None  # the batch sizes of eager shapes' costs
         self.last_shape = 0  # the shape the last launched iteration ran at
+        self.nested_nodes = self.nested_node_counts()
         # Plain steps' draft KV rows not yet written (the CPU: pending_draft_kv.py says why).
         self.pending_kv = PendingDraftKV() if worker.device.type == "cpu" else None
         self.last_timings: dict[str, float] = {}  # per-phase seconds of the last iteration
+
+    def nested_node_counts(self) -> list[int]:
+        """Node counts of the configured shapes nested in this one's tree (nested_shapes),
+        whose accept lengths each iteration reports beside its own; none under
+        dp_attention, where every step takes the configured shape."""
+        if self.cfg.parallel.dp_attention:
+            return []
+        shapes = self.cfg.draft.shapes()
+        return [shapes[j][2] for j in nested_shapes(shapes, shapes.index((self.K, self.S, self.N)))]
+
+    def _outputs(self, accept_length: torch.Tensor, predict: torch.Tensor, accept_index: torch.Tensor,
+                 node_rank: torch.Tensor) -> torch.Tensor:
+        """An iteration's one output for the host -> [B, S+2+J] int64: each row's accept
+        length, its S+1 predicted tokens, then the accept lengths of the J nested shapes."""
+        nested = nested_accept_lengths(accept_index, node_rank, self.nested_nodes)  # [B, J] int64
+        return torch.cat([accept_length[:, None], predict, nested], 1)
 
     def features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
         """What the head reads from the target: final hidden (EAGLE-1) or 3 layers (EAGLE-3)."""
@@ -319,7 +337,8 @@ class EagleWorker:
             out, *lps = g.run(list(plan.rows), variant, g_bs)
         clock.mark("step_graph")
         self.last_timings = clock.times
-        return accepted_tokens(plan, out, tuple(lps) or None)  # the iteration's one copy to the host
+        # the iteration's one copy to the host
+        return accepted_tokens(plan, out, tuple(lps) or None, len(self.nested_nodes))
 
     def decode_mixed(self, plan: StepPlan) -> Emitted:
         """A mixed step (StepPlan.parts): the decode rows' iteration at the configured shape,
@@ -353,7 +372,7 @@ class EagleWorker:
         scratch = assign_cache_locs(table, rows, seq, (S - 1) * K)  # [B*(S-1)*K] int64
         batch = GraphBatch(B, c.topk_index.reshape(-1), seq.repeat_interleave(K), scratch, rows,
                            seq, width=K, topk_p=c.topk_p, topk_index=c.topk_index, hidden=c.hidden)
-        draft_tokens, parent_node = self._draft(batch)
+        draft_tokens, parent_node, node_rank = self._draft(batch)
         tree = build_tree(c.bonus, draft_tokens, parent_node, seq)
         clock.mark("draft_decode")
         # -- verify: the batch moves from draft decode to verify on the plan stream (C16/C17)
@@ -386,14 +405,15 @@ class EagleWorker:
                                                       predict, feats)
         self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
         clock.mark("accept_and_draft_extend")
-        out = torch.cat([accept_length[:, None], predict], 1)  # [B, S+2] int64
+        out = self._outputs(accept_length, predict, accept_index, node_rank)  # [B, S+2+J] int64
+        J = len(self.nested_nodes)
         if chunks is not None:
             tokens, emits = finish_chunks()
             clock.mark("chunks")
             self.last_timings = clock.times
-            return mixed_tokens(out, tokens, emits)
+            return mixed_tokens(out, tokens, emits, J)
         self.last_timings = clock.times
-        return accepted_tokens(plan, out, lps)
+        return accepted_tokens(plan, out, lps, J)
 
     def _verify_with_chunks(self, verify: GraphBatch, chunks: StepPlan):
         """One target forward over the trees of `verify` (a verify batch) and the prefill
@@ -477,8 +497,9 @@ class EagleWorker:
     def step_body(self, rows: torch.Tensor, variant: Variant = Variant(),
                   coins: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """One iteration for ``rows`` [bs] int64 (-1: a padded lane), from the future map
-        back into it -> ([bs, S+2] int64: the accept length, then the S+1 predicted tokens,
-        of which the first accept-length are emitted; with ``variant.logprobs`` then their
+        back into it -> ([bs, S+2+J] int64: the accept length, then the S+1 predicted tokens,
+        of which the first accept-length are emitted, then the J nested shapes' accept
+        lengths (_outputs); with ``variant.logprobs`` then their
         logprobs: chosen [bs, S+1], top MAX_TOP logprobs and ids [bs, S+1, MAX_TOP]).
         ``variant.processed``: each node's logits get the rows' logit processing along its
         path, and the emitted tokens are counted, as on the eager path. ``variant.sampled``:
@@ -513,10 +534,10 @@ class EagleWorker:
         draft = GraphBatch(B, topk_index.reshape(-1), seq.repeat_interleave(K), scratch, rows,
                            seq, width=K, topk_p=real(c.topk_p, 0), topk_index=topk_index,
                            hidden=real(c.hidden, 0))
-        draft_tokens, parent_node = self.draft_body(draft)
+        draft_tokens, parent_node, node_rank = self.draft_body(draft)
         tree = build_tree(real(c.bonus, 0), draft_tokens, parent_node, seq)
         loc = assign_cache_locs(table, rows, seq, N)  # [bs*N] int64 tree node slots
-        return Drafted(rows, valid, seq, tree, loc)
+        return Drafted(rows, valid, seq, tree, loc, node_rank)
 
     def step_verify(self, d: Drafted, logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's verify forward over the drafted tree -> (logits [bs, N, V] fp32,
@@ -556,7 +577,7 @@ class EagleWorker:
             B, fb.input_ids, fb.positions, loc, rows, seq + N, width=N,
             accept_lens=accept_length, hidden=fb.hidden_in))
         self._carry(rows, seq, accept_length, predict, topk_p, topk_index, last)
-        return (torch.cat([accept_length[:, None], predict], 1), *lps)  # [bs, S+2] int64, ...
+        return (self._outputs(accept_length, predict, accept_index, d.node_rank), *lps)  # [bs, S+2+J] int64, ...
 
     def _sampled_accept(self, rows: torch.Tensor, tree, logits: torch.Tensor, coins: torch.Tensor,
                         filtered: bool, greedy: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -628,7 +649,8 @@ class EagleWorker:
 
     # ---- forward bodies: run eagerly, or captured once per graph size ------------------------
     def draft_body(self, b: GraphBatch):
-        """S-1 draft forwards growing the tree -> (draft_tokens [B,N-1], parent_node [B,N-1]).
+        """S-1 draft forwards growing the tree -> (draft_tokens, parent_node, node_rank),
+        [B, N-1] int64 each (organize_draft).
 
         Lane j of request r starts from the carried top-k token j at position seq_len; step
         i writes scratch slots [i*K, (i+1)*K) and sees its ancestors among the earlier ones.

@@ -136,7 +136,7 @@ class StepGraph:
     def run(self, rows: list[int], variant: Variant = Variant(),
             bs: int | None = None) -> tuple[torch.Tensor, ...]:
         """One iteration for request ``rows`` at captured size ``bs`` (default: the next)
-        -> step_body's outputs cut to len(rows) rows: [len(rows), S+2] int64, then with
+        -> step_body's outputs cut to len(rows) rows: [len(rows), S+2+J] int64, then with
         logprobs their three tensors. Views of the graph's outputs, overwritten by the next
         replay of that graph."""
         bs = self._load(rows, lambda bs: ("whole", variant, bs), bs)

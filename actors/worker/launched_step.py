@@ -24,6 +24,9 @@ class Emitted:
     copy: HostCopy
     lists: Callable[[list[torch.Tensor]], list[list[int]]]
     logprobs: Callable[[list[torch.Tensor], list[list[int]]], list] | None = None
+    # A speculative step's nested shapes' accept lengths per decode row
+    # (StepOutput.nested_accepts), from the same copy; None: it reports none.
+    nested: Callable[[list[torch.Tensor]], list[list[int]]] | None = None
 
 
 def one_token_each(plan: StepPlan, tokens: torch.Tensor, emitted: list[bool],
@@ -40,24 +43,32 @@ def one_token_each(plan: StepPlan, tokens: torch.Tensor, emitted: list[bool],
                                                     host[3][:, None], [len(t) for t in toks]))
 
 
-def accepted_tokens(plan: StepPlan, out: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None) -> Emitted:
-    """A speculative iteration's out [B, S+2] int64 (each request's accept length, then the
-    S+1 predicted tokens, of which that many are emitted), with its logprobs' device
-    tensors (chosen [B, S+1], top logprobs and ids [B, S+1, k]) when the plan asks."""
+def _nested(nested: int) -> Callable[[list[torch.Tensor]], list[list[int]]] | None:
+    """The last `nested` columns of a speculative out's rows (EagleWorker._outputs)."""
+    return (lambda host: [r[-nested:] for r in host[0].tolist()]) if nested else None
+
+
+def accepted_tokens(plan: StepPlan, out: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None,
+                    nested: int = 0) -> Emitted:
+    """A speculative iteration's out [B, S+2+nested] int64 (each request's accept length,
+    then the S+1 predicted tokens, of which that many are emitted, then the nested shapes'
+    accept lengths), with its logprobs' device tensors (chosen [B, S+1], top logprobs and
+    ids [B, S+1, k]) when the plan asks."""
     lists = lambda host: [r[1:1 + r[0]] for r in host[0].tolist()]
     if logprobs is None:
-        return Emitted(HostCopy(out), lists)
+        return Emitted(HostCopy(out), lists, nested=_nested(nested))
     asked = plan.logprobs
     return Emitted(HostCopy(out, *logprobs), lists,
-                   lambda host, toks: logprob_lists(asked, *host[1:4], [len(t) for t in toks]))
+                   lambda host, toks: logprob_lists(asked, *host[1:4], [len(t) for t in toks]),
+                   _nested(nested))
 
 
-def mixed_tokens(out: torch.Tensor, tokens: torch.Tensor, emitted: list[bool]) -> Emitted:
-    """A mixed speculative step (no logprobs): its decode rows' iteration out [Bd, S+2] as
-    in accepted_tokens, then its chunks' tokens [Bc] as in one_token_each."""
+def mixed_tokens(out: torch.Tensor, tokens: torch.Tensor, emitted: list[bool], nested: int = 0) -> Emitted:
+    """A mixed speculative step (no logprobs): its decode rows' iteration out [Bd,
+    S+2+nested] as in accepted_tokens, then its chunks' tokens [Bc] as in one_token_each."""
     lists = lambda host: ([r[1:1 + r[0]] for r in host[0].tolist()]
                           + [[t] if e else [] for t, e in zip(host[1].tolist(), emitted)])
-    return Emitted(HostCopy(out, tokens), lists)
+    return Emitted(HostCopy(out, tokens), lists, nested=_nested(nested))
 
 
 @dataclass

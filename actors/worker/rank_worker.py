@@ -534,8 +534,9 @@ class RankWorker:
             timings["gc"] = self.gc.take_seconds()
         if self.eagle is not None and plan.mode == "decode" and self.cfg.profile_steps:
             timings.update(self.eagle.last_timings)
+        nested = emitted.nested(emitted.copy.wait()) if emitted.nested is not None else None
         return StepOutput(plan.step_id, tokens, timings, logprobs, step.prompt_logprobs, step.eager,
-                          step.draft_shape)
+                          step.draft_shape, nested)
 
     def process(self, rows: torch.Tensor, logits: torch.Tensor, plan_rows: list[int] | None = None,
                 path_tokens: torch.Tensor | None = None, path_mask: torch.Tensor | None = None) -> torch.Tensor:

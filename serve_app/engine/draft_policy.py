@@ -16,8 +16,15 @@ mean with the optimistic start counted as PRIOR of them: a step of 32 requests j
 shape at once (a chain that costs several root steps there is dropped after one step,
 not a dozen), a single stream over a few steps (one unlucky step does not drop it).
 
+A step also teaches the shapes nested in its own (step_plan.nested_shapes: the same
+top-k and steps, fewer nodes): their trees are its best-scored nodes from the same draft,
+so the rank reports the accept length each would have given on the same requests
+(exactly, for greedy rows). Without it, at one stream, where the prompt decides the accept
+length, the 8-node tree kept a figure learnt on an easy prompt through hard ones and took
+a third of the steps from the 16-node tree that accepts more on every step.
 A shape not chosen is run now and then, so its estimate follows the traffic (the prompts,
-not the batch size, decide how much drafts are accepted). Exploring costs the time its
+not the batch size, decide how much drafts are accepted); a nested shape is run only when
+its containing shapes have not been either. Exploring costs the time its
 step takes beyond what its tokens are worth at the best shape's rate; a shape is explored
 once the steps since it last ran took 1/EXPLORE_SHARE times that, so exploration never
 loses more than EXPLORE_SHARE of the step time, at any batch size (a tree at 512 streams
@@ -42,7 +49,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from actors.protocol.step_plan import PLAIN_STEP, deepest_accept
+from actors.protocol.step_plan import PLAIN_STEP, deepest_accept, nested_shapes
 
 EXPLORE_SHARE = 0.02  # the most of the step time exploring may lose
 EMA = 0.1  # weight of one step's mean accept length in a shape's estimate
@@ -75,6 +82,7 @@ class DraftPolicy:
         self.shapes, self.costs, self.sizes, self.eager = shapes, costs, sizes, eager
         self.accept = [float(deepest_accept(s, n)) for _, s, n in shapes]
         self.learns = [n > 1 for _, _, n in shapes]  # the root alone always emits one token
+        self.nested = [nested_shapes(shapes, i) for i in range(len(shapes))]  # observed with i
         self.since = [0.0] * len(shapes)  # seconds of steps since each shape last ran
         self.seen = [0] * len(shapes)  # accept lengths observed per shape
         self.last_pick: int | None = None
@@ -130,8 +138,8 @@ class DraftPolicy:
                         pick, margin = i, EXPLORE_SHARE * self.since[i] - lost
             if pick != best and after_plain:
                 self.explore_again = pick
-        for i in range(len(self.since)):
-            self.since[i] = 0.0 if i == pick else self.since[i] + costs[pick]
+        for i in range(len(self.since)):  # shapes nested in the pick are observed with it
+            self.since[i] = 0.0 if i == pick or i in self.nested[pick] else self.since[i] + costs[pick]
         self.last_pick = pick
         return pick
 
@@ -139,6 +147,12 @@ class DraftPolicy:
         """Shape label -> the accept length the policy expects of it, for each shape that
         learns one (/metrics)."""
         return {shape_name(s): a for s, a, learns in zip(self.shapes, self.accept, self.learns) if learns}
+
+    def observe_nested(self, shape: int, accepts: list[list[int]]) -> None:
+        """A step at `shape` reported, per request, the accept length of each shape nested
+        in it (StepOutput.nested_accepts, in nested_shapes' order): learnt as if they ran."""
+        for col, j in enumerate(self.nested[shape]):
+            self.observe(j, [a[col] for a in accepts])
 
     def observe(self, shape: int, accept_lengths: list[int]) -> None:
         """A step that ran at `shape` (PLAIN_STEP: a plain one) emitted these accept lengths

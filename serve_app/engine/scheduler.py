@@ -515,11 +515,13 @@ class Scheduler:
         first_chunk = {"extend": 0, "mixed": plan.num_decode}.get(plan.mode, len(plan.rows))
         stale = self._stale.pop(plan.step_id, None)
         if first_chunk and self.draft_policy is not None:
-            lengths = [len(t) for t in out.tokens[:first_chunk]]
+            learn = range(first_chunk)
             if stale is not None:  # leave out the rows that drafted from a stale top-k
-                lengths = [n for n, s, (req, admission) in zip(lengths, stale, reqs)
-                           if not s and req.admissions == admission]
-            self.draft_policy.observe(out.draft_shape, lengths)
+                learn = [i for i, s, (req, admission) in zip(learn, stale, reqs)
+                         if not s and req.admissions == admission]
+            self.draft_policy.observe(out.draft_shape, [len(out.tokens[i]) for i in learn])
+            if out.nested_accepts is not None:
+                self.draft_policy.observe_nested(out.draft_shape, [out.nested_accepts[i] for i in learn])
         lps = out.logprobs
         for i, ((req, admission), toks) in enumerate(zip(reqs, out.tokens)):
             if req.finished or req.admissions != admission or req.row != plan.rows[i]:

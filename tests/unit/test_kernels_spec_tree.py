@@ -111,14 +111,16 @@ def test_expand_level_matches_bruteforce(K):
 
 
 # ---------------------------------------------------------------------------- organize_draft
-def _check_organized(scores, tokens, parent_flat, N, draft_tokens, parent_node):
+def _check_organized(scores, tokens, parent_flat, N, draft_tokens, parent_node, node_rank):
     B, M = scores.shape
-    assert draft_tokens.shape == (B, N - 1) and parent_node.shape == (B, N - 1)
-    assert draft_tokens.dtype == torch.int64 and parent_node.dtype == torch.int64
+    assert draft_tokens.shape == parent_node.shape == node_rank.shape == (B, N - 1)
+    assert draft_tokens.dtype == parent_node.dtype == node_rank.dtype == torch.int64
     for b in range(B):
         sc = scores[b].tolist()
-        picked = sorted(sorted(range(M), key=lambda j: (-sc[j], j))[: N - 1])
+        by_score = sorted(range(M), key=lambda j: (-sc[j], j))
+        picked = sorted(by_score[: N - 1])
         assert draft_tokens[b].tolist() == [int(tokens[b, j]) for j in picked]
+        assert node_rank[b].tolist() == [by_score.index(j) for j in picked]
         pos = {j: i + 1 for i, j in enumerate(picked)}
         for i, j in enumerate(picked):
             pn = int(parent_node[b, i])
@@ -132,8 +134,7 @@ def test_organize_draft_from_grown_tree(K, S, N):
     g = torch.Generator().manual_seed(K * 100 + S * 10 + N)
     scores, tokens, parent_flat = _grow_draft(24, K, S, 30, g, quantize=True)
     assert scores.shape[1] == K + (S - 1) * K * K
-    draft_tokens, parent_node = organize_draft(scores, tokens, parent_flat, N)
-    _check_organized(scores, tokens, parent_flat, N, draft_tokens, parent_node)
+    _check_organized(scores, tokens, parent_flat, N, *organize_draft(scores, tokens, parent_flat, N))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -155,8 +156,7 @@ def test_organize_draft_random_valid_trees_with_ties(seed):
             scores[b, j] = base * rng.choice([1.0, 1.0, 0.5, 0.25, 0.75])
     tokens = torch.randint(0, 100, (B, M), generator=torch.Generator().manual_seed(seed))
     for N in (2, 8, M + 1):
-        draft_tokens, parent_node = organize_draft(scores, tokens, parent_flat, N)
-        _check_organized(scores, tokens, parent_flat, N, draft_tokens, parent_node)
+        _check_organized(scores, tokens, parent_flat, N, *organize_draft(scores, tokens, parent_flat, N))
 
 
 def test_organize_draft_rejects_too_many():
@@ -234,7 +234,7 @@ def test_draft_pipeline_end_to_end(K, S, N):
     g = torch.Generator().manual_seed(99)
     B = 10
     scores, tokens, parent_flat = _grow_draft(B, K, S, 20, g, quantize=False)
-    draft_tokens, parent_node = organize_draft(scores, tokens, parent_flat, N)
+    draft_tokens, parent_node, _ = organize_draft(scores, tokens, parent_flat, N)
     info = build_tree(torch.zeros(B, dtype=torch.int64), draft_tokens, parent_node, torch.full((B,), 7))
     assert int(info.depth.max()) <= S
     assert (info.parent[:, 1:] >= 0).all()
@@ -265,3 +265,63 @@ def test_assign_cache_locs_and_kv_indices():
     for r, n in zip(req_pool_indices.tolist(), seq_lens.tolist()):
         expected += req_to_token[r, :n].tolist()
     assert indices.tolist() == expected
+
+
+# ---------------------------------------------------------------------------- nested trees
+def _walk_target(info, truth: list[list[int]]) -> torch.Tensor:
+    """The target's argmax at every node [B, N]: the next token of the row's `truth` where
+    the node's path (root excluded) is a prefix of it, else 0 (no draft token is 0)."""
+    B, N = info.tokens.shape
+    out = torch.zeros(B, N, dtype=torch.int64)
+    for b in range(B):
+        parent, tok = info.parent[b].tolist(), info.tokens[b].tolist()
+        for i in range(N):
+            path, j = [], i
+            while j > 0:
+                path.append(tok[j])
+                j = parent[j]
+            path.reverse()
+            if path == truth[b][:len(path)] and len(path) < len(truth[b]):
+                out[b, i] = truth[b][len(path)]
+    return out
+
+
+@pytest.mark.parametrize("K,S,N", [(4, 5, 16), (2, 4, 10), (1, 5, 6)])
+def test_nested_accepts_equal_the_smaller_trees_own_walk(K, S, N):
+    """A tree of n < N nodes from the same candidates accepts, under greedy verification by
+    the same target, what nested_accept_lengths reads off the N-node tree's walk: its
+    node_rank < n-1 nodes are that tree. The target follows one path of the N-node tree per
+    row (a random node's), so the smaller trees cut it where they lose a node."""
+    from kestrel_kernels.verify import greedy_verify, nested_accept_lengths
+    g = torch.Generator().manual_seed(K * 100 + S * 10 + N)
+    B = 48
+    scores, _, parent_flat = _grow_draft(B, K, S, 2, g, quantize=True)  # tied scores
+    M = scores.shape[1]
+    tokens = torch.arange(1, M + 1).expand(B, M).contiguous()  # [B, M] distinct, never 0
+
+    def tree(n):
+        draft_tokens, parent_node, node_rank = organize_draft(scores, tokens, parent_flat, n)
+        return build_tree(torch.zeros(B, dtype=torch.int64), draft_tokens, parent_node,
+                          torch.full((B,), 5)), node_rank
+
+    big, rank = tree(N)
+    truth = []
+    for b in range(B):  # a random node's path, then one more token
+        i, path = int(torch.randint(0, N, (1,), generator=g)), []
+        while i > 0:
+            path.append(int(big.tokens[b, i]))
+            i = int(big.parent[b, i])
+        truth.append(path[::-1] + [M + 1])
+
+    def accept(info):
+        return greedy_verify(info.tokens, _walk_target(info, truth), info.first_child, info.next_sibling, S)
+
+    accept_index, accept_length, _ = accept(big)
+    smaller = sorted({n for n in (2, 3, N // 2, N - 1) if 1 < n < N})
+    got = nested_accept_lengths(accept_index, rank, smaller)  # [B, J] int64
+    assert got.shape == (B, len(smaller)) and got.dtype == torch.int64
+    for j, n in enumerate(smaller):
+        want = accept(tree(n)[0])[1]
+        assert torch.equal(got[:, j], want), n
+        assert bool((want <= accept_length).all())
+    assert bool((got[:, 0] < accept_length).any())  # the cut is seen, not only full accepts

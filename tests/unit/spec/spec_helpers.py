@@ -44,3 +44,13 @@ def outputs(engine: LLMEngine, prompts, max_tokens: int) -> list[list[int]]:
 
 __all__ = ["FIXED", "CHAIN", "TREE", "tiny_config", "tiny_engine", "random_prompts", "greedy",
            "outputs", "RankWorker"]
+
+
+def fixed_draft(drafts: list[list[int]], parents: list[list[int]]):
+    """A test draft's tree as EagleWorker.draft_body returns it: (draft_tokens, parent_node,
+    node_rank) [B, N-1] int64 each, its nodes ranked in node order (parents come first, so
+    every prefix holds its ancestors, as a draft's selection by score does)."""
+    import torch
+    tokens = torch.tensor(drafts, dtype=torch.int64)  # [B, N-1]
+    rank = torch.arange(tokens.shape[1], dtype=torch.int64).expand_as(tokens).contiguous()  # [B, N-1]
+    return tokens, torch.tensor(parents, dtype=torch.int64), rank

@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-from spec_helpers import TREE, outputs, random_prompts, tiny_config, tiny_engine
+from spec_helpers import TREE, greedy, outputs, random_prompts, tiny_config, tiny_engine
 
-from actors.protocol.step_plan import PLAIN_STEP
+from actors.protocol.step_plan import PLAIN_STEP, deepest_accept
 from configs.schema import ConfigError, load_config
 from serve_app.api.metrics import ServerMetrics
 from serve_app.engine.draft_policy import EXPLORE_SHARE, PRIOR, DraftPolicy, shape_name
@@ -463,3 +463,68 @@ def test_a_shape_that_loses_at_its_deepest_accept_is_not_timed_at_larger_sizes()
     assert cheap.calls == plain.calls == [b for b in sizes for _ in range(EAGER_COST_ROUNDS)]
     policy = DraftPolicy([(1, 3, 4), (1, 1, 2)], costs[:2], sizes, eager=True, plain_costs=costs[2])
     assert {policy.choose(b) for b in (4, 6, 8) for _ in range(200)} <= {1, policy.plain}
+
+
+def test_a_step_teaches_the_shapes_nested_in_it_and_spares_their_exploration():
+    """The 16-node tree's steps report what the 8-node tree of the same draft would have
+    accepted: its estimate follows them, and it is never run just to be judged. Different
+    steps or the root alone are not nested."""
+    shapes = [(4, 5, 16), (4, 5, 8), (4, 1, 1), (4, 3, 4)]
+    costs = [[1.78, 7.0], [1.75, 5.0], [1.4, 1.7], [1.6, 3.0]]
+    policy = DraftPolicy(shapes, costs, [1, 256])
+    assert policy.nested == [[1], [], [], []]
+    policy.accept[1] = 5.0  # learnt on an easy prompt; the prompts now are hard
+    for _ in range(60):
+        policy.observe(0, [3])
+        policy.observe_nested(0, [[2]])
+    assert abs(policy.accept[1] - 2.0) < 0.01 and policy.seen[1] == 60
+    policy.accept[3] = 1.5  # a shorter tree, judged worse: still explored now and then
+    picks = [policy.choose(1) for _ in range(1000)]
+    assert picks.count(1) == 0  # each pick of the 16-node tree observed it
+    assert 0 < picks.count(3) < 100 and picks.count(0) + picks.count(3) == 1000
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "step_graph"])
+def test_the_rank_reports_the_nested_trees_accepts_and_the_policy_learns_them(tiny_llama_dir, graphs, monkeypatch):
+    """An 8-node tree with the 4-node tree as an adaptive shape: each iteration also reports
+    what the 4-node tree of the same draft would have accepted, and the first decode step's
+    figures are what an engine whose configured tree has 4 nodes accepts on its first step
+    (an oracle draft, the plain answers among decoys, so the two trees accept differently).
+    The policy learns the 4-node tree's accept length without running it."""
+    from test_c22_greedy_lossless import OracleDraft
+    prompts = random_prompts(4, seed=3)
+    plain = outputs(tiny_engine(tiny_llama_dir, spec=False), prompts, MAX_TOKENS)
+    tree = ("draft.topk=4", "draft.num_steps=5")
+
+    def first_decode(nodes: int, *overrides: str, policy=None):
+        eng = tiny_engine(tiny_llama_dir, *tree, f"draft.num_draft_tokens={nodes}", *overrides)
+        sched = eng.schedulers[0]
+        if policy is not None:
+            sched.draft_policy = policy
+        eagle = eng.workers[0].eagle
+        if graphs:
+            eagle.capture_graphs(SIZES)
+        reqs = [eng.add_request(p, greedy(MAX_TOKENS)) for p in prompts]
+        eng.step()  # the prefill: rows are assigned now
+        refs = {0: [], **{r.row: r.prompt_ids + ref for r, ref in zip(reqs, plain)}}  # 0: padded lanes
+        oracle = OracleDraft(eagle, refs, 128)
+        monkeypatch.setattr(eagle, "_draft", oracle)
+        monkeypatch.setattr(eagle, "draft_body", oracle)
+        seen, process = [], sched.process_output
+        monkeypatch.setattr(sched, "process_output", lambda plan, out: seen.append((plan, out)) or process(plan, out))
+        while eng.has_work:
+            eng.step()
+        assert [r.output_ids for r in reqs] == plain
+        plan, out = next((p, o) for p, o in seen if p.mode == "decode")
+        assert (eagle.step_graph is not None) == graphs
+        return dict(zip(plan.rows, out.tokens)), dict(zip(plan.rows, out.nested_accepts or [])), eng
+
+    small, none, _ = first_decode(4)
+    assert none == {}  # no nested shape: nothing reported
+    cfg = tiny_config(tiny_llama_dir, *tree, "draft.num_draft_tokens=8", "draft.adaptive_shapes=[[5,4]]")
+    policy = DraftPolicy(cfg.draft.shapes(), [[1.0], [9.0]], [8])  # the 8-node tree always pays
+    big, nested, eng = first_decode(8, "draft.adaptive_shapes=[[5,4]]", policy=policy)
+    assert nested and {row: [len(t)] for row, t in small.items()} == nested
+    assert any(len(big[row]) > n for row, (n,) in nested.items())  # the larger tree accepted more
+    assert set(eng.shape_steps) == {0} and policy.seen[1] > 0
+    assert policy.accept[1] < deepest_accept(5, 4)  # learnt from the reports, not the start

@@ -38,8 +38,9 @@ def test_c20_chain_layout(S):
     g = torch.Generator().manual_seed(S)
     B, N = 3, S + 1
     scores, tokens, parent_flat, chain = _chain_draft(B, S, g)
-    draft_tokens, parent_node = organize_draft(scores, tokens, parent_flat, N)
+    draft_tokens, parent_node, node_rank = organize_draft(scores, tokens, parent_flat, N)
     assert torch.equal(draft_tokens, chain)
+    assert node_rank.tolist() == [list(range(N - 1))] * B  # a chain's scores fall along it
     assert parent_node.tolist() == [list(range(N - 1))] * B
 
     seq_lens = torch.tensor([5, 17, 1], dtype=torch.int64)

@@ -8,7 +8,7 @@ import torch
 from kestrel_testing import assert_same_or_near_tie
 from configs.schema import load_config
 from serve_app.engine.llm_engine import LLMEngine
-from spec_helpers import CHAIN, TREE, greedy
+from spec_helpers import CHAIN, TREE, fixed_draft, greedy
 
 BASE = ["draft.enabled=false", "model.dtype=float32", "kv_cache.num_slots=8192",
         "scheduler.max_running_requests=16", "device=cpu"]
@@ -81,7 +81,7 @@ class OracleDraft:
                 d, p = d[:N - 1], p[:N - 1]
             drafts.append(d)
             parents.append(p)
-        return (torch.tensor(drafts, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64))
+        return fixed_draft(drafts, parents)
 
 
 @pytest.mark.parametrize("shape,page", [(CHAIN, 1), (TREE, 16), (TREE, 1)])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
+from spec_helpers import CHAIN, TREE, fixed_draft, random_prompts, tiny_engine
 from test_c22_greedy_lossless import OracleDraft
 
 from actors.spec.step_graph import Variant
@@ -225,7 +225,7 @@ class TopTwoDraft:
             a, b = self.top2[(t1,)]
             drafts.append([a, b, *self.top2[(t1, a)], *self.top2[(t1, b)], 0][:self.eagle.N - 1])
             parents.append([0, 0, 1, 1, 2, 2, 3][:self.eagle.N - 1])
-        return torch.tensor(drafts, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64)
+        return fixed_draft(drafts, parents)
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "step_graph"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import CHAIN, TREE, random_prompts, tiny_engine
+from spec_helpers import CHAIN, TREE, fixed_draft, random_prompts, tiny_engine
 from test_grammar_lossless import REGEX, compiled  # noqa: F401 (fixture)
 from test_penalties_lossless import GRAPH_SIZES, PENALIZED, spy_variants
 
@@ -77,7 +77,7 @@ class TargetDraft:
                 p = [0, 0, 1, 1, 2, 2, 3][:N - 1]
             drafts.append(d)
             parents.append(p)
-        return torch.tensor(drafts, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64)
+        return fixed_draft(drafts, parents)
 
 
 def spy_decode_replays(worker) -> list:
