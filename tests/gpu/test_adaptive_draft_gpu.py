@@ -105,3 +105,43 @@ def test_plain_steps_cost_less_than_the_root_and_keep_greedy_output(tokenizer, c
     # drafts from the stale top-k and is not observed); without the KV write ~1.0.
     lengths = [n for shape, seen in policy.seen if shape == 1 for n in seen]
     assert sum(lengths) / len(lengths) > 1.3, policy.seen
+
+
+def test_each_step_reports_what_the_nested_tree_would_have_accepted(tokenizer, chat_prompts):
+    """The h200 preset's shapes (16 nodes, the 8-node tree of the same draft nested in it,
+    the root) on real step graphs with the shipped head, every step at 16 nodes: each
+    reports the 8-node tree's accept length per request, and on the first decode step that
+    is what an engine whose configured tree has 8 nodes accepts (fp32: only a draft
+    near-tie between the two engines' graphs could differ)."""
+    tree = ["draft.enabled=true", "draft.topk=4", "draft.num_steps=5"]
+
+    class Fixed(Cycle):
+        def choose(self, batch: int) -> int:
+            return 0
+
+        def observe_nested(self, shape: int, accepts: list[list[int]]) -> None:
+            self.seen.append(("nested", shape, [a[0] for a in accepts]))
+
+    def decodes(eng):
+        sched, seen = eng.schedulers[0], []
+        process = sched.process_output
+        sched.process_output = lambda plan, out: seen.append((plan, out)) or process(plan, out)
+        generate(eng, chat_prompts[:12])
+        return [(p, o) for p, o in seen if p.mode == "decode"]
+
+    big = engine(tokenizer, *tree, "draft.num_draft_tokens=16", "draft.adaptive_shapes=[[5,8],[1,1]]",
+                 shipped_head=True)
+    policy = big.schedulers[0].draft_policy = Fixed(3)
+    steps = decodes(big)
+    assert set(big.shape_steps) == {0} and not big.eager_steps
+    pairs = [(a[0], len(t)) for _, o in steps for a, t in zip(o.nested_accepts, o.tokens)]
+    assert all(n <= m for n, m in pairs) and any(n < m for n, m in pairs)  # 16 nodes accept more, at times
+    assert sum(s[0] == "nested" for s in policy.seen) >= len(steps)
+    plan, out = steps[0]
+    nested = [a[0] for a in out.nested_accepts]
+    assert len(nested) == len(plan.rows) == 12
+    small_plan, small_out = decodes(engine(tokenizer, *tree, "draft.num_draft_tokens=8",
+                                           "draft.adaptive_shapes=[]", shipped_head=True))[0]
+    assert small_plan.rows == plan.rows
+    differ = sum(n != len(t) for n, t in zip(nested, small_out.tokens))
+    assert differ <= 1, (nested, [len(t) for t in small_out.tokens])
