@@ -86,6 +86,9 @@ def test_each_runner_replay_equals_eager(tokenizer, chat_prompts, shape, caplog)
         assert f"captured {kind} graphs" in caplog.text
     eagle = eng.workers[0].eagle
     assert eagle.graphs.verify.use_cuda_graph and eagle.plan.enabled
+    # Every size's verify graph writes its logits into the one buffer (checked against
+    # eager below), not into an output of its own.
+    assert {g.output[0].data_ptr() for g in eagle.graphs.verify._graphs.values()} == {eagle.verify_logits.data_ptr()}
     checked = check_against_eager(eagle)
     for n in (3, 4, 5):
         generate(eng, chat_prompts[:n], 24)
