@@ -11,7 +11,8 @@
 #   plain      the same without speculation                                                  ~110
 #   vllm       vLLM 0.24 EAGLE (our head), the same client and grammar                      ~250
 #   profile    py-spy on the served plain and tree ranks under the grammar (profile_http.sh) ~300
-#   gputests   the adaptive draft shapes', speculative graphs' and layer kernels' GPU tests ~200
+#   gputests   the adaptive draft shapes', speculative graphs', layer kernels' and sampled
+#              graphs' GPU tests                                                            ~260
 #   mixed      mixed steps' GPU tests and the attention kernel's mixed-mask tests           ~120
 #   load-tree, load-plain, load-vllm-plain, load-vllm-eagle
 #              closed bursts at 1..512 streams, then (not plain; not with OPEN=0) the
@@ -79,8 +80,8 @@ for stage in "$@"; do
           --variant "grammar=$regex" 2>&1 | tail -3
       done ;;
     gputests)
-      timeout 480 python3 -m pytest -q tests/gpu/test_adaptive_draft_gpu.py tests/gpu/test_spec_graphs.py \
-        tests/gpu/test_layer_ops_gpu.py > "$work/gputests.txt" 2>&1
+      timeout 540 python3 -m pytest -q tests/gpu/test_adaptive_draft_gpu.py tests/gpu/test_spec_graphs.py \
+        tests/gpu/test_layer_ops_gpu.py tests/gpu/test_sampled_graphs_gpu.py > "$work/gputests.txt" 2>&1
       tail -5 "$work/gputests.txt" ;;
     mixed)
       timeout 400 python3 -m pytest -q tests/gpu/test_mixed_steps_gpu.py tests/unit/test_triton_attention.py \

@@ -294,10 +294,17 @@ class RankWorker:
             return GraphRunner(GraphKind.TARGET_DECODE, sizes, graph_backend(self.target.backend),
                                device=self.device, use_cuda_graph=use_cuda_graph)
 
+        # Every decode graph writes its logits into one buffer sized for the largest batch,
+        # not into an output of its own per size (up to 2.7 GiB a graph set at 256 streams
+        # with Qwen2's vocabulary); the processed sets keep the processed copy they make.
+        # A rank runs one step at a time and reads a step's logits within it.
+        self.decode_logits = torch.empty(max(sizes), self.arch.vocab_size, dtype=torch.float32,
+                                         device=self.device)  # [max_bs, V] fp32
+
         def forward(view):
             # Metadata is rebuilt inside the graph from the static inputs on every replay.
             return self._decode_logits(view.input_ids, view.seq_lens - 1, view.out_cache_loc,
-                                       view.req_pool_indices)
+                                       view.req_pool_indices, self.decode_logits[:view.batch_size])
 
         def picked(view, processed: bool, sampled: bool, filtered: bool = False):
             rows = view.req_pool_indices  # [bs] int64; padded lanes: row 0, greedy, no processing
@@ -627,9 +634,9 @@ class RankWorker:
             self.future.store(fb.req_pool_indices[done], fb.seq_lens[done], tokens[done])
         return one_token_each(plan, tokens, emits, lps)
 
-    def _decode_logits(self, ids, prefix_lens, loc, rows) -> torch.Tensor:
-        """One token per request at position prefix_len -> logits [B, V] fp32 (eager, and
-        the body captured as a graph)."""
+    def _decode_logits(self, ids, prefix_lens, loc, rows, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per request at position prefix_len -> logits [B, V] fp32, in
+        ``logits_out`` when given (eager, and the body captured as a graph)."""
         fb = ForwardBatch(ForwardMode.DECODE, ids, prefix_lens, loc, rows, prefix_lens,
                           [1] * rows.numel())
         if self.plain_features is None:
@@ -637,7 +644,7 @@ class RankWorker:
         else:  # a plain step of a speculative rank: keep what the draft reads
             hidden, aux = self.target.forward(fb, aux_layers=self.eagle.aux_layers)
             self.plain_features[:rows.numel()] = self.eagle.features(hidden, aux)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, logits_out)
 
     def _decode(self, plan: StepPlan) -> Emitted:
         rows = self._tensor(plan.rows)

@@ -4,6 +4,8 @@ engine in fp32): the sampled decode graphs (plain) and the step graph's sampled 
 from the processing table, and give the tokens of the eager paths they replace (the plain
 graph then eager sampling; the per-phase runners then the eager accept), with the same
 seeds: greedy and sampled rows in one batch, penalties and logprobs on, padded lanes."""
+import torch
+
 from test_feature_graphs_gpu import same_or_all_but_one, spy_step_graph
 from test_prefill_graph_gpu import engine
 
@@ -43,6 +45,12 @@ def test_sampled_decode_graphs_equal_eager_sampling(tokenizer, chat_prompts):
     prompts = chat_prompts[:5]  # 5 lanes padded to 8
     eager = engine(tokenizer, FP32, OFF, "draft.enabled=false")
     graphs = engine(tokenizer, FP32, ON, "draft.enabled=false")
+    w = graphs.workers[0]
+    # The plain and unprocessed sampled sets write their logits into the one buffer at
+    # every size (the temperature-only run below reads them from it).
+    for runner in (w.decode_graphs, w.sampled_decode_graphs[False, False], w.sampled_decode_graphs[False, True]):
+        outs = [g.output if isinstance(g.output, torch.Tensor) else g.output[0] for g in runner._graphs.values()]
+        assert {o.data_ptr() for o in outs} == {w.decode_logits.data_ptr()}
     seen = spy_sampled_decode(graphs)
     for params, key in ((mixed(len(prompts)), (True, True)), (temperature_only(len(prompts)), (False, False))):
         want = eager.generate(prompts, params)

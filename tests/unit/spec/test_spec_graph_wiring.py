@@ -105,6 +105,26 @@ def test_every_verify_graph_writes_the_one_logits_buffer(tiny_llama_dir):
         assert logits.data_ptr() == eagle.verify_logits.data_ptr()
 
 
+def test_decode_graphs_write_the_one_logits_buffer(tiny_llama_dir):
+    """The plain decode graphs and the unprocessed sampled sets return their logits in the
+    rank's one decode_logits buffer at every size; greedy output stays the eager output."""
+    prompts = random_prompts(5, seed=9)
+    want = outputs(tiny_engine(tiny_llama_dir, spec=False), prompts, MAX_TOKENS)
+    eng = tiny_engine(tiny_llama_dir, spec=False)
+    w = eng.workers[0]
+    w.capture_decode_graphs(SIZES)
+    base = w.decode_logits  # [max_bs, V] fp32
+    assert base.shape == (max(SIZES), w.arch.vocab_size) and base.dtype == torch.float32
+    for runner in (w.decode_graphs, w.sampled_decode_graphs[False, False], w.sampled_decode_graphs[False, True]):
+        for bs in SIZES:
+            with torch.inference_mode():
+                runner.replay_all_padded(bs)
+            out = runner._graphs[bs].output
+            logits = out if isinstance(out, torch.Tensor) else out[0]  # [bs, V] fp32
+            assert logits.shape == (bs, base.shape[1]) and logits.data_ptr() == base.data_ptr()
+    assert outputs(eng, prompts, MAX_TOKENS) == want
+
+
 def test_batches_above_largest_size_run_eagerly(tiny_llama_dir):
     prompts = random_prompts(5, seed=5)
     want = outputs(tiny_engine(tiny_llama_dir, *CHAIN), prompts, MAX_TOKENS)
