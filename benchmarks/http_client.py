@@ -162,7 +162,7 @@ async def scrape(session, url: str) -> dict[str, float]:
 
 def server_side(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    steps = d.get("kestrel_engine_steps_total:extend", 0) + d.get("kestrel_engine_steps_total:decode", 0)
+    steps = sum(d.get(f"kestrel_engine_steps_total:{mode}", 0) for mode in ("extend", "decode", "mixed"))
     if not steps:
         return {}
     per_step = {p: 1000 * d.get(f"kestrel_engine_step_seconds_total:{p}", 0.0) / steps
@@ -182,6 +182,7 @@ def server_side(before: dict[str, float], after: dict[str, float], seconds: floa
             # the collector's full passes stop a step loop: their seconds in all
             "gc_s": d.get("kestrel_engine_step_seconds_total:gc", 0.0),
             "extend_steps": d.get("kestrel_engine_steps_total:extend", 0),
+            "mixed_steps": d.get("kestrel_engine_steps_total:mixed", 0),
             "accept_mean": d.get("kestrel_spec_accept_length_sum", 0.0) / accepts if accepts else None,
             "wait_ms_per_pipelined_step": 1000 * d.get("kestrel_engine_step_seconds_total:wait", 0.0)
             / pipelined if pipelined else None,

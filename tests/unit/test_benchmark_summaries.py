@@ -23,3 +23,17 @@ def test_tokens_after_eos_count_each_short_answer_up_to_the_cap():
     ended, share = after_eos([100, 256, 1024], 256)
     assert ended == 1
     assert abs(share - 156 / (3 * 256)) < 1e-12
+
+
+def test_server_side_counts_mixed_steps_with_the_rest():
+    """Per-step figures divide by every step the engine ran, mixed ones included (a
+    scheduler.mixed_steps server otherwise reports its phases per too few steps)."""
+    from benchmarks.http_client import server_side
+    before = {"kestrel_engine_steps_total:extend": 10, "kestrel_engine_steps_total:decode": 100,
+              "kestrel_engine_steps_total:mixed": 0, "kestrel_engine_step_seconds_total:schedule": 1.0}
+    after = {"kestrel_engine_steps_total:extend": 20, "kestrel_engine_steps_total:decode": 150,
+             "kestrel_engine_steps_total:mixed": 40, "kestrel_engine_step_seconds_total:schedule": 1.1}
+    got = server_side(before, after, 2.0)
+    assert got["steps_s"] == 50.0  # 10 + 50 + 40 steps in 2 s
+    assert abs(got["step_ms"]["schedule"] - 1.0) < 1e-9  # 0.1 s over 100 steps
+    assert got["mixed_steps"] == 40 and got["extend_steps"] == 10
