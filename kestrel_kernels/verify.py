@@ -202,8 +202,10 @@ def nested_accept_lengths(accept_index: torch.Tensor, node_rank: torch.Tensor,
         [B, len(nodes)] int64 accept lengths (the bonus token included).
     """
     B = accept_index.shape[0]
+    if not nodes:
+        return accept_index.new_zeros((B, 0))  # [B, 0] int64
     root = torch.full((B, 1), -1, dtype=torch.int64, device=accept_index.device)  # [B, 1] int64
     rank = torch.cat([root, node_rank], 1).gather(1, accept_index.clamp(min=0))  # [B, S+1] int64
     rank = torch.where(accept_index >= 0, rank, torch.iinfo(torch.int64).max)  # past the end: outside
     cols = [(rank < n - 1).to(torch.int64).cumprod(1).sum(1) for n in nodes]  # [B] int64 each
-    return torch.stack(cols, 1) if cols else accept_index.new_zeros((B, 0))  # [B, J] int64
+    return torch.stack(cols, 1)  # [B, J] int64

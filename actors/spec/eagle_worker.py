@@ -143,9 +143,12 @@ class EagleWorker:
     def _outputs(self, accept_length: torch.Tensor, predict: torch.Tensor, accept_index: torch.Tensor,
                  node_rank: torch.Tensor) -> torch.Tensor:
         """An iteration's one output for the host -> [B, S+2+J] int64: each row's accept
-        length, its S+1 predicted tokens, then the accept lengths of the J nested shapes."""
-        nested = nested_accept_lengths(accept_index, node_rank, self.nested_nodes)  # [B, J] int64
-        return torch.cat([accept_length[:, None], predict, nested], 1)
+        length, its S+1 predicted tokens, then the accept lengths of the J nested shapes
+        (none computed where there are none: most presets, every CPU default)."""
+        parts = [accept_length[:, None], predict]
+        if self.nested_nodes:
+            parts.append(nested_accept_lengths(accept_index, node_rank, self.nested_nodes))  # [B, J] int64
+        return torch.cat(parts, 1)
 
     def features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
         """What the head reads from the target: final hidden (EAGLE-1) or 3 layers (EAGLE-3)."""

@@ -44,8 +44,9 @@ def one_token_each(plan: StepPlan, tokens: torch.Tensor, emitted: list[bool],
 
 
 def _nested(nested: int) -> Callable[[list[torch.Tensor]], list[list[int]]] | None:
-    """The last `nested` columns of a speculative out's rows (EagleWorker._outputs)."""
-    return (lambda host: [r[-nested:] for r in host[0].tolist()]) if nested else None
+    """The last `nested` columns of a speculative out's rows (EagleWorker._outputs), read
+    from the host copy alone: `lists` converts the token columns."""
+    return (lambda host: host[0][:, -nested:].tolist()) if nested else None
 
 
 def accepted_tokens(plan: StepPlan, out: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None,
