@@ -137,9 +137,9 @@ def test_each_step_reports_what_the_nested_tree_would_have_accepted(tokenizer, c
     pairs = [(a[0], len(t)) for _, o in steps for a, t in zip(o.nested_accepts, o.tokens)]
     assert all(n <= m for n, m in pairs) and any(n < m for n, m in pairs)  # 16 nodes accept more, at times
     assert sum(s[0] == "nested" for s in policy.seen) >= len(steps)
-    plan, out = steps[0]
+    plan, out = steps[0]  # every row's first decode (the prompts' prefill may take several steps)
     nested = [a[0] for a in out.nested_accepts]
-    assert len(nested) == len(plan.rows) == 12
+    assert len(nested) == len(plan.rows) > 1
     small_plan, small_out = decodes(engine(tokenizer, *tree, "draft.num_draft_tokens=8",
                                            "draft.adaptive_shapes=[]", shipped_head=True))[0]
     assert small_plan.rows == plan.rows
