@@ -140,7 +140,7 @@ _SAMPLE = re.compile(r'^(kestrel_[a-z_]+)(?:\{([^}]*)\})? ([0-9.eE+-]+)$')
 
 
 async def scrape(session, url: str) -> dict[str, float]:
-    """Summed over labels but the one that matters: 'name' or 'name:mode/phase/reason/shape'."""
+    """The server's /metrics as parse_metrics reads them; {} from a server without them."""
     try:
         async with session.get(url + "/metrics") as r:
             if r.status != 200:
@@ -148,6 +148,12 @@ async def scrape(session, url: str) -> dict[str, float]:
             text = await r.text()
     except Exception:  # noqa: BLE001 - a server without Kestrel's metrics
         return {}
+    return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Kestrel's samples summed over labels but the one that matters: 'name' or
+    'name:mode/phase/reason/shape', with '@batch' after the shape where a sample has one."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
@@ -155,7 +161,9 @@ async def scrape(session, url: str) -> dict[str, float]:
             continue
         name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
         sub = re.search(r'(?:mode|phase|reason|shape)="([a-z0-9_]+)"', labels)
+        batch = re.search(r'batch="([0-9]+)"', labels)
         key = f"{name}:{sub.group(1)}" if sub else name
+        key += f"@{batch.group(1)}" if batch else ""
         out[key] = out.get(key, 0.0) + value
     return out
 
@@ -179,6 +187,9 @@ def server_side(before: dict[str, float], after: dict[str, float], seconds: floa
             # the draft policy's accept estimates at the end
             "draft_accept": {k.split(":", 1)[1]: round(v, 2) for k, v in after.items()
                              if k.startswith("kestrel_engine_draft_accept_estimate:")},
+            # ... and the step periods it measured, ms, by shape@batch size (draft.measured_periods)
+            "draft_period_ms": {k.split(":", 1)[1]: round(1000 * v, 2) for k, v in after.items()
+                                if k.startswith("kestrel_engine_draft_step_period_seconds:")},
             # the collector's full passes stop a step loop: their seconds in all
             "gc_s": d.get("kestrel_engine_step_seconds_total:gc", 0.0),
             "extend_steps": d.get("kestrel_engine_steps_total:extend", 0),

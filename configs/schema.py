@@ -167,6 +167,12 @@ class DraftConfig(_Strict):
     # from the decode graph on a GPU, eagerly with eager_shapes on the CPU (without either,
     # no choice). Off in every preset until measured on the GPU with the KV write.
     plain_steps: bool = False
+    # With step graphs, a shape's cost at a batch size is the larger of its graph's replay
+    # time (measured at start-up) and the step loop's measured time between its steps'
+    # outputs there: at hundreds of streams the host's work per step can outlast the
+    # replay, most for the cheap shapes (serve_app/engine/draft_policy.py). False: replay
+    # times alone.
+    measured_periods: bool = True
 
     @model_validator(mode="after")
     def _tree_fits(self) -> "DraftConfig":

@@ -159,6 +159,13 @@ class _StepCollector:
         for e in stats.get("draft_accept") or []:
             accept.add_metric([self.m.model, rep, str(e["rank"]), e["shape"]], e["value"])
         yield accept
+        period = GaugeMetricFamily(
+            "kestrel_engine_draft_step_period_seconds", "The step loop's measured seconds between "
+            "the outputs of a draft shape's steps at a captured batch size, as the draft policy "
+            "weighs them (draft.measured_periods)", labels=["model", "replica", "rank", "shape", "batch"])
+        for e in stats.get("draft_period") or []:
+            period.add_metric([self.m.model, rep, str(e["rank"]), e["shape"], str(e["batch"])], e["value"])
+        yield period
 
 
 class RequestTracker:

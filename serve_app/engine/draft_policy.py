@@ -32,6 +32,17 @@ costs five plain steps: explored rarely; a near-best shape: often). Greedy outpu
 same at every shape (each one verifies its drafts against the target), so the choice
 changes speed only.
 
+A replay time is the GPU's alone. At hundreds of streams a step's host work (planning
+its rows, committing and streaming its tokens) can outlast it, most for the cheap shapes:
+read from replay times alone, the root-only shape looked as fast as a tree that costs
+four times its replay and accepts four times its tokens, and at 512 streams the policy
+took it on most steps (docs/benchmarks.md). With draft.measured_periods each shape's cost at a captured size is
+also the step loop's time between its steps' outputs there (a moving average, each
+sample at most PERIOD_CLIP times the cost so far, so a collector's pause or an idle loop
+does not count), and a step costs the larger of the two: the
+shape whose tokens come fastest through the whole loop wins. Exploration keeps the
+periods of shapes not chosen current, as it does their accept lengths.
+
 With draft.plain_steps the rank also measured a plain decode step's cost, and the policy
 may choose it (`plain`, accept exactly 1). A plain step runs no draft forward, but writes
 the draft's KV at its tokens' positions (a few small kernels): without that a request
@@ -53,6 +64,8 @@ from actors.protocol.step_plan import PLAIN_STEP, deepest_accept, nested_shapes
 
 EXPLORE_SHARE = 0.02  # the most of the step time exploring may lose
 EMA = 0.1  # weight of one step's mean accept length in a shape's estimate
+PERIOD_EMA = 0.1  # weight of one step's period in a shape's measured period
+PERIOD_CLIP = 3.0  # a period sample counts at most this many times the cost so far
 PRIOR = 4  # requests' worth of weight of a shape's optimistic start
 
 
@@ -67,12 +80,15 @@ def shape_name(shape: tuple[int, int, int]) -> str:
 
 class DraftPolicy:
     plain: int | None = None  # the index choose() returns for a plain decode step, if any
+    periods: list[list[float]] | None = None  # measured step periods (draft.measured_periods)
 
     def __init__(self, shapes: list[tuple[int, int, int]], costs: list[list[float]], sizes: list[int],
-                 eager: bool = False, plain_costs: list[float] | None = None):
+                 eager: bool = False, plain_costs: list[float] | None = None, periods: bool = False):
         """`costs[s][i]`: seconds of a step of shape s at batch sizes[i]; `eager`: measured
         eagerly (a batch between sizes interpolates, past the last takes the last's);
-        `plain_costs[i]`: a plain decode step's, making it a choice (draft.plain_steps)."""
+        `plain_costs[i]`: a plain decode step's, making it a choice (draft.plain_steps);
+        `periods`: costs also follow the measured time between steps (draft.measured_periods;
+        not for eager costs, which time whole steps already)."""
         if plain_costs is not None:
             shapes, costs = [*shapes, (0, 0, 1)], [*costs, plain_costs]  # no draft, the root alone
             self.plain = len(shapes) - 1
@@ -87,9 +103,12 @@ class DraftPolicy:
         self.seen = [0] * len(shapes)  # accept lengths observed per shape
         self.last_pick: int | None = None
         self.explore_again: int | None = None  # the second step of an exploration after plain
+        # periods[s][i]: measured seconds between outputs of shape s's steps at sizes[i]; 0: none yet
+        self.periods = [[0.0] * len(sizes) for _ in shapes] if periods and not eager else None
 
     @classmethod
-    def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict) -> "DraftPolicy | None":
+    def from_worker(cls, shapes: list[tuple[int, int, int]], info: dict,
+                    periods: bool = False) -> "DraftPolicy | None":
         """The policy for a rank whose info() measured its shapes' costs, replayed as graphs
         or eagerly (eager_draft_cost_sizes), else None (one shape and no plain steps, or
         dp_attention: every step takes the configured shape)."""
@@ -98,13 +117,15 @@ class DraftPolicy:
             return None
         eager = info.get("eager_draft_cost_sizes")
         return cls(shapes[:len(costs)], costs, eager or info["graph_batch_sizes"], eager=bool(eager),
-                   plain_costs=plain)
+                   plain_costs=plain, periods=periods)
 
     def step_costs(self, batch: int) -> list[float] | None:
         """Seconds of a step of each shape at `batch`, None past the graphs."""
         i = bisect.bisect_left(self.sizes, batch)
         if i == len(self.sizes) and not self.eager:
             return None
+        if self.periods is not None:
+            return [max(c[i], p[i]) for c, p in zip(self.costs, self.periods)]
         if not self.eager or i == len(self.sizes) or i == 0 or self.sizes[i] == batch:
             i = min(i, len(self.sizes) - 1)  # eager past the last size: the last's costs
             return [c[i] for c in self.costs]
@@ -148,11 +169,28 @@ class DraftPolicy:
         learns one (/metrics)."""
         return {shape_name(s): a for s, a, learns in zip(self.shapes, self.accept, self.learns) if learns}
 
+    def periods_measured(self) -> list[tuple[str, int, float]]:
+        """(shape label, batch size, seconds) of every measured period (/metrics)."""
+        return [(PLAIN_NAME if s == self.plain else shape_name(self.shapes[s]), size, p)
+                for s, row in enumerate(self.periods or []) for size, p in zip(self.sizes, row) if p]
+
     def observe_nested(self, shape: int, accepts: list[list[int]]) -> None:
         """A step at `shape` reported, per request, the accept length of each shape nested
         in it (StepOutput.nested_accepts, in nested_shapes' order): learnt as if they ran."""
         for col, j in enumerate(self.nested[shape]):
             self.observe(j, [a[col] for a in accepts])
+
+    def observe_period(self, shape: int, batch: int, seconds: float) -> None:
+        """A step of `shape` (an index of self.shapes) at `batch` came `seconds` after the
+        step before it finished (draft.measured_periods; else nothing to do)."""
+        if self.periods is None:
+            return
+        i = bisect.bisect_left(self.sizes, batch)
+        if i == len(self.sizes):
+            return
+        p = self.periods[shape]
+        sample = min(seconds, PERIOD_CLIP * max(p[i], self.costs[shape][i]))
+        p[i] = sample if not p[i] else p[i] + PERIOD_EMA * (sample - p[i])
 
     def observe(self, shape: int, accept_lengths: list[int]) -> None:
         """A step that ran at `shape` (PLAIN_STEP: a plain one) emitted these accept lengths

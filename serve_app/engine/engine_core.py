@@ -193,6 +193,9 @@ class EngineCore:
                 "draft_accept": [{"rank": r, "shape": shape, "value": v}
                                  for r, s in enumerate(scheds) if s.draft_policy is not None
                                  for shape, v in s.draft_policy.estimates().items()],
+                "draft_period": [{"rank": r, "shape": shape, "batch": batch, "value": v}
+                                 for r, s in enumerate(scheds) if s.draft_policy is not None
+                                 for shape, batch, v in s.draft_policy.periods_measured()],
                 "steps": {k: sum(c[k] for c in self.step_counts)
                           for k in ("extend", "decode", "mixed", "pipelined")}}
 

@@ -110,7 +110,9 @@ class Scheduler:
         self._vocab_to_send: str | None = None
         self.coins_per_request = coins_per_request(cfg)
         # The draft shape per decode step, where the rank measured its shapes' costs.
-        self.draft_policy = DraftPolicy.from_worker(cfg.draft.shapes(), worker_info) if self.spec else None
+        self.draft_policy = DraftPolicy.from_worker(cfg.draft.shapes(), worker_info,
+                                                    cfg.draft.measured_periods) if self.spec else None
+        self._last_output = 0.0  # perf_counter when the last step's output was committed
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
         self.mix = cfg.scheduler.mixed_steps and not self._why_not_mixed(cfg)
         if self.slots.capacity < max_request_slots(self.max_model_len, self.window, self.page):
@@ -558,7 +560,24 @@ class Scheduler:
             ev = self._emit(req, toks, accepted, lps[i] if lps is not None else None)
             if ev is not None:
                 events.append(ev)
+        self._observe_period(plan, out)
         return events
+
+    def _observe_period(self, plan: StepPlan, out: StepOutput) -> None:
+        """Teach the draft policy how long a decode step took through the whole step loop:
+        from the last step's output committed to this one's."""
+        now, last = time.perf_counter(), self._last_output
+        self._last_output = now
+        policy = self.draft_policy
+        if policy is None or plan.mode != "decode" or not last:
+            return
+        if out.draft_shape == PLAIN_STEP:
+            if policy.plain is None:
+                return
+            shape = policy.plain
+        else:
+            shape = out.draft_shape
+        policy.observe_period(shape, len(plan.rows), now - last)
 
     def _emit(self, req: Request, toks: list[int], accepted: list[int],
               logprobs: list | None = None) -> RequestOutput | None:

@@ -61,6 +61,23 @@ def test_costs_measured_for_every_shape_and_size(adaptive):
     assert isinstance(adaptive.schedulers[0].draft_policy, DraftPolicy)
 
 
+def test_the_policy_measures_its_shapes_step_periods(tokenizer, chat_prompts):
+    """draft.measured_periods on real graphs: the shapes that ran at a size get a measured
+    period there, none shorter than a fraction of its replay (the loop cannot outrun
+    the GPU), and the policy weighs the larger of the two."""
+    eng = engine(tokenizer, *TREE)
+    policy = eng.schedulers[0].draft_policy
+    generate(eng, chat_prompts[:8])
+    measured = policy.periods_measured()
+    assert measured and {shape for shape, _, _ in measured} <= {"k4s5n8", "k4s2n3", "k4s1n1"}
+    for s, row in enumerate(policy.periods):
+        for i, period in enumerate(row):
+            assert period == 0 or period > 0.5 * policy.costs[s][i]
+    batch = max(size for _, size, _ in measured)
+    i = policy.sizes.index(batch)
+    assert policy.step_costs(batch) == [max(c[i], p[i]) for c, p in zip(policy.costs, policy.periods)]
+
+
 @pytest.mark.parametrize("n", [1, 5, 12])
 def test_greedy_output_is_plain_under_cycled_shapes(tokenizer, chat_prompts, adaptive, n):
     want = generate(engine(tokenizer, "draft.enabled=false"), chat_prompts[:n])

@@ -15,7 +15,7 @@ from spec_helpers import TREE, greedy, outputs, random_prompts, tiny_config, tin
 from actors.protocol.step_plan import PLAIN_STEP, deepest_accept
 from configs.schema import ConfigError, load_config
 from serve_app.api.metrics import ServerMetrics
-from serve_app.engine.draft_policy import EXPLORE_SHARE, PRIOR, DraftPolicy, shape_name
+from serve_app.engine.draft_policy import EXPLORE_SHARE, PERIOD_CLIP, PERIOD_EMA, PRIOR, DraftPolicy, shape_name
 
 SIZES = [1, 2, 4, 8]
 MAX_TOKENS = 16
@@ -373,17 +373,28 @@ def test_adaptive_shapes_must_be_smaller_trees(value, fits):
 
 def test_metrics_export_steps_per_shape():
     m = ServerMetrics("m")
-    policy = DraftPolicy([(4, 5, 8), (4, 1, 1)], [[1.5], [1.0]], [1], plain_costs=[0.9])
+    policy = DraftPolicy([(4, 5, 8), (4, 1, 1)], [[1.5], [1.0]], [1], plain_costs=[0.9], periods=True)
     policy.observe(0, [3])
+    policy.observe_period(policy.plain, 1, 1.25)
     assert set(policy.estimates()) == {"k4s5n8"}  # the shapes that learn
+    assert policy.periods_measured() == [("plain", 1, 1.25)]  # the shapes measured
     m.update_engine({"replica": "r", "running": 0, "waiting": 0, "kv": [],
                      "draft_shape_steps": {shape_name((4, 5, 8)): 7, shape_name((4, 1, 1)): 2},
-                     "draft_accept": [{"rank": 0, "shape": s, "value": v} for s, v in policy.estimates().items()]})
+                     "draft_accept": [{"rank": 0, "shape": s, "value": v} for s, v in policy.estimates().items()],
+                     "draft_period": [{"rank": 0, "shape": s, "batch": b, "value": v}
+                                      for s, b, v in policy.periods_measured()]})
     text = m.render()[0].decode()
     want = policy.accept[0]
     assert f'kestrel_engine_draft_accept_estimate{{model="m",rank="0",replica="r",shape="k4s5n8"}} {want}' in text
     assert 'kestrel_engine_draft_shape_steps_total{model="m",replica="r",shape="k4s5n8"} 7.0' in text
     assert 'shape="k4s1n1"} 2.0' in text
+    period = 'kestrel_engine_draft_step_period_seconds{batch="1",model="m",rank="0",replica="r",shape="plain"} 1.25'
+    assert period in text
+    from benchmarks.http_client import parse_metrics, server_side
+    after = parse_metrics(text)  # as the benchmark client reads /metrics
+    assert after["kestrel_engine_draft_step_period_seconds:plain@1"] == 1.25
+    after["kestrel_engine_steps_total:decode"] = 1
+    assert server_side({}, after, 1.0)["draft_period_ms"] == {"plain@1": 1250.0}
 
 
 def test_penalties_and_logprobs_at_eager_shapes_equal_plain(tiny_llama_dir, monkeypatch):
@@ -528,3 +539,58 @@ def test_the_rank_reports_the_nested_trees_accepts_and_the_policy_learns_them(ti
     assert any(len(big[row]) > n for row, (n,) in nested.items())  # the larger tree accepted more
     assert set(eng.shape_steps) == {0} and policy.seen[1] > 0
     assert policy.accept[1] < deepest_accept(5, 4)  # learnt from the reports, not the start
+
+
+def test_measured_periods_raise_a_shape_whose_steps_outlast_their_replay():
+    """At 512 streams the root alone replays in 2.4 ms against the tree's 9.1, and with
+    the tree accepting 3.75 the two tie on replay times. Once the root's steps are
+    measured 5 ms apart (the host's work per step), the tree wins; a period shorter than
+    the replay never lowers a cost, and a pause (a collector's, an idle loop) counts at
+    most PERIOD_CLIP times the cost so far. Without periods nothing changes."""
+    shapes = [(4, 5, 8), (4, 1, 1)]
+    costs = [[1.7e-3, 9.1e-3], [1.4e-3, 2.4e-3]]
+
+    def policy(periods: bool) -> DraftPolicy:
+        p = DraftPolicy(shapes, [list(c) for c in costs], [1, 512], periods=periods)
+        p.accept[0] = 3.7
+        return p
+
+    with_periods, without = policy(True), policy(False)
+    for p in (with_periods, without):
+        assert p.step_costs(512) == costs_at(costs, 1) and p.choose(512) == 1  # 3.7 / 9.1 < 1 / 2.4
+    for p in (with_periods, without):
+        for _ in range(50):
+            p.observe_period(1, 500, 5e-3)  # padded to 512
+            p.observe_period(0, 512, 4e-3)  # shorter than its replay
+    assert with_periods.step_costs(512) == pytest.approx([9.1e-3, 5e-3])
+    assert with_periods.step_costs(1) == costs_at(costs, 0)  # another size: not measured there
+    assert with_periods.choose(512) == 0
+    assert without.step_costs(512) == costs_at(costs, 1) and without.periods is None
+    with_periods.observe_period(1, 512, 10.0)  # a pause
+    assert with_periods.periods[1][1] == pytest.approx(5e-3 + PERIOD_EMA * (PERIOD_CLIP - 1) * 5e-3)
+    with_periods.observe_period(1, 513, 1.0)  # past the graphs: no cost to follow
+    eager = DraftPolicy(shapes, costs, [1, 512], eager=True, periods=True)
+    assert eager.periods is None  # eager costs time whole steps already
+
+
+def costs_at(costs: list[list[float]], i: int) -> list[float]:
+    return [c[i] for c in costs]
+
+
+def test_the_scheduler_times_each_decode_step_through_the_loop(tiny_llama_dir):
+    """Each decode step after the first output reports its shape, its batch and the time
+    since the step before it was committed; extend steps report nothing."""
+    eng = tiny_engine(tiny_llama_dir, *TREE, ROOT)
+    sched = eng.schedulers[0]
+    shapes = sched.cfg.draft.shapes()
+    sched.draft_policy = DraftPolicy(shapes, [[1.0, 1.0]] * len(shapes), [4, 8], periods=True)
+    seen = []
+    sched.draft_policy.observe_period = lambda shape, batch, seconds: seen.append((shape, batch, seconds))
+    modes = []
+    process = sched.process_output
+    sched.process_output = lambda plan, out: modes.append(plan.mode) or process(plan, out)
+    outputs(eng, random_prompts(3, seed=5), 8)
+    decodes = modes.count("decode") - (modes[0] == "decode")
+    assert len(seen) == decodes > 0 and modes[0] == "extend"
+    assert {b for _, b, _ in seen} <= {1, 2, 3} and all(0 < s < 60 for _, _, s in seen)
+    assert {s for s, _, _ in seen} <= set(range(len(shapes)))
