@@ -115,12 +115,12 @@ for stage in "$@"; do
       if [ $mode = both ]; then
         LEVELS=${LEVELS:-1 8 32 64 128 256 512} REPEATS=${REPEATS:-1} RATES=${RATES:-16 48 96 inf} \
           NUM_REQUESTS=${NUM_REQUESTS:-300} timeout 580 bash benchmarks/h200_http.sh "$part" "$work/load" both \
-          > "$work/load_$part.txt" 2>&1
+          > "$work/load_$part${TAG:-}.txt" 2>&1
       else
         HTTP_ONLY=1 LEVELS=${LEVELS:-1 8 32 64 128 256 512} REPEATS=${REPEATS:-1} timeout 580 \
-          bash benchmarks/h200_http.sh "$part" "$work/load" > "$work/load_$part.txt" 2>&1
+          bash benchmarks/h200_http.sh "$part" "$work/load" > "$work/load_$part${TAG:-}.txt" 2>&1
       fi
-      grep -E "c=|rate " "$work/load_$part.txt" | cut -c1-140 ;;
+      grep -E "c=|rate " "$work/load_$part${TAG:-}.txt" | cut -c1-140 ;;
     load7b)
       timeout 400 python3 -m benchmarks.load_bench --shape models/qwen2.5-7b --dir /tmp/ckpt-7b --device cuda \
         > "$work/load7b.txt" 2>&1
