@@ -17,7 +17,8 @@ each of the c streams sends R requests one after another (the next c prompts eac
 as `vllm bench serve --max-concurrency c` does with R * c prompts: the level then measures
 c streams kept busy, and the first burst's admission and the last answers' tail weigh
 1/R as much (one round at 256-512 streams lasts 1-2 s, a fifth of it admission). Per level it
-reports tokens/s, TTFT p50/p99, TPOT (time per output token after the first) and the gap
+reports tokens/s (and `busy tok/s`: c streams each always busy at the mean request's
+speed, the level without its tail), TTFT p50/p99, TPOT (time per output token after the first) and the gap
 between streamed chunks (p50/p99), and for Kestrel the server's side read from /metrics:
 its own TTFT (from admission), engine steps per second and the per-step phases
 (schedule and process on the engine loop, the worker's execute and recv, `wait`: the
@@ -210,7 +211,7 @@ def c_label(lv: dict) -> str:
 
 
 def table(name: str, levels: list[dict]) -> str:
-    head = ("| server | c | tok/s | in-process tok/s | HTTP / in-process | TTFT p50 / p99 ms | "
+    head = ("| server | c | tok/s | busy tok/s | in-process tok/s | HTTP / in-process | TTFT p50 / p99 ms | "
             "server TTFT ms | TPOT ms | chunk gap p50 / p99 ms | steps/s | per step ms: schedule, "
             "process, execute, recv, compile | GC s | wait / GPU idle ms per pipelined step | in-process per step ms: "
             "schedule, execute, process |")
@@ -227,7 +228,8 @@ def table(name: str, levels: list[dict]) -> str:
         ist = ip.get("step_ms") or {}
         ip_phases = ", ".join(f"{ist[p]:.2f}" for p in ("schedule", "execute", "process")) if ist else "-"
         lines.append(
-            f"| {name} | {c_label(lv)} | {lv['tok_s']:.0f} | {num(ip.get('tok_s'), '.0f')} | "
+            f"| {name} | {c_label(lv)} | {lv['tok_s']:.0f} | {num(lv.get('busy_tok_s'), '.0f')} | "
+            f"{num(ip.get('tok_s'), '.0f')} | "
             f"{num(ratio, '.2f')} | {lv['ttft_p50_ms']:.0f} / {lv['ttft_p99_ms']:.0f} | "
             f"{num(sv.get('server_ttft_mean_ms'), '.0f')} | {lv['tpot_ms']:.2f} | "
             f"{lv['gap_p50_ms']:.1f} / {lv['gap_p99_ms']:.1f} | {num(sv.get('steps_s'), '.0f')} | "

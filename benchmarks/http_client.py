@@ -305,7 +305,15 @@ async def run_level(url: str, model: str, questions: list[str], concurrency: int
             seconds = time.perf_counter() - t0
             after = await scrape(session, url)
     return {"concurrency": concurrency, "client_processes": procs, "rounds": rounds if concurrency > 1 else 1,
-            **summarize(rows, seconds), "server": server_side(before, after, seconds)}
+            **summarize(rows, seconds), "busy_tok_s": busy_tok_s(rows, concurrency),
+            "server": server_side(before, after, seconds)}
+
+
+def busy_tok_s(rows: list[dict], concurrency: int) -> float:
+    """Tokens/s of `concurrency` streams each always busy at the mean request's speed: a
+    level's rate without its tail, where the streams that finished early wait for the
+    slowest (with speculation, streams differ in speed by how well their prompts draft)."""
+    return concurrency * sum(r["tokens"] for r in rows) / sum(r["e2e"] for r in rows)
 
 
 def median_run(runs: list[dict]) -> dict:

@@ -37,3 +37,13 @@ def test_server_side_counts_mixed_steps_with_the_rest():
     assert got["steps_s"] == 50.0  # 10 + 50 + 40 steps in 2 s
     assert abs(got["step_ms"]["schedule"] - 1.0) < 1e-9  # 0.1 s over 100 steps
     assert got["mixed_steps"] == 40 and got["extend_steps"] == 10
+
+
+def test_busy_rate_leaves_out_the_tail_of_the_slowest_stream():
+    """Two streams of one 256-token request each, one twice as fast: the level waits 2 s
+    for the slow one (256 tok/s), while two streams always busy at the mean request's speed
+    (512 tokens over 3 request-seconds) give 341 tok/s."""
+    from benchmarks.http_client import busy_tok_s
+    rows = [_row(0.05, 1.0, 256), _row(0.05, 2.0, 256)]
+    assert summarize(rows, seconds=2.0)["tok_s"] == 256.0
+    assert abs(busy_tok_s(rows, 2) - 2 * 512 / 3.0) < 1e-9
