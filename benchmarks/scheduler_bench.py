@@ -2,6 +2,7 @@
 
     python -m benchmarks.scheduler_bench [--running 512] [--waiting 100000] [--steps 300]
         [--config configs/h200.yaml] [--plain] [--kv-slots 262144] [--seed 0] [--profile FILE]
+        [--stream] [--greedy]
 
 Data generation runs 512 requests at once with a deep queue behind them; there the
 scheduler's host time per step outweighed the GPU forward. This drives the same
@@ -12,8 +13,13 @@ speculative decoding accepts them (1 with --plain, as data generation runs). Req
 are sampled half greedy, half seeded, and end at their stop token or max_tokens, so the
 queue keeps refilling the batch through extend steps.
 
+With --stream every request streams as in the served engine: its outputs go to an outbox
+each step, token ids only (the engine core makes no text; the front end does), and the
+outbox is encoded as the core sends it (`send` ms a step). --greedy makes every request
+greedy, as the GPU benchmarks' traffic is.
+
 Once the batch is full, --steps steps are measured; it prints ms per step of schedule
-and process for decode and extend steps, and a digest of every plan and every finished
+and process (and send) for decode and extend steps, and a digest of every plan and every finished
 request: equal digests mean the scheduler behaved the same (for the same arguments).
 """
 from __future__ import annotations
@@ -26,6 +32,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+from actors.protocol.messages import Outputs, encode
 from actors.protocol.step_plan import StepOutput, StepPlan
 from actors.worker.kv_cache import max_request_slots
 from configs.schema import load_config
@@ -99,13 +106,16 @@ def build_engine(args, tokenizer) -> tuple[LLMEngine, SyntheticWorker]:
     return LLMEngine(cfg, tokenizer=tokenizer, workers=[worker]), worker
 
 
-def add_requests(engine: LLMEngine, n: int, rng: random.Random, max_tokens: int) -> None:
+def add_requests(engine: LLMEngine, n: int, rng: random.Random, max_tokens: int,
+                 outbox: list | None = None, all_greedy: bool = False) -> None:
+    """`outbox`: each request's outputs go there (a stream, as in the served engine)."""
+    on_output = None if outbox is None else outbox.append
     for i in range(n):
         prompt = SHARED_PREFIX + [rng.randrange(100, 16000) for _ in range(rng.randint(8, 120))]
-        greedy = rng.random() < 0.5
+        greedy = rng.random() < 0.5 or all_greedy
         engine.add_request(prompt, SamplingParams(
             max_tokens=rng.randint(max_tokens // 4, max_tokens), stop_token_ids=[EOS],
-            temperature=0.0 if greedy else 0.8, seed=None if greedy else i))
+            temperature=0.0 if greedy else 0.8, seed=None if greedy else i), on_output=on_output)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -125,6 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--launch-ahead", action="store_true",
                     help="plan step N+1 before N's output is processed, as the server does")
     ap.add_argument("--profile", help="write a cProfile of the measured steps here")
+    ap.add_argument("--stream", action="store_true",
+                    help="requests stream token ids to an outbox, encoded each step, as served")
+    ap.add_argument("--greedy", action="store_true", help="every request greedy (else half sampled)")
     args = ap.parse_args(argv)
 
     from actors.models.loader import default_model_path
@@ -133,16 +146,29 @@ def main(argv: list[str] | None = None) -> dict:
     engine, worker = build_engine(args, tokenizer)
     sched = engine.schedulers[0]
     t0 = time.perf_counter()
-    add_requests(engine, args.running + args.waiting, random.Random(args.seed), args.max_tokens)
+    outbox: list | None = None
+    if args.stream:
+        outbox = []
+        for sc in engine.schedulers:
+            sc.detokenizer_factory = None  # the engine core makes no text
+    add_requests(engine, args.running + args.waiting, random.Random(args.seed), args.max_tokens,
+                 outbox, args.greedy)
     print(f"queued {sched.num_requests} requests in {time.perf_counter() - t0:.1f} s", flush=True)
 
     finished = hashlib.sha256()
 
-    def step() -> None:
+    def step() -> float:
+        """One engine step; the seconds its outputs took to encode (--stream), else 0."""
         for ev in engine.step():
             if ev.finished:
                 finished.update(repr((ev.rid, ev.finish_reason, ev.num_output_tokens,
                                       ev.new_text)).encode())
+        if not outbox:
+            return 0.0
+        t0 = time.perf_counter()
+        encode(Outputs(outbox))
+        outbox.clear()
+        return time.perf_counter() - t0
 
     warm = 0
     while len(sched.running) < args.running and sched.has_work:
@@ -151,18 +177,19 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"batch full after {warm} steps ({len(sched.running)} running, "
           f"{len(sched.waiting)} waiting)", flush=True)
 
-    # seconds and steps per mode, of schedule and process
-    spent = {m: {"schedule": 0.0, "process": 0.0, "steps": 0} for m in ("decode", "extend")}
+    # seconds and steps per mode, of schedule, process and (--stream) send
+    spent = {m: {"schedule": 0.0, "process": 0.0, "send": 0.0, "steps": 0} for m in ("decode", "extend")}
     profiler = cProfile.Profile() if args.profile else None
     for i in range(1, args.steps + 1):
         before = dict(engine.seconds)
         if profiler:
             profiler.enable()
-        step()
+        send = step()
         if profiler:
             profiler.disable()
         mode = spent[worker.last_mode]
         mode["steps"] += 1
+        mode["send"] += send
         for k in ("schedule", "process"):
             mode[k] += engine.seconds[k] - before[k]
         if i % 50 == 0 or i == args.steps:
@@ -175,18 +202,18 @@ def main(argv: list[str] | None = None) -> dict:
         profiler.dump_stats(args.profile)
 
     result = {}
-    print(f"\n{'steps':<8}{'count':>7}{'schedule ms':>13}{'process ms':>12}")
+    print(f"\n{'steps':<8}{'count':>7}{'schedule ms':>13}{'process ms':>12}{'send ms':>9}")
     for mode, s in spent.items():
         n = max(s["steps"], 1)
         result[mode] = {"steps": s["steps"], "schedule_ms": 1e3 * s["schedule"] / n,
-                        "process_ms": 1e3 * s["process"] / n}
+                        "process_ms": 1e3 * s["process"] / n, "send_ms": 1e3 * s["send"] / n}
         print(f"{mode:<8}{s['steps']:>7}{result[mode]['schedule_ms']:>13.2f}"
-              f"{result[mode]['process_ms']:>12.2f}")
+              f"{result[mode]['process_ms']:>12.2f}{result[mode]['send_ms']:>9.2f}")
     total = sum(s["steps"] for s in spent.values())
     result["all"] = {k: 1e3 * sum(s[k] for s in spent.values()) / max(total, 1)
-                     for k in ("schedule", "process")}
+                     for k in ("schedule", "process", "send")}
     a = result["all"]
-    print(f"{'all':<8}{total:>7}{a['schedule']:>13.2f}{a['process']:>12.2f}")
+    print(f"{'all':<8}{total:>7}{a['schedule']:>13.2f}{a['process']:>12.2f}{a['send']:>9.2f}")
     result["preemptions"] = sched.stats["preemptions"]
     print(f"{sched.stats['preemptions']} preemptions, {sched.cache.total_slots} KV slots in the "
           f"prefix cache, {sched.slots.free_slots} free")

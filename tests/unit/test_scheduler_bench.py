@@ -30,3 +30,14 @@ def test_scheduler_bench_tiny(mode, capsys):
     assert result["extend"]["steps"] > 0  # finished requests were replaced from the queue
     assert (result["preemptions"] > 0) == preempts
     assert result["digest"] == digest
+
+
+def test_streamed_requests_are_planned_the_same():
+    """--stream (outputs to an outbox, token ids only, encoded each step as the engine core
+    sends them) plans every step as the run without streams does; only the finished
+    requests' half of the digest (which holds their text) differs."""
+    common = ["--running", "16", "--waiting", "100", "--steps", "60", "--max-tokens", "96",
+              "--max-model-len", "256", "--eos-rate", "0.02", "--greedy"]
+    quiet, streamed = scheduler_bench.main(common), scheduler_bench.main([*common, "--stream"])
+    assert quiet["digest"].split("-")[0] == streamed["digest"].split("-")[0]
+    assert streamed["decode"]["send_ms"] > 0 and quiet["decode"]["send_ms"] == 0
