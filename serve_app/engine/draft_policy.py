@@ -36,12 +36,12 @@ A replay time is the GPU's alone. At hundreds of streams a step's host work (pla
 its rows, committing and streaming its tokens) can outlast it, most for the cheap shapes:
 read from replay times alone, the root-only shape looked as fast as a tree that costs
 four times its replay and accepts four times its tokens, and at 512 streams the policy
-took it on most steps (docs/benchmarks.md). With draft.measured_periods each shape's cost at a captured size is
-also the step loop's time between its steps' outputs there (a moving average, each
-sample at most PERIOD_CLIP times the cost so far, so a collector's pause or an idle loop
-does not count), and a step costs the larger of the two: the
-shape whose tokens come fastest through the whole loop wins. Exploration keeps the
-periods of shapes not chosen current, as it does their accept lengths.
+took it on most steps (docs/benchmarks.md). With draft.measured_periods a shape's cost at
+a captured size is also the step loop's time between its steps' outputs there (a moving
+average, each sample at most PERIOD_CLIP times the cost so far, so a collector's pause
+or an idle loop counts little), and a step costs the larger of the two: the shape whose
+tokens come fastest through the whole loop wins. Exploration keeps the periods of shapes
+not chosen current, as it does their accept lengths.
 
 With draft.plain_steps the rank also measured a plain decode step's cost, and the policy
 may choose it (`plain`, accept exactly 1). A plain step runs no draft forward, but writes
