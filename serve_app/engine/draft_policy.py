@@ -181,9 +181,12 @@ class DraftPolicy:
             self.observe(j, [a[col] for a in accepts])
 
     def observe_period(self, shape: int, batch: int, seconds: float) -> None:
-        """A step of `shape` (an index of self.shapes) at `batch` came `seconds` after the
-        step before it finished (draft.measured_periods; else nothing to do)."""
-        if self.periods is None:
+        """A step of `shape` (an index of self.shapes; PLAIN_STEP: a plain one) at `batch`
+        came `seconds` after the step before it finished (draft.measured_periods; else
+        nothing to do)."""
+        if shape == PLAIN_STEP:
+            shape = self.plain
+        if self.periods is None or shape is None:
             return
         i = bisect.bisect_left(self.sizes, batch)
         if i == len(self.sizes):

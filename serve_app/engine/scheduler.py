@@ -566,18 +566,12 @@ class Scheduler:
     def _observe_period(self, plan: StepPlan, out: StepOutput) -> None:
         """Teach the draft policy how long a decode step took through the whole step loop:
         from the last step's output committed to this one's."""
+        if self.draft_policy is None:
+            return
         now, last = time.perf_counter(), self._last_output
         self._last_output = now
-        policy = self.draft_policy
-        if policy is None or plan.mode != "decode" or not last:
-            return
-        if out.draft_shape == PLAIN_STEP:
-            if policy.plain is None:
-                return
-            shape = policy.plain
-        else:
-            shape = out.draft_shape
-        policy.observe_period(shape, len(plan.rows), now - last)
+        if plan.mode == "decode" and last:
+            self.draft_policy.observe_period(out.draft_shape, len(plan.rows), now - last)
 
     def _emit(self, req: Request, toks: list[int], accepted: list[int],
               logprobs: list | None = None) -> RequestOutput | None:

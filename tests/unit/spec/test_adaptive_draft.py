@@ -375,7 +375,7 @@ def test_metrics_export_steps_per_shape():
     m = ServerMetrics("m")
     policy = DraftPolicy([(4, 5, 8), (4, 1, 1)], [[1.5], [1.0]], [1], plain_costs=[0.9], periods=True)
     policy.observe(0, [3])
-    policy.observe_period(policy.plain, 1, 1.25)
+    policy.observe_period(PLAIN_STEP, 1, 1.25)  # the scheduler reports a plain step so
     assert set(policy.estimates()) == {"k4s5n8"}  # the shapes that learn
     assert policy.periods_measured() == [("plain", 1, 1.25)]  # the shapes measured
     m.update_engine({"replica": "r", "running": 0, "waiting": 0, "kv": [],
