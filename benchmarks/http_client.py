@@ -276,11 +276,13 @@ def stream_questions(questions: list[str], concurrency: int, rounds: int) -> lis
 
 async def run_level(url: str, model: str, questions: list[str], concurrency: int,
                     max_tokens: int, c1_prompts: int, streams_per_client: int = 16,
-                    extra: dict | None = None, rounds: int = 1) -> dict:
+                    extra: dict | None = None, rounds: int = 1, warmup: list | None = None) -> dict:
     """One closed level: `concurrency` streams started together, each sending `rounds`
     requests one after another (so the level holds that many streams busy past the first
     burst's admission and the last answers' tail), or at concurrency 1 the first c1_prompts
-    questions one after another."""
+    questions one after another. `warmup`: the requests that warm a level of one client
+    process (default: its first `concurrency` questions, which a server's prefix cache then
+    holds when they are measured)."""
     procs = max(1, math.ceil(concurrency / streams_per_client)) if concurrency > 1 else 1
     streams = stream_questions(questions, concurrency, rounds) if concurrency > 1 else []
     async with client_session(concurrency) as session:
@@ -293,7 +295,7 @@ async def run_level(url: str, model: str, questions: list[str], concurrency: int
             # Warm-up at the level's batch, as the in-process run does (kernels compiled
             # for these shapes, connections open).
             await asyncio.gather(*(one_request(session, url, model, q, 4, extra)
-                                   for q in questions[:max(1, concurrency)]))
+                                   for q in (questions[:max(1, concurrency)] if warmup is None else warmup)))
             before = await scrape(session, url)
             t0 = time.perf_counter()
             if concurrency == 1:

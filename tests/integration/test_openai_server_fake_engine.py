@@ -1,13 +1,18 @@
 """The HTTP front end's behaviour with a scripted engine in place of the EngineClient: API
-keys, queue-full statuses, error mapping, mid-stream failures. In-process (ASGI), fast."""
+keys, queue-full statuses, error mapping, mid-stream failures, what the TTFT histogram
+covers. In-process (ASGI), fast."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
+import httpx
 import pytest
 from fake_engine import FakeEngine, call, echo_script, tokens
 
 from configs.schema import load_config
+from serve_app.api.openai_server import OpenAIServer, build_api
 from serve_app.engine.engine_client import EngineUnavailable, QueueFull, RequestRejected
 from serve_app.engine.request_stream import StreamFailed
 
@@ -109,3 +114,34 @@ def test_a_prompt_that_cannot_run_is_answered_before_the_engine(tokenizer):
     assert not engine.streams
     r = call(tokenizer, cfg, engine, "POST", "/v1/completions", json={"prompt": list(range(1, 16))})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 15
+
+
+def test_ttft_covers_the_handlers_whole_time(tokenizer):
+    """The server's TTFT starts before the body is read: a body that comes 0.3 s after the
+    headers (a slow upload; HAProxy forwards the headers first) is in it, and so is the
+    work after it, here a tokenizer slowed by 0.2 s. The client saw at least as long."""
+    cfg, engine = make_client()
+    server = OpenAIServer(cfg, engine, tokenizer)
+    encode = server.encoder.encode
+
+    async def slow_encode(text, add_special_tokens=False):
+        await asyncio.sleep(0.2)
+        return await encode(text, add_special_tokens)
+    server.encoder.encode = slow_encode
+
+    async def late_body():
+        await asyncio.sleep(0.3)
+        yield json.dumps({**CHAT, "stream": True}).encode()
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_api(server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            t0 = time.monotonic()
+            r = await client.post("/v1/chat/completions", content=late_body(),
+                                  headers={"content-type": "application/json"})
+            return r, time.monotonic() - t0
+    r, client_s = asyncio.run(main())
+    assert r.status_code == 200 and "Hello" in r.text
+    sample = server.metrics.registry.get_sample_value
+    assert sample("kestrel_time_to_first_token_seconds_count", {"model": MODEL}) == 1
+    assert 0.5 <= sample("kestrel_time_to_first_token_seconds_sum", {"model": MODEL}) <= client_s

@@ -1,5 +1,6 @@
 """PromptEncoder: the texts of one loop round go to the tokenizer as one batch on a thread,
-a lone short text is encoded inline, and every text gets the ids its own encoding gives."""
+a lone short text is encoded inline, a long one in pieces, and every text gets the ids its
+own encoding gives."""
 import asyncio
 
 import pytest
@@ -43,6 +44,17 @@ def test_a_lone_long_text_goes_to_the_thread(encoder, tokenizer):
     long = " ".join(TEXTS) * 10
     assert run(encoder.encode(long)) == expected(tokenizer, long)
     assert encoder.batches == 1
+
+
+def test_a_long_prompt_is_encoded_in_pieces_with_the_whole_texts_ids(encoder, tokenizer):
+    """A text of many pieces (serve_app/text/text_pieces.py) beside a short one, in one batch."""
+    long = "".join(f"Line {i}: {TEXTS[i % len(TEXTS)]}\n" for i in range(2000))  # ~80k characters
+
+    async def main():
+        return await asyncio.gather(encoder.encode(long), encoder.encode(TEXTS[0]))
+    assert len(encoder.pieces.cuts(long)) >= 5
+    assert run(main()) == [expected(tokenizer, long), expected(tokenizer, TEXTS[0])]
+    assert (encoder.batches, encoder.batched_texts) == (1, 2)
 
 
 def test_special_tokens_flag_is_kept_per_text(encoder, tokenizer):
