@@ -1,7 +1,7 @@
 """The serving path's own cost, with a worker that only takes time: CPU, no model.
 
     python -m benchmarks.control_plane_bench [--streams 1 16 64 256] [--step-ms 5]
-        [--max-tokens 256] [--spec] [--out DIR]
+        [--max-tokens 256] [--spec] [--rounds 1] [--out DIR]
 
 A stand-in rank worker in its own process serves the step channel: every step takes
 --step-ms (a GPU of known speed) and returns random tokens (1 per request, or 1-3 with
@@ -67,7 +67,7 @@ def _core_main(conn, cfg_dict: dict, info: dict, address, token: str) -> None:
     asyncio.run(run())
 
 
-def _client_main(conn, url: str, streams: list[int], max_tokens: int) -> None:
+def _client_main(conn, url: str, streams: list[int], max_tokens: int, rounds: int) -> None:
     from benchmarks.http_bench import DATA, load_questions
     from benchmarks.http_client import run_level
     qs = load_questions(Path(DATA), 80)
@@ -75,7 +75,7 @@ def _client_main(conn, url: str, streams: list[int], max_tokens: int) -> None:
     out = []
     for c in streams:
         conn.send(("start", c))
-        out.append(asyncio.run(run_level(url, MODEL, questions, c, max_tokens, c1_prompts=4)))
+        out.append(asyncio.run(run_level(url, MODEL, questions, c, max_tokens, c1_prompts=4, rounds=rounds)))
         conn.send(("level", out[-1]))
     conn.send(("done", None))
 
@@ -116,6 +116,7 @@ def main(argv=None) -> None:
     ap.add_argument("--step-ms", type=float, default=5.0, help="time the stand-in worker takes per step")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--spec", action="store_true", help="1-3 tokens per request per step")
+    ap.add_argument("--rounds", type=int, default=1, help="requests each stream sends one after another")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -143,7 +144,7 @@ def main(argv=None) -> None:
     url = f"http://127.0.0.1:{port}"
     cparent, cchild = ctx.Pipe()
     # Not a daemon: run_level spreads many streams over client processes of its own.
-    client = ctx.Process(target=_client_main, args=(cchild, url, args.streams, args.max_tokens))
+    client = ctx.Process(target=_client_main, args=(cchild, url, args.streams, args.max_tokens, args.rounds))
     levels: list[dict] = []
 
     async def run() -> None:
@@ -183,15 +184,16 @@ def main(argv=None) -> None:
           f"per request per step, {args.max_tokens} tokens per stream\n")
     print("| streams | steps/s (free: %.0f) | worker idle ms / queued step | tok/s | chunks/s | "
           "front-end CPU us / chunk | per step ms: schedule, process | TTFT p50 ms | "
-          "chunk gap p50 / p99 ms |" % ideal)
-    print("|---|---|---|---|---|---|---|---|---|")
+          "chunk gap p50 / p99 ms | prefill steps |" % ideal)
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for lv in levels:
         sv = lv["server"]
         st = sv.get("step_ms", {})
         print(f"| {lv['concurrency']} | {sv.get('steps_s', 0):.0f} | "
               f"{sv.get('wait_ms_per_pipelined_step') or 0:.3f} | {lv['tok_s']:.0f} | "
               f"{lv['chunks_s']:.0f} | {lv['engine_cpu_us_per_chunk']:.0f} | {st.get('schedule', 0):.2f}, {st.get('process', 0):.2f} | "
-              f"{lv['ttft_p50_ms']:.0f} | {lv['gap_p50_ms']:.1f} / {lv['gap_p99_ms']:.1f} |")
+              f"{lv['ttft_p50_ms']:.0f} | {lv['gap_p50_ms']:.1f} / {lv['gap_p99_ms']:.1f} | "
+              f"{sv.get('extend_steps', 0):.0f} |")
 
 
 if __name__ == "__main__":

@@ -238,6 +238,13 @@ class SchedulerConfig(_Strict):
     # decoding request; 1 prefills at once.
     prefill_min_batch: int = Field(1, ge=1)
     prefill_max_delay_steps: int = Field(32, ge=0)
+    # Instead of prefill_min_batch: hold new requests while the seconds they have waited,
+    # summed over those that could be admitted, are fewer than the pause a prefill step
+    # costs the decoding ones (their count times the step loop's measured time of a prefill
+    # step), and at most prefill_max_delay_steps. At a few streams the pause costs little
+    # and an arrival is prefilled at once; at hundreds, a few arrivals share one pause. Off
+    # until measured on a GPU.
+    prefill_by_cost: bool = False
     # While requests decode, a prefill step that leaves a prompt with chunks to go is
     # followed by a decode step: a long prompt holds the running streams back one chunk at
     # a time, not for its whole prefill. New arrivals still prefill back to back (prefill

@@ -166,6 +166,13 @@ class _StepCollector:
         for e in stats.get("draft_period") or []:
             period.add_metric([self.m.model, rep, str(e["rank"]), e["shape"], str(e["batch"])], e["value"])
         yield period
+        pause = GaugeMetricFamily(
+            "kestrel_engine_prefill_period_seconds", "The step loop's measured seconds of a "
+            "prefill step while requests decode: the pause that scheduler.prefill_by_cost "
+            "weighs against the waits of new requests", labels=["model", "replica", "rank"])
+        for e in stats.get("prefill_period") or []:
+            pause.add_metric([self.m.model, rep, str(e["rank"])], e["value"])
+        yield pause
 
 
 class RequestTracker:

@@ -72,6 +72,15 @@ PRIOR = 4  # requests' worth of weight of a shape's optimistic start
 PLAIN_NAME = "plain"  # a plain decode step's label in /metrics
 
 
+def moving_period(period: float, seconds: float, floor: float = 0.0) -> float:
+    """A step kind's measured period (0: none yet) after one more sample: a moving average
+    (PERIOD_EMA), the sample at most PERIOD_CLIP times the larger of the period so far and
+    `floor` (none with neither), so a collector's pause or an idle loop counts little."""
+    cap = PERIOD_CLIP * max(period, floor)
+    sample = min(seconds, cap) if cap else seconds
+    return period + PERIOD_EMA * (sample - period) if period else sample
+
+
 def shape_name(shape: tuple[int, int, int]) -> str:
     """A shape's label in /metrics: topk, steps, nodes."""
     k, s, n = shape
@@ -192,8 +201,7 @@ class DraftPolicy:
         if i == len(self.sizes):
             return
         p = self.periods[shape]
-        sample = min(seconds, PERIOD_CLIP * max(p[i], self.costs[shape][i]))
-        p[i] = sample if not p[i] else p[i] + PERIOD_EMA * (sample - p[i])
+        p[i] = moving_period(p[i], seconds, self.costs[shape][i])
 
     def observe(self, shape: int, accept_lengths: list[int]) -> None:
         """A step that ran at `shape` (PLAIN_STEP: a plain one) emitted these accept lengths

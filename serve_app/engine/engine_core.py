@@ -196,6 +196,8 @@ class EngineCore:
                 "draft_period": [{"rank": r, "shape": shape, "batch": batch, "value": v}
                                  for r, s in enumerate(scheds) if s.draft_policy is not None
                                  for shape, batch, v in s.draft_policy.periods_measured()],
+                "prefill_period": [{"rank": r, "value": s.extend_period}
+                                   for r, s in enumerate(scheds) if s.extend_period],
                 "steps": {k: sum(c[k] for c in self.step_counts)
                           for k in ("extend", "decode", "mixed", "pipelined")}}
 

@@ -23,7 +23,7 @@ from actors.worker.kv_cache import RowAllocator, SlotAllocator, kv_ahead, max_re
 from actors.protocol.messages import RequestOutput
 from actors.protocol.step_plan import PLAIN_STEP, RowProcessing, StepOutput, StepPlan, coins_per_request
 from configs.schema import KestrelConfig
-from serve_app.engine.draft_policy import DraftPolicy
+from serve_app.engine.draft_policy import DraftPolicy, moving_period
 from serve_app.engine.radix_cache import RadixCache
 from serve_app.engine.request import CoinStream, Request, text_ids
 
@@ -113,6 +113,9 @@ class Scheduler:
         self.draft_policy = DraftPolicy.from_worker(cfg.draft.shapes(), worker_info,
                                                     cfg.draft.measured_periods) if self.spec else None
         self._last_output = 0.0  # perf_counter when the last step's output was committed
+        # Seconds a prefill step took through the step loop while requests decoded, a
+        # moving average (scheduler.prefill_by_cost); 0: none measured yet.
+        self.extend_period = 0.0
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "preemptions": 0}
         self.mix = cfg.scheduler.mixed_steps and not self._why_not_mixed(cfg)
         if self.slots.capacity < max_request_slots(self.max_model_len, self.window, self.page):
@@ -364,14 +367,19 @@ class Scheduler:
 
     def _prefill_due(self) -> bool:
         """Whether new requests should be admitted now (scheduler.prefill_min_batch): once
-        that many can be, or the delay has passed. Requests that arrive one by one while
-        others decode (a burst of clients over HTTP) are prefilled in a few steps, not one
-        each, every one of which pauses all decoding."""
+        that many can be (scheduler.prefill_by_cost: once their waits outweigh the pause),
+        or the delay has passed. Requests that arrive one by one while others decode (a
+        burst of clients over HTTP) are prefilled in a few steps, not one each, every one of
+        which pauses all decoding."""
         sc = self.cfg.scheduler
         if not self.waiting or not self.running or self.prefilling \
                 or self._held_steps >= sc.prefill_max_delay_steps:
             return True  # (with nobody waiting, no delay accrues)
         free = sc.max_running_requests - len(self.running)
+        if sc.prefill_by_cost:  # the waits held against the pause of every decoding request
+            now = time.time()
+            held = sum(now - r.arrival for r in itertools.islice(self.waiting, max(free, 0)))
+            return held >= len(self.running) * self.extend_period
         return min(len(self.waiting), free) >= sc.prefill_min_batch
 
     def _schedule_extend(self) -> StepPlan | None:
@@ -512,6 +520,7 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------------------
     def process_output(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
         reqs = self._inflight.pop(plan.step_id)
+        decoding = bool(self.running)  # before this step's prompts join them
         events: list[RequestOutput] = []
         # Rows before `first_chunk` decoded, the rest ran prefill chunks (chunk i - first_chunk).
         first_chunk = {"extend": 0, "mixed": plan.num_decode}.get(plan.mode, len(plan.rows))
@@ -560,18 +569,23 @@ class Scheduler:
             ev = self._emit(req, toks, accepted, lps[i] if lps is not None else None)
             if ev is not None:
                 events.append(ev)
-        self._observe_period(plan, out)
+        self._observe_period(plan, out, decoding)
         return events
 
-    def _observe_period(self, plan: StepPlan, out: StepOutput) -> None:
-        """Teach the draft policy how long a decode step took through the whole step loop:
-        from the last step's output committed to this one's."""
-        if self.draft_policy is None:
+    def _observe_period(self, plan: StepPlan, out: StepOutput, decoding: bool) -> None:
+        """How long a step took through the whole step loop, from the last step's output
+        committed to this one's: a decode step's teaches the draft policy, a prefill step's
+        while others decoded (`decoding`) is the pause that scheduler.prefill_by_cost weighs."""
+        if self.draft_policy is None and not self.cfg.scheduler.prefill_by_cost:
             return
         now, last = time.perf_counter(), self._last_output
         self._last_output = now
-        if plan.mode == "decode" and last:
+        if not last:
+            return
+        if plan.mode == "decode" and self.draft_policy is not None:
             self.draft_policy.observe_period(out.draft_shape, len(plan.rows), now - last)
+        elif plan.mode == "extend" and decoding:
+            self.extend_period = moving_period(self.extend_period, now - last)
 
     def _emit(self, req: Request, toks: list[int], accepted: list[int],
               logprobs: list | None = None) -> RequestOutput | None:

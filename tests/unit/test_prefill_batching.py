@@ -89,3 +89,68 @@ def test_a_long_prompt_holds_running_streams_one_chunk_at_a_time(tiny_llama_dir)
     assert on == ["extend", "decode"] * 3 + ["extend"]
     assert off == ["extend"] * 4
     assert on_tokens == off_tokens
+
+
+def test_by_cost_an_arrival_waits_while_the_pause_costs_more(tiny_llama_dir):
+    """scheduler.prefill_by_cost: with a prefill step's pause worth more than the new
+    request's wait (the running requests times the measured pause), it waits, at most the
+    delay; once its wait outweighs the pause, or with nobody decoding, it goes at once.
+    Tokens stay those of prefilling at once."""
+    def engine():
+        return tiny_engine(tiny_llama_dir, "scheduler.max_running_requests=4", "scheduler.prefill_by_cost=true",
+                           "scheduler.prefill_max_delay_steps=6", spec=False)
+
+    def decodes_before_prefill(eng, arrival_age: float) -> int:
+        sched, worker = eng.schedulers[0], eng.workers[0]
+        late = eng.add_request(random_prompts(1, seed=3)[0], greedy(3))
+        late.arrival -= arrival_age
+        decodes = 0
+        while not late.output_ids:
+            plan = sched.schedule()
+            decodes += plan.mode == "decode"
+            sched.process_output(plan, worker.execute(plan))
+        return decodes
+
+    outs = []
+    for pause, age, want in [(10.0, 0.0, 6), (10.0, 25.0, 0), (0.0, 0.0, 0)]:
+        eng = engine()
+        long = [eng.add_request(p, greedy(40)) for p in random_prompts(2, seed=1)]
+        while not long[-1].output_ids:
+            eng.step()
+        eng.schedulers[0].extend_period = pause  # two decoding: a pause worth 2 x 10 s
+        assert decodes_before_prefill(eng, age) == want, (pause, age)
+        while eng.has_work:
+            eng.step()
+        outs.append([r.output_ids for r in long])
+    assert outs[0] == outs[1] == outs[2]
+    solo = engine()
+    solo.schedulers[0].extend_period = 10.0
+    assert decodes_before_prefill(solo, 0.0) == 0  # nobody decoding: no pause to weigh
+
+
+def test_by_cost_the_pause_is_measured_and_exported(tiny_llama_dir):
+    """The scheduler times a prefill step that ran while others decoded, and /metrics
+    shows it; without prefill_by_cost (and no draft policy) nothing is timed."""
+    from serve_app.api.metrics import ServerMetrics
+
+    def run(by_cost: bool) -> float:
+        eng = tiny_engine(tiny_llama_dir, "scheduler.max_running_requests=8",
+                          f"scheduler.prefill_by_cost={str(by_cost).lower()}", spec=False)
+        eng.add_request(random_prompts(1, seed=1)[0], greedy(30))
+        for _ in range(3):
+            eng.step()
+        for p in random_prompts(3, seed=2):
+            eng.add_request(p, greedy(4))
+            for _ in range(4):
+                eng.step()
+        while eng.has_work:
+            eng.step()
+        return eng.schedulers[0].extend_period
+    assert run(False) == 0.0
+    period = run(True)
+    assert period > 0.0
+    m = ServerMetrics("m")
+    m.update_engine({"replica": "r", "running": 0, "waiting": 0, "kv": [],
+                     "prefill_period": [{"rank": 0, "value": period}]})
+    assert m.registry.get_sample_value("kestrel_engine_prefill_period_seconds",
+                                       {"model": "m", "replica": "r", "rank": "0"}) == period
