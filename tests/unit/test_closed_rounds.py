@@ -98,7 +98,7 @@ def test_one_round_is_the_burst_it_was(server):
 
 def test_a_level_warmed_with_requests_of_its_own_measures_all_of_its_prompts_cold(server):
     """By default a one-stream level warms up with its first prompt, which a prefix cache
-    then serves at once when it is measured (http_bench's long prompts: 81 ms beside 1337);
+    then serves at once when it is measured (http_bench's long prompts, docs/benchmarks.md);
     `warmup` sends others."""
     url, rec = server
     asyncio.run(run_level(url, "m", ["q0", "q1"], concurrency=1, max_tokens=6, c1_prompts=2))
