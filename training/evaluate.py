@@ -87,9 +87,12 @@ def eval_acceptance(cfg, draft_path: str | None, prompts: list[list[int]], *, to
     out: dict = {"prompts": len(prompts), "max_tokens": max_tokens, "settings": {}}
     for name, kst in runs:
         c = cfg.model_copy(deep=True)
+        # One shape a setting: no adaptive shapes or plain steps, whose steps would count
+        # in the mean as the smaller shapes' accept lengths (a GPU captures them).
         c.draft = (DraftConfig(enabled=False) if kst is None else
                    DraftConfig(enabled=True, path=draft_path, arch=arch, topk=kst[0],
-                               num_steps=kst[1], num_draft_tokens=kst[2]))
+                               num_steps=kst[1], num_draft_tokens=kst[2], adaptive_shapes=[],
+                               plain_steps=False))
         engine = LLMEngine(c, tokenizer=tokenizer, load_tokenizer=tokenizer is not None)
         bar = tqdm(total=len(prompts), desc=f"eval {name}", unit="req", file=sys.stderr,
                    disable=not progress)

@@ -105,3 +105,28 @@ def test_each_engine_is_gone_before_the_next_is_built(tiny_llama_dir, tmp_path, 
     eval_acceptance(cfg, str(tmp_path / "head"), [[5, 6, 7]], tokenizer=None, settings=settings,
                     max_tokens=4, baseline=True, progress=False)
     assert alive_at_build == [0, 0, 0]
+
+
+def test_each_setting_measures_its_own_shape_alone(tiny_llama_dir, tmp_path, monkeypatch):
+    """A setting's mean accept length is its shape's: with adaptive shapes or plain steps
+    (a GPU preset's, or the schema's default root-only shape) the policy could take smaller
+    shapes on some steps and their accept lengths would count in the mean."""
+    from serve_app.engine import llm_engine
+    target, _ = build_model(tiny_llama_dir, torch.float32, "cpu")
+    head = init_head(make_spec(target.arch, "eagle", None), target, None, seed=3)
+    export_head(head, tmp_path / "head", torch.float32)
+    cfg = load_config(overrides=[f"model.path={tiny_llama_dir}", "model.dtype=float32", "device=cpu",
+                                 "kv_cache.num_slots=4096", "scheduler.max_running_requests=8",
+                                 "draft.adaptive_shapes=[[1,1]]", "draft.plain_steps=true"])
+    shapes: list = []
+
+    class Seen(llm_engine.LLMEngine):
+        def __init__(self, c, *a, **kw):
+            shapes.append((c.draft.enabled, c.draft.shapes(), c.draft.plain_steps))
+            super().__init__(c, *a, **kw)
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", Seen)
+    settings = [s for s in DEFAULT_SETTINGS if s[0] in ("chain_k1_s3", "tree_k4_s5_n8")]
+    eval_acceptance(cfg, str(tmp_path / "head"), [[5, 6, 7]], tokenizer=None, settings=settings,
+                    max_tokens=4, baseline=False, progress=False)
+    assert shapes == [(True, [(1, 3, 4)], False), (True, [(4, 5, 8)], False)]
