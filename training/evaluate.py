@@ -81,6 +81,7 @@ def eval_acceptance(cfg, draft_path: str | None, prompts: list[list[int]], *, to
     from configs.schema import DraftConfig
     from serve_app.engine.llm_engine import LLMEngine, release_device_memory
     from serve_app.engine.request import SamplingParams
+    from training.device_turn import device_key, device_turn
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     runs = ([("no_spec", None)] if baseline else []) + [(n, (k, s, m)) for n, k, s, m in settings]
@@ -93,15 +94,19 @@ def eval_acceptance(cfg, draft_path: str | None, prompts: list[list[int]], *, to
                    DraftConfig(enabled=True, path=draft_path, arch=arch, topk=kst[0],
                                num_steps=kst[1], num_draft_tokens=kst[2], adaptive_shapes=[],
                                plain_steps=False))
-        engine = LLMEngine(c, tokenizer=tokenizer, load_tokenizer=tokenizer is not None)
-        bar = tqdm(total=len(prompts), desc=f"eval {name}", unit="req", file=sys.stderr,
-                   disable=not progress)
-        t0 = time.perf_counter()
-        reqs = engine.generate(prompts, greedy, progress=bar)
-        dt = time.perf_counter() - t0
-        bar.close()
-        toks = sum(len(r.output_ids) for r in reqs)
-        acc = [a for r in reqs for a in r.accept_lengths]
+        with device_turn(device_key(c.resolved_device())):
+            engine = LLMEngine(c, tokenizer=tokenizer, load_tokenizer=tokenizer is not None)
+            bar = tqdm(total=len(prompts), desc=f"eval {name}", unit="req", file=sys.stderr,
+                       disable=not progress)
+            t0 = time.perf_counter()
+            reqs = engine.generate(prompts, greedy, progress=bar)
+            dt = time.perf_counter() - t0
+            bar.close()
+            accepts = [list(r.accept_lengths) for r in reqs]
+            toks = sum(len(r.output_ids) for r in reqs)
+            del engine, reqs  # all of it gone before the next engine's memory profile
+            release_device_memory()
+        acc = [a for r_acc in accepts for a in r_acc]
         row = {"output_tokens": toks, "seconds": round(dt, 3),
                "tokens_per_s": round(toks / dt, 2) if dt > 0 else None}
         if kst is not None:
@@ -109,12 +114,10 @@ def eval_acceptance(cfg, draft_path: str | None, prompts: list[list[int]], *, to
                        iterations=len(acc),
                        mean_accept_length=round(sum(acc) / len(acc), 4) if acc else None)
             if categories is not None:
-                row["by_category"] = by_category(categories, [list(r.accept_lengths) for r in reqs])
+                row["by_category"] = by_category(categories, accepts)
             log.info("%s: mean accept length %s, %.1f tok/s", name, row["mean_accept_length"],
                      row["tokens_per_s"] or 0.0)
         out["settings"][name] = row
-        del engine, reqs
-        release_device_memory()
     base = out["settings"].get("no_spec", {}).get("tokens_per_s")
     if base:
         for name, row in out["settings"].items():
