@@ -242,8 +242,8 @@ class SchedulerConfig(_Strict):
     # summed over those that could be admitted, are fewer than the pause a prefill step
     # costs the decoding ones (their count times the step loop's measured time of a prefill
     # step), and at most prefill_max_delay_steps. At a few streams the pause costs little
-    # and an arrival is prefilled at once; at hundreds, a few arrivals share one pause. Off
-    # until measured on a GPU.
+    # and an arrival is prefilled at once; at hundreds, a few arrivals share one pause. On
+    # in the h200 preset, where it is measured; off elsewhere until measured there.
     prefill_by_cost: bool = False
     # While requests decode, a prefill step that leaves a prompt with chunks to go is
     # followed by a decode step: a long prompt holds the running streams back one chunk at
