@@ -800,6 +800,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "bytes": {f.name: f.stat().st_size for f in files}}
     del trainer, res, head, target
     release_device_memory()
+    if device.startswith("cuda"):  # the engines below count what this process still holds as weights
+        log.info("after training this process holds %.2f GiB in tensors, %.2f GiB reserved",
+                 torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30)
 
     # 5. acceptance with the real engine --------------------------------------------------------
     if not args.no_eval:
