@@ -33,7 +33,8 @@ evals=${EVAL_SAMPLES:-48}
 # Every head is also measured on these, and no generated prompt may copy one of them.
 eval_files=(benchmarks/data/mt_bench_questions.jsonl benchmarks/data/smollm2_heldout_prompts.jsonl)
 eval_tokens=${EVAL_TOKENS:-256}
-# Processes sharing a GPU split its memory between their engines.
+# Processes sharing a GPU split its memory between their engines, built one at a time
+# (training/device_turn.py).
 per_gpu=$(( (${#heads[@]} + ngpu - 1) / ngpu ))
 # Generation runs 512 answers at once; evaluation at most 128 (--eval-batch). Options after
 # TRAIN_S follow these settings, so they win over them.
