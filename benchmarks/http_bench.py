@@ -56,6 +56,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -238,12 +239,24 @@ def table(name: str, levels: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cpu_model() -> str:
+    """The host CPU's model name: a plain server at hundreds of streams is host-bound, and
+    machines of one GPU kind have come with hosts whose step loop ran 1.4-1.6x apart."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def _open_sweep(args, url: str, name: str, sampling: dict | None, out: Path) -> list[dict]:
     """The open-loop runs, one per --request-rate, the JSON rewritten after each."""
     answer_tokens = tuple(args.answer_tokens)
     requests = requests_for(resolve_mix(args.mix, args.seed, answer_tokens), args.num_requests, args.seed)
     meta = {"name": name, "mode": "open-loop", "config": args.config, "overrides": args.set, "url": args.url,
-            "cpus": os.cpu_count(), "sampling": sampling, "mix": args.mix,
+            "cpus": os.cpu_count(), "cpu_model": cpu_model(), "sampling": sampling, "mix": args.mix,
             "answer_tokens": answer_tokens if args.mix == "mt-bench" else None,
             "num_requests": args.num_requests, "seed": args.seed, "burstiness": open_loop.rate_label(args.burstiness),
             "burst": args.burst, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
@@ -343,7 +356,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"config": args.config, "overrides": args.set, "url": args.url, "prompt_words": args.prompt_words,
             "max_tokens": args.max_tokens, "c1_prompts": args.c1_prompts, "cpus": os.cpu_count(),
-            "repeats": args.repeats, "rounds": args.rounds, "streams_per_client": args.streams_per_client}
+            "cpu_model": cpu_model(), "repeats": args.repeats, "rounds": args.rounds, "streams_per_client": args.streams_per_client}
     levels: dict[str, list[dict]] = {suffix: [] for suffix, _ in variants}
 
     def save() -> None:  # after every level: a run stopped at its time limit keeps its figures
@@ -412,7 +425,8 @@ def main(argv=None) -> None:
                 lv["in_process"] = ip[lv["concurrency"]]
         save()
     for suffix, samp in variants:
-        print(f"\n{name}{suffix}: {os.cpu_count()} cpus, {args.max_tokens} new tokens, {samp or 'greedy'}, "
+        print(f"\n{name}{suffix}: {os.cpu_count()} cpus ({cpu_model()}), {args.max_tokens} new tokens, "
+              f"{samp or 'greedy'}, "
               "streamed chat\n")
         print(table(name + suffix, levels[suffix]))
 
