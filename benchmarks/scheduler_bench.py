@@ -92,8 +92,9 @@ def build_engine(args, tokenizer) -> tuple[LLMEngine, SyntheticWorker]:
     cfg = load_config(args.config, [
         f"draft.enabled={str(spec).lower()}", "draft.path=random",
         f"scheduler.max_running_requests={args.running}",
-        # as training/train.py sets it for data generation
-        f"scheduler.prefill_min_batch={max(1, args.running // 8)}",
+        # as training/train.py sets it for data generation (and plans that do not hang on
+        # the clock, which prefill_by_cost's would)
+        f"scheduler.prefill_min_batch={max(1, args.running // 8)}", "scheduler.prefill_by_cost=false",
         f"model.max_model_len={args.max_model_len}",
         # The test's pinned digests are of plans made one step at a time.
         f"scheduler.launch_ahead={str(args.launch_ahead).lower()}"])

@@ -710,9 +710,11 @@ def main(argv: list[str] | None = None) -> dict:
         gen_cfg.scheduler.max_running_requests = args.gen_batch or (
             256 if device == "cuda" else cfg.scheduler.max_running_requests)
         # Throughput over first-token latency: admit finished requests' successors in
-        # batches, so an eager prefill step is paid once per eighth of the batch.
+        # batches, so an eager prefill step is paid once per eighth of the batch (not by
+        # cost: every queued request has waited since the start, so each would go at once).
         gen_cfg.scheduler.prefill_min_batch = max(gen_cfg.scheduler.prefill_min_batch,
                                                   gen_cfg.scheduler.max_running_requests // 8)
+        gen_cfg.scheduler.prefill_by_cost = False
         engine = LLMEngine(gen_cfg, tokenizer=get_tokenizer())
         rows = read_prompt_rows(args.user_prompts) if args.user_prompts else []
         ds = generate_dataset(engine, tokenizer, args.samples, args.max_prompt_tokens,
