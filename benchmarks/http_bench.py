@@ -240,8 +240,9 @@ def table(name: str, levels: list[dict]) -> str:
 
 
 def cpu_model() -> str:
-    """The host CPU's model name: a plain server at hundreds of streams is host-bound, and
-    machines of one GPU kind have come with hosts whose step loop ran 1.4-1.6x apart."""
+    """The host CPU's model name: a plain server at hundreds of streams is bound by its
+    step loop, which machines of one GPU kind have run at different speeds
+    (docs/benchmarks.md)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
