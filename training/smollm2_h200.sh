@@ -18,7 +18,9 @@
 #          shipped head's length), as resumable legs (python -m training.legs, one leg of at
 #          most LEG_S seconds, default 540, per run of this stage): run the stage again, on this
 #          machine or on another with OUT carried over (python -m training.run_pieces), until
-#          each head's report is written; the last leg measures it as `heads` does.
+#          each head's report is written; the last leg measures it as `heads` does. Each
+#          unfinished leg exports the head as it stands to OUT/<head>/leg_head (about 20 MB):
+#          carry it off the machine with the leg, since the machine may be gone before the next.
 # EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement.
 set -euo pipefail
 out=${1:-runs/smollm2}

@@ -46,6 +46,8 @@ from training.ttt_attention import CausalAttention, TTTAttention, ttt_attention,
 from training.vocab import DraftVocab
 
 log = logging.getLogger("kestrel.training")
+# Where an unfinished leg exports the head as it stands (OUT/leg_head).
+LEG_HEAD = "leg_head"
 
 
 def unroll(head: EagleHead, ids: torch.Tensor, feat: torch.Tensor, steps: int,
@@ -784,7 +786,13 @@ def main(argv: list[str] | None = None) -> dict:
                        "finished": finished, "seconds": round(res.seconds, 1),
                        "heldout_before": before, "history": res.history}
     if not finished:
-        # a leg: the checkpoint is what counts; the head and its measures come with the last leg
+        # A leg: the checkpoint (written by fit) is what the next leg resumes from; the head
+        # as it stands is exported too, small enough to carry off a machine that may be
+        # gone before the next leg, and usable as a head in its own right.
+        from training.export import export_head
+        trainer.fold_feature_scale()
+        files = export_head(res.head, out / LEG_HEAD, getattr(torch, args.export_dtype))
+        report["leg_head"] = {"step": trainer.step, "files": [f.name for f in files]}
         report["seconds"]["train"] = round(time.monotonic() - t0, 1)
         report["seconds"]["total"] = round(time.monotonic() - t_all, 1)
         (out / "leg_report.json").write_text(json.dumps(report, indent=2))

@@ -55,8 +55,15 @@ def test_legs_continue_step_counter_and_data_position(tiny_llama_dir, data_file,
     assert [(p["epoch"], p["batch"]) for _, p in seen] == [(0, 3), (1, 2)]  # the batch stream advanced
     assert all(p["total_steps"] == 8 and not p["done"] for _, p in seen)
     assert all("--resume" in argv and "--leg-time-budget" in argv for argv, _ in seen)
-    history = torch.load(out / "train_state" / "state.pt", weights_only=False)["history"]
-    assert [h["step"] for h in history] == [3, 6]
+    state = torch.load(out / "train_state" / "state.pt", weights_only=False)
+    assert [h["step"] for h in state["history"]] == [3, 6]
+    # each unfinished leg leaves the head as it stands, exported, to carry off the machine
+    from safetensors.torch import load_file
+    leg = json.loads((out / "leg_report.json").read_text())["leg_head"]
+    assert leg["step"] == 6 and (out / "leg_head" / "config.json").exists()
+    exported = load_file(str(out / "leg_head" / leg["files"][0]))
+    fc = next(v for k, v in state["head"].items() if k.endswith("fc.weight"))
+    assert torch.equal(exported["fc.weight"], fc.to(torch.bfloat16))
 
     # six steps in one leg leave the same head, optimizer moments and position
     straight = tmp_path / "straight"
