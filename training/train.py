@@ -780,17 +780,17 @@ def main(argv: list[str] | None = None) -> dict:
     res = trainer.fit(train, state_path, resume=args.resume, leg_steps=args.leg_steps,
                       leg_seconds=args.leg_time_budget)
     finished = trainer.step >= trainer.total_steps
-    if finished:
-        trainer.fold_feature_scale()  # the exported head and the measures below take raw features
+    # The exported head and the measures below take raw features; the checkpoint fit wrote
+    # keeps the scale apart, for the next leg.
+    trainer.fold_feature_scale()
+    from training.export import export_head
     report["train"] = {"config": asdict(tc), "steps": res.steps, "total_steps": trainer.total_steps,
                        "finished": finished, "seconds": round(res.seconds, 1),
                        "heldout_before": before, "history": res.history}
     if not finished:
-        # A leg: the checkpoint (written by fit) is what the next leg resumes from; the head
-        # as it stands is exported too, small enough to carry off a machine that may be
-        # gone before the next leg, and usable as a head in its own right.
-        from training.export import export_head
-        trainer.fold_feature_scale()
+        # A leg: the checkpoint is what the next leg resumes from; the head as it stands is
+        # exported too, small enough to carry off a machine that may be gone before the
+        # next leg, and usable as a head in its own right.
         files = export_head(res.head, out / LEG_HEAD, getattr(torch, args.export_dtype))
         report["leg_head"] = {"step": trainer.step, "files": [f.name for f in files]}
         report["seconds"]["train"] = round(time.monotonic() - t0, 1)
@@ -804,7 +804,6 @@ def main(argv: list[str] | None = None) -> dict:
     report["seconds"]["train"] = round(time.monotonic() - t0, 1)
 
     # 4. export -----------------------------------------------------------------------------
-    from training.export import export_head
     files = export_head(res.head, out, getattr(torch, args.export_dtype))
     report["export"] = {"files": [f.name for f in files],
                         "bytes": {f.name: f.stat().st_size for f in files}}
