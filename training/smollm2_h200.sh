@@ -20,7 +20,8 @@
 #          machine or on another with OUT carried over (python -m training.run_pieces), until
 #          each head's report is written; the last leg measures it as `heads` does. Each
 #          unfinished leg exports the head as it stands to OUT/<head>/leg_head (about 20 MB):
-#          carry it off the machine with the leg, since the machine may be gone before the next.
+#          carry it off the machine with the leg, since the machine may be gone before the next;
+#          put back as OUT/<head>/leg_head on a fresh machine, the next leg continues from it.
 # EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement.
 set -euo pipefail
 out=${1:-runs/smollm2}

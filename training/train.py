@@ -46,8 +46,14 @@ from training.ttt_attention import CausalAttention, TTTAttention, ttt_attention,
 from training.vocab import DraftVocab
 
 log = logging.getLogger("kestrel.training")
-# Where an unfinished leg exports the head as it stands (OUT/leg_head).
+# Where an unfinished leg exports the head as it stands (OUT/leg_head), and the file beside
+# its weights that says where in the run it stands.
 LEG_HEAD = "leg_head"
+POSITION = "position.json"
+# Steps of a learning-rate ramp after a start without the optimizer's moments (a run
+# continued from an exported head): Adam's first updates are the size of the learning rate
+# in every weight, whatever the gradient's size.
+REWARM_STEPS = 100
 
 
 def unroll(head: EagleHead, ids: torch.Tensor, feat: torch.Tensor, steps: int,
@@ -263,6 +269,10 @@ class Trainer:
         self.warm_steps = 1
         # (step, cosine progress there): where the decay continues from after a re-plan
         self.sched: tuple[int, float] = (1, 0.0)
+        # (first step, length) of a learning-rate ramp after a start without Adam's moments
+        self.rewarm: tuple[int, int] = (0, 0)
+        # where the run stands as last checkpointed: what a leg writes beside its exported head
+        self.position: dict = {}
 
     def features(self, ids: torch.Tensor):
         """The frozen target over a [B, T] batch -> (its final hidden [B*T, H], the head's
@@ -302,6 +312,49 @@ class Trainer:
         w = self.head.fc.weight  # [H, 3H]
         w.copy_((w.float() / self.feat_scale[None, :]).to(w.dtype))
         self.feat_scale = None
+
+    @torch.no_grad()
+    def start_from_head(self, folder: Path, data_key: str) -> tuple[int, int]:
+        """Weights from an exported head folder. Where the folder holds a leg's POSITION for
+        this data (the leg's machine, and with it the checkpoint, was lost), the run also
+        continues from that step, schedule, feature scale and data position; the optimizer's
+        moments start afresh behind a ramp of REWARM_STEPS. Without one it is a head to
+        fine-tune: the run starts at step 0. -> (epoch, batch) where the batch stream goes on.
+        An exported fc has the feature scale folded in: unfold_feature_scale undoes it once
+        the scale is known."""
+        from actors.models.eagle import read_eagle_spec
+        state = read_head_state(folder)
+        theirs = read_eagle_spec(Path(folder), self.target.arch)
+        if (theirs.arch, theirs.aux_layers) != (self.head.spec.arch, self.head.spec.aux_layers):
+            raise ValueError(f"{folder}: the head is {theirs.arch} reading layers {theirs.aux_layers}, this run "
+                             f"trains {self.head.spec.arch} reading {self.head.spec.aux_layers} (--arch, --aux-layers)")
+        if self.eagle3 and not torch.equal(state["d2t"].long().cpu(), self.head.d2t.long().cpu()):
+            raise ValueError(f"{folder}: the head has another draft vocabulary")
+        self.head.load_checkpoint_state(state)
+        pos_file = folder / POSITION
+        if not pos_file.exists():
+            log.info("starting from the head in %s (fine-tuning it: no %s)", folder, POSITION)
+            return 0, 0
+        pos = json.loads(pos_file.read_text())
+        if pos["arch"] != self.head.spec.arch:
+            raise ValueError(f"{pos_file}: the head is {pos['arch']}, this run trains {self.head.spec.arch}")
+        if pos["data_key"] != data_key:
+            raise ValueError(f"{pos_file}: the head was trained on other data (continuing it needs the "
+                             "same --data files, or OUT/data, and the same --max-len and --seed)")
+        self.step, self.total_steps = pos["step"], pos["total_steps"]
+        self.warm_steps, self.sched = pos["warm_steps"], tuple(pos["sched"])
+        if pos["feat_scale"] is not None:
+            self.feat_scale = torch.tensor(pos["feat_scale"], dtype=torch.float32, device=self.device)  # [3H]
+        self.rewarm = (self.step, REWARM_STEPS)
+        log.info("continuing from the head in %s at step %d of %d (epoch %d, batch %d), the optimizer's "
+                 "moments afresh", folder, self.step, self.total_steps, pos["epoch"], pos["batch"])
+        return pos["epoch"], pos["batch"]
+
+    @torch.no_grad()
+    def unfold_feature_scale(self) -> None:
+        """fold_feature_scale undone: the fc takes scaled features again."""
+        w = self.head.fc.weight  # [H, 3H]
+        w.copy_((w.float() * self.feat_scale[None, :]).to(w.dtype))
 
     # -- one batch ------------------------------------------------------------------------------
     def losses(self, ids: torch.Tensor, loss_mask: torch.Tensor, lens: torch.Tensor):
@@ -377,9 +430,12 @@ class Trainer:
     def lr_at(self, step: int) -> float:
         c = self.cfg
         if step < self.warm_steps:
-            return c.lr * (step + 1) / self.warm_steps
-        t = self._progress(step)
-        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+            lr = c.lr * (step + 1) / self.warm_steps
+        else:
+            t = self._progress(step)
+            lr = c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+        s0, n = self.rewarm
+        return lr * (step - s0 + 1) / n if s0 <= step < s0 + n else lr
 
     def train_step(self, ids, loss_mask, lens) -> tuple[float, list[tuple[float, int, int]]]:
         self.head.train()
@@ -420,12 +476,16 @@ class Trainer:
         """The checkpoint (head, optimizer, step and schedule length, data position) and,
         beside it, progress.json: what a driver of training legs reads without torch."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.position = {"arch": self.head.spec.arch, "step": self.step, "total_steps": self.total_steps,
+                         "epoch": epoch, "batch": batch, "data_key": data_key,
+                         "warm_steps": self.warm_steps, "sched": list(self.sched),
+                         "feat_scale": None if self.feat_scale is None else self.feat_scale.tolist()}
         tmp = path.with_suffix(".tmp")
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                     "total_steps": self.total_steps, "epoch": epoch, "batch": batch,
                     "arch": self.head.spec.arch, "cfg": asdict(self.cfg), "history": history,
                     "data_key": data_key, "feat_scale": self.feat_scale,
-                    "warm_steps": self.warm_steps, "sched": self.sched,
+                    "warm_steps": self.warm_steps, "sched": self.sched, "rewarm": self.rewarm,
                     "draft_ids": self.draft_ids.cpu() if self.eagle3 else None}, tmp)
         tmp.replace(path)  # never a torn checkpoint
         prog = path.parent / "progress.json"
@@ -450,6 +510,7 @@ class Trainer:
             self.warm_steps, self.sched = st["warm_steps"], tuple(st["sched"])
         else:
             self.set_schedule(self.total_steps)
+        self.rewarm = tuple(st.get("rewarm", (0, 0)))
         fs = st.get("feat_scale")
         self.feat_scale = None if fs is None else fs.to(self.device)
         return st
@@ -457,14 +518,15 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
     def fit(self, samples: list[dict], state_path: Path | None = None, resume: bool = False,
             progress: bool = True, stop_at: int | None = None, leg_steps: int | None = None,
-            leg_seconds: float | None = None) -> TrainResult:
+            leg_seconds: float | None = None, init_head: Path | None = None) -> TrainResult:
         """Train over `samples` for cfg.epochs (at most cfg.max_steps). With state_path,
         checkpoints every cfg.save_every steps and at the end; `resume` continues from it
         (same data and settings: the batch order of every epoch is fixed by the seed, and
         the checkpoint holds the position in it). stop_at ends the run early after that
         many steps, checkpointed, as an interruption would. A leg ends after leg_steps
         steps, or before leg_seconds would be passed, checkpointed; the schedule stays the
-        whole run's, so the next leg (resume) continues it."""
+        whole run's, so the next leg (resume) continues it. init_head, where no checkpoint is
+        resumed: an exported head to start from (start_from_head)."""
         from tqdm import tqdm
         c = self.cfg
         if not samples:
@@ -483,11 +545,16 @@ class Trainer:
             epoch, next_batch, history = st["epoch"], st["batch"], st["history"]
             log.info("resumed from %s at step %d (epoch %d, batch %d)", state_path, self.step,
                      epoch, next_batch)
+        elif init_head is not None:
+            epoch, next_batch = self.start_from_head(init_head, data_key)
         if c.feature_scale == "rms" and self.feat_scale is None:
             self.calibrate_feature_scale(samples, first_epoch[:8])
-        if not resumed:
+        if init_head is not None and not resumed and self.feat_scale is not None:
+            self.unfold_feature_scale()
+        continued = resumed or self.step > 0
+        if not continued:
             self.set_schedule(planned)
-        elif planned != self.total_steps:  # a resumed run with another length: decay from here
+        elif planned != self.total_steps:  # a continued run with another length: decay from here
             self.set_schedule(planned, from_step=self.step)
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.head.spec.arch}",
                    unit="step", file=sys.stderr, disable=not progress)
@@ -550,6 +617,17 @@ def _summarise(window: list[tuple[float, list]], step: int, lr: float) -> dict:
     return {"step": step, "lr": lr, "loss": sum(l for l, _ in window) / len(window),
             "step_loss": [round(sum(s[k][0] for _, s in window) / len(window), 4) for k in range(K)],
             "acc": [round(cr / max(n, 1), 4) for cr, n in zip(corr, cnt)]}
+
+
+def read_head_state(folder: Path) -> dict[str, torch.Tensor]:
+    """An exported head's tensors under their published names (training/export.py)."""
+    from safetensors.torch import load_file
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    if not state:
+        raise FileNotFoundError(f"{folder}: no *.safetensors (expected an exported head folder)")
+    return state
 
 
 def _vocab_of(head: EagleHead) -> DraftVocab:
@@ -624,7 +702,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lm-head-init", choices=["random", "target"], default="random",
                    help="EAGLE-3: start the LM head and norm at random (default) or from the target's")
     t.add_argument("--save-every", type=int, default=200)
-    t.add_argument("--resume", action="store_true", help="continue from OUT/train_state (and reuse OUT/data)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from OUT/train_state (and reuse OUT/data); without it, from the head "
+                        f"the last leg exported (OUT/{LEG_HEAD}, carried back onto a new machine)")
+    t.add_argument("--init-head", default=None, metavar="DIR",
+                   help="start from an exported head's weights (a shipped head to fine-tune; with a "
+                        f"leg's {POSITION} beside them, the run continues from that step)")
     t.add_argument("--train-time-budget", type=float, default=None,
                    help="seconds for training, at most: the schedule is cut to fit (one-leg runs)")
     t.add_argument("--max-steps", type=int, default=None, help="optimizer steps of the whole run, at most")
@@ -747,12 +830,20 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.monotonic()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     target, tarch = build_model(target_path, dtype, device)
+    init_from = Path(args.init_head) if args.init_head else None
+    if init_from is None and args.resume and not state_path.exists() and (out / LEG_HEAD / POSITION).exists():
+        init_from = out / LEG_HEAD
+        log.info("no checkpoint in %s: continuing from the head the last leg exported", state_path.parent)
     vocab = None
     if args.arch == "eagle3":
-        from training.vocab import build_draft_vocab, count_assistant_tokens, coverage
+        from training.vocab import build_draft_vocab, count_assistant_tokens, coverage, from_d2t
         size = min(args.draft_vocab, tarch.vocab_size)
-        vocab = build_draft_vocab(train, tarch.vocab_size, size, always_include=tarch.eos_token_ids)
-        report["draft_vocab"] = {"size": vocab.size, "train_coverage": round(vocab.coverage, 5),
+        if init_from is not None:  # the head's own vocabulary: its LM head's rows are those ids
+            vocab = from_d2t(read_head_state(init_from)["d2t"].long(), tarch.vocab_size)
+        else:
+            vocab = build_draft_vocab(train, tarch.vocab_size, size, always_include=tarch.eos_token_ids)
+        train_cov = coverage(count_assistant_tokens(train), vocab.t2d) if init_from else vocab.coverage
+        report["draft_vocab"] = {"size": vocab.size, "train_coverage": round(train_cov, 5),
                                  "eval_coverage": round(coverage(count_assistant_tokens(held), vocab.t2d), 5)}
         log.info("draft vocabulary: %s", report["draft_vocab"])
     tc = TrainConfig(arch=args.arch, epochs=args.epochs, batch_size=args.batch_size,
@@ -778,8 +869,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. train ------------------------------------------------------------------------------
     res = trainer.fit(train, state_path, resume=args.resume, leg_steps=args.leg_steps,
-                      leg_seconds=args.leg_time_budget)
+                      leg_seconds=args.leg_time_budget, init_head=init_from)
     finished = trainer.step >= trainer.total_steps
+    position = trainer.position  # taken before the fold below: it holds the scale apart
     # The exported head and the measures below take raw features; the checkpoint fit wrote
     # keeps the scale apart, for the next leg.
     trainer.fold_feature_scale()
@@ -792,6 +884,7 @@ def main(argv: list[str] | None = None) -> dict:
         # exported too, small enough to carry off a machine that may be gone before the
         # next leg, and usable as a head in its own right.
         files = export_head(res.head, out / LEG_HEAD, getattr(torch, args.export_dtype))
+        (out / LEG_HEAD / POSITION).write_text(json.dumps(position))
         report["leg_head"] = {"step": trainer.step, "files": [f.name for f in files]}
         report["seconds"]["train"] = round(time.monotonic() - t0, 1)
         report["seconds"]["total"] = round(time.monotonic() - t_all, 1)

@@ -10,7 +10,7 @@ import torch
 
 from training.data import save_jsonl
 from training.legs import MORE_LEGS, run_legs, stage
-from training.train import main as train_main
+from training.train import TrainConfig, Trainer, main as train_main
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -95,3 +95,54 @@ def test_resume_refuses_other_data(tiny_llama_dir, data_file, tmp_path):
     save_jsonl(rows, other)
     with pytest.raises(ValueError, match="other data"):
         train_main(["--out", str(out), *_args(tiny_llama_dir, str(other), 2), "--resume"])
+
+
+def test_a_lost_checkpoint_continues_from_the_legs_exported_head(tiny_llama_dir, data_file, tmp_path):
+    """The machine holding the checkpoint is gone and only OUT/leg_head came back: the next
+    leg continues from it (weights, feature scale unfolded, step, schedule and data
+    position), with fresh optimizer moments behind a learning-rate ramp."""
+    from training.train import LEG_HEAD, POSITION, REWARM_STEPS
+    out = tmp_path / "lost"
+    args = [a if a != "eagle" else "eagle3" for a in _args(tiny_llama_dir, data_file, 3)]
+    args += ["--draft-vocab", "64", "--feature-scale", "rms"]
+    train_main(["--out", str(out), *args, "--resume"])
+    before = torch.load(out / "train_state" / "state.pt", weights_only=False)
+    pos = json.loads((out / LEG_HEAD / POSITION).read_text())
+    assert (pos["step"], pos["epoch"], pos["batch"]) == (before["step"], before["epoch"], before["batch"]) == (3, 0, 3)
+
+    import shutil
+    shutil.rmtree(out / "train_state")  # the machine was lost; leg_head was carried back
+    leg0 = [a if a != "3" else "0" for a in args]  # a leg of no steps: the head as loaded
+    train_main(["--out", str(out), *leg0, "--resume"])
+    after = torch.load(out / "train_state" / "state.pt", weights_only=False)
+    assert (after["step"], after["epoch"], after["batch"], after["total_steps"]) == \
+        (3, 0, 3, before["total_steps"])
+    assert after["sched"] == before["sched"] and after["rewarm"] == (3, REWARM_STEPS)
+    assert torch.equal(after["feat_scale"], before["feat_scale"])
+    assert torch.equal(after["draft_ids"], before["draft_ids"])
+    assert not after["opt"]["state"]  # no moments: none were carried
+    for k, w in before["head"].items():  # the weights as exported (bf16), the fc unfolded
+        assert torch.allclose(after["head"][k].float(), w.float(), rtol=2e-2, atol=1e-3), k
+    fc = next(k for k in before["head"] if k.endswith("fc.weight"))
+    assert not torch.allclose(after["head"][fc] / after["feat_scale"], before["head"][fc], rtol=2e-2)
+
+    # the next leg trains on from there, the learning rate ramping up again
+    train_main(["--out", str(out), *args, "--resume"])
+    state = torch.load(out / "train_state" / "state.pt", weights_only=False)
+    assert (state["step"], state["epoch"], state["batch"]) == (6, 1, 2)
+    last = json.loads((out / "leg_report.json").read_text())["train"]["history"][-1]
+    plain = Trainer.__new__(Trainer)  # the schedule alone, as the lost checkpoint held it
+    plain.cfg, plain.rewarm = TrainConfig(lr=1e-2), (0, 0)
+    plain.warm_steps, plain.sched, plain.total_steps = before["warm_steps"], before["sched"], before["total_steps"]
+    assert last["lr"] == pytest.approx(plain.lr_at(5) * 3 / REWARM_STEPS)  # step 5: the ramp's third
+
+
+def test_a_head_from_other_data_is_refused(tiny_llama_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    train_main(["--out", str(out), *_args(tiny_llama_dir, data_file, 2), "--resume"])
+    rows = [json.loads(line) for line in open(data_file)][:-3]
+    other = tmp_path / "other.jsonl"
+    save_jsonl(rows, other)
+    with pytest.raises(ValueError, match="other data"):
+        train_main(["--out", str(tmp_path / "b"), *_args(tiny_llama_dir, str(other), 2),
+                    "--init-head", str(out / "leg_head")])
