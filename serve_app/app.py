@@ -217,6 +217,10 @@ def _interrupt(signum, frame):
 
 
 def run_server(cfg: KestrelConfig, host: str | None = None, port: int | None = None) -> None:
+    # The command forwards its stop signal as SIGINT. Started from a script's background job
+    # (`kestrel serve ... &`), the process inherits SIGINT ignored and Python keeps it so:
+    # the server would never stop. Ctrl-C's meaning is set here, whatever was inherited.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     host = host or cfg.serve.host
     port = int(port or cfg.serve.port)
     joining = bool(os.environ.get("RAY_ADDRESS"))

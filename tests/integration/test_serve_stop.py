@@ -95,8 +95,10 @@ def start_server(tiny_model: str, log: Path) -> tuple[subprocess.Popen, int]:
     cmd = [sys.executable, "-m", "serve_app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     for setting in tiny_settings(tiny_model):
         cmd += ["--set", setting]
+    # A process group of its own, as a shell job's, and SIGINT ignored, as a script's
+    # background job (`kestrel serve ... &`) inherits it: the server must stop all the same.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=own_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # a process group of its own, as a shell job's
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     return proc, wait_up(proc, port, log)
 
 
