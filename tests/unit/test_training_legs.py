@@ -87,14 +87,19 @@ def test_legs_continue_step_counter_and_data_position(tiny_llama_dir, data_file,
     assert stage(out, [a for a in args if a != "--no-eval"]) == "eval"
 
 
-def test_resume_refuses_other_data(tiny_llama_dir, data_file, tmp_path):
+@pytest.mark.parametrize("start", ["checkpoint", "leg_head"])
+def test_continuing_on_other_data_is_refused(tiny_llama_dir, data_file, tmp_path, start):
+    """From the checkpoint (--resume) or from the leg's exported head (--init-head): the data
+    position means nothing on other data."""
     out = tmp_path / "run"
     train_main(["--out", str(out), *_args(tiny_llama_dir, data_file, 2), "--resume"])
     rows = [json.loads(line) for line in open(data_file)][:-3]
     other = tmp_path / "other.jsonl"
     save_jsonl(rows, other)
+    again = ["--resume"] if start == "checkpoint" else ["--init-head", str(out / "leg_head")]
     with pytest.raises(ValueError, match="other data"):
-        train_main(["--out", str(out), *_args(tiny_llama_dir, str(other), 2), "--resume"])
+        train_main(["--out", str(out if start == "checkpoint" else tmp_path / "b"),
+                    *_args(tiny_llama_dir, str(other), 2), *again])
 
 
 def test_a_lost_checkpoint_continues_from_the_legs_exported_head(tiny_llama_dir, data_file, tmp_path):
@@ -136,13 +141,3 @@ def test_a_lost_checkpoint_continues_from_the_legs_exported_head(tiny_llama_dir,
     plain.warm_steps, plain.sched, plain.total_steps = before["warm_steps"], before["sched"], before["total_steps"]
     assert last["lr"] == pytest.approx(plain.lr_at(5) * 3 / REWARM_STEPS)  # step 5: the ramp's third
 
-
-def test_a_head_from_other_data_is_refused(tiny_llama_dir, data_file, tmp_path):
-    out = tmp_path / "run"
-    train_main(["--out", str(out), *_args(tiny_llama_dir, data_file, 2), "--resume"])
-    rows = [json.loads(line) for line in open(data_file)][:-3]
-    other = tmp_path / "other.jsonl"
-    save_jsonl(rows, other)
-    with pytest.raises(ValueError, match="other data"):
-        train_main(["--out", str(tmp_path / "b"), *_args(tiny_llama_dir, str(other), 2),
-                    "--init-head", str(out / "leg_head")])
