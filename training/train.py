@@ -703,8 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-3: start the LM head and norm at random (default) or from the target's")
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--resume", action="store_true",
-                   help="continue from OUT/train_state (and reuse OUT/data); without it, from the head "
-                        f"the last leg exported (OUT/{LEG_HEAD}, carried back onto a new machine)")
+                   help="continue from OUT/train_state (and reuse OUT/data), or where there is none, from "
+                        f"the head the last leg exported (OUT/{LEG_HEAD}, carried back onto a new machine)")
     t.add_argument("--init-head", default=None, metavar="DIR",
                    help="start from an exported head's weights (a shipped head to fine-tune; with a "
                         f"leg's {POSITION} beside them, the run continues from that step)")
