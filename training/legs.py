@@ -33,6 +33,9 @@ from typing import Callable
 
 # Exit status while legs are left (after --max-legs).
 MORE_LEGS = 3
+# The last training leg's time outside training (start-up, checkpoint, export), kept in OUT:
+# a caller running one leg a command plans the next leg with it, not with the default guess.
+STARTUP_FILE = "legs_startup.json"
 
 
 def run_subprocess(argv: list[str], timeout: float) -> int:
@@ -66,8 +69,10 @@ def run_legs(out: Path, train_args: list[str], leg_seconds: float, *, max_legs: 
              run_leg: Callable[[list[str], float], int] = run_subprocess) -> int:
     """Run legs until the run is done (0), a leg fails (its status) or max_legs legs ran
     (MORE_LEGS). startup_seconds is kept free in each leg for loading the target and the
-    data; after a training leg it is re-measured as the leg's time outside training."""
+    data; after a training leg it is re-measured as the leg's time outside training, and
+    kept in OUT/STARTUP_FILE for the next invocation, which starts from it."""
     base = ["--out", str(out), *train_args]
+    startup_seconds = _read(out / STARTUP_FILE).get("seconds", startup_seconds)
     legs = 0
     t_run = time.monotonic()
     while True:
@@ -99,6 +104,7 @@ def run_legs(out: Path, train_args: list[str], leg_seconds: float, *, max_legs: 
             trained = _read(out / "leg_report.json").get("train", {}).get("seconds")
             if trained is not None and rc == 0:
                 startup_seconds = max(startup_seconds * 0.5, wall - trained)
+                (out / STARTUP_FILE).write_text(json.dumps({"seconds": round(startup_seconds, 1)}))
             rate = (step1 - step0) / wall if wall > 0 else 0.0
             left = (total - step1) / rate if rate > 0 else float("nan")
             print(f"legs: leg {legs}: steps {step0} -> {step1} of {total} ({100 * step1 / total:.1f}%), "
@@ -122,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leg-seconds", type=float, default=540.0, help="one leg's wall time, at most")
     p.add_argument("--max-legs", type=int, default=None, help="end after this many legs (status 3 if not done)")
     p.add_argument("--startup-seconds", type=float, default=90.0,
-                   help="time a leg spends before training (target and data loading); re-measured")
+                   help="time a leg spends outside training (target and data loading, export) "
+                        f"until a leg has measured it (OUT/{STARTUP_FILE})")
     args = p.parse_args(own)
     for flag in ("--out", "--resume", "--data-only", "--leg-time-budget", "--train-time-budget",
                  "--gen-time-budget"):

@@ -141,3 +141,33 @@ def test_a_lost_checkpoint_continues_from_the_legs_exported_head(tiny_llama_dir,
     plain.warm_steps, plain.sched, plain.total_steps = before["warm_steps"], before["sched"], before["total_steps"]
     assert last["lr"] == pytest.approx(plain.lr_at(5) * 3 / REWARM_STEPS)  # step 5: the ramp's third
 
+
+
+def test_the_measured_startup_plans_the_next_invocations_leg(tmp_path, monkeypatch):
+    """One leg a command: the first plans with the default guess, measures the leg's time
+    outside training, and the next command's leg gets the training budget that leaves."""
+    from training import legs
+    out = tmp_path / "run"
+    out.mkdir()
+    clock = [0.0]
+    monkeypatch.setattr(legs.time, "monotonic", lambda: clock[0])
+    budgets = []
+
+    def fake_leg(argv, timeout):  # trains for its whole budget, 12 s outside it
+        budget = float(argv[argv.index("--leg-time-budget") + 1])
+        budgets.append(budget)
+        step = json.loads((out / "train_state" / "progress.json").read_text())["step"] \
+            if (out / "train_state" / "progress.json").exists() else 0
+        (out / "train_state").mkdir(exist_ok=True)
+        (out / "train_state" / "progress.json").write_text(json.dumps(
+            {"step": step + 10, "total_steps": 100, "epoch": 0, "batch": step + 10, "done": False}))
+        (out / "leg_report.json").write_text(json.dumps({"train": {"seconds": budget}}))
+        clock[0] += budget + 12.0
+        return 0
+
+    args = ["--data", "x.jsonl", "--no-eval"]
+    assert legs.run_legs(out, args, 300, max_legs=1, run_leg=fake_leg) == MORE_LEGS
+    assert json.loads((out / legs.STARTUP_FILE).read_text())["seconds"] == 45.0  # half the guess at least
+    assert legs.run_legs(out, args, 300, max_legs=1, run_leg=fake_leg) == MORE_LEGS
+    assert legs.run_legs(out, args, 300, max_legs=1, run_leg=fake_leg) == MORE_LEGS
+    assert budgets == [300 - 90, 300 - 45, round(300 - 22.5)]  # the guess halves at most a leg
