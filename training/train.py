@@ -322,9 +322,9 @@ class Trainer:
         fine-tune: the run starts at step 0. -> (epoch, batch) where the batch stream goes on.
         An exported fc has the feature scale folded in: unfold_feature_scale undoes it once
         the scale is known."""
-        from actors.models.eagle import read_eagle_spec
+        from actors.models.eagle import read_eagle_spec, read_head_state
         state = read_head_state(folder)
-        theirs = read_eagle_spec(Path(folder), self.target.arch)
+        theirs = read_eagle_spec(folder, self.target.arch)
         if (theirs.arch, theirs.aux_layers) != (self.head.spec.arch, self.head.spec.aux_layers):
             raise ValueError(f"{folder}: the head is {theirs.arch} reading layers {theirs.aux_layers}, this run "
                              f"trains {self.head.spec.arch} reading {self.head.spec.aux_layers} (--arch, --aux-layers)")
@@ -619,17 +619,6 @@ def _summarise(window: list[tuple[float, list]], step: int, lr: float) -> dict:
             "acc": [round(cr / max(n, 1), 4) for cr, n in zip(corr, cnt)]}
 
 
-def read_head_state(folder: Path) -> dict[str, torch.Tensor]:
-    """An exported head's tensors under their published names (training/export.py)."""
-    from safetensors.torch import load_file
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    if not state:
-        raise FileNotFoundError(f"{folder}: no *.safetensors (expected an exported head folder)")
-    return state
-
-
 def _vocab_of(head: EagleHead) -> DraftVocab:
     from training.vocab import from_d2t
     return from_d2t(head.d2t, head._target.arch.vocab_size)
@@ -839,6 +828,7 @@ def main(argv: list[str] | None = None) -> dict:
         from training.vocab import build_draft_vocab, count_assistant_tokens, coverage, from_d2t
         size = min(args.draft_vocab, tarch.vocab_size)
         if init_from is not None:  # the head's own vocabulary: its LM head's rows are those ids
+            from actors.models.eagle import read_head_state
             vocab = from_d2t(read_head_state(init_from)["d2t"].long(), tarch.vocab_size)
         else:
             vocab = build_draft_vocab(train, tarch.vocab_size, size, always_include=tarch.eos_token_ids)

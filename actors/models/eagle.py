@@ -274,6 +274,19 @@ def resolve_draft_path(draft_path: str | None, model_path: str | None,
                      "head fits only the default SmolLM2 target (train one: kestrel train-draft)")
 
 
+def read_head_state(folder: Path) -> dict[str, torch.Tensor]:
+    """A head folder's tensors under their published names (*.safetensors, then *.bin)."""
+    from safetensors.torch import load_file
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    for f in sorted(folder.glob("*.bin")):
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
+    if not state:
+        raise FileNotFoundError(f"{folder}: no *.safetensors or *.bin weights (expected an EAGLE head folder)")
+    return state
+
+
 @torch.no_grad()
 def load_eagle_head(path: str, target: LlamaForCausalLM, arch: str, dtype: torch.dtype,
                     device: torch.device, seed: int = 0) -> EagleHead:
@@ -293,16 +306,10 @@ def load_eagle_head(path: str, target: LlamaForCausalLM, arch: str, dtype: torch
             else:
                 p.copy_(torch.randn(p.shape, generator=g, device=device) * 0.02)  # fp32, one tensor
         return head
-    from safetensors.torch import load_file
     folder = Path(path)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"draft.path={path!r}: no config.json (expected an EAGLE head folder)")
     s = read_eagle_spec(folder, target.arch, arch)
     head = EagleHead(s, target)
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    for f in sorted(folder.glob("*.bin")):
-        state.update(torch.load(f, map_location="cpu", weights_only=True))
-    head.load_checkpoint_state(state)
+    head.load_checkpoint_state(read_head_state(folder))
     return head.to(device=device, dtype=dtype)  # .to(dtype) leaves the int64 d2t alone
