@@ -36,3 +36,14 @@ def test_vocab_kept_and_compiled_grammars_shared(tokenizer, monkeypatch):
     rows._grammar(schema)  # regex is now the oldest
     rows.reset(4, c.compile(("regex", "[cd]+")), [])
     assert regex not in rows._compiled and schema in rows._compiled and len(rows._compiled) == 2
+
+
+def test_a_rank_without_xgrammar_starts_and_says_so(monkeypatch, caplog):
+    """A GPU machine that only trains draft heads has no xgrammar: the engine's ranks
+    (the trainer's measurement) start anyway, and the start-up log names what is missing."""
+    def missing():
+        raise ModuleNotFoundError("No module named 'xgrammar'", name="xgrammar")
+    monkeypatch.setattr(grammar_rows, "_xgrammar", missing)
+    with caplog.at_level("WARNING", logger="kestrel.grammar"):
+        GrammarRows.preload()
+    assert "structured outputs unavailable: No module named 'xgrammar'" in caplog.text
