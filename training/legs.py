@@ -36,6 +36,10 @@ MORE_LEGS = 3
 # The last training leg's time outside training (start-up, checkpoint, export), kept in OUT:
 # a caller running one leg a command plans the next leg with it, not with the default guess.
 STARTUP_FILE = "legs_startup.json"
+# Where an unfinished leg exports the head as it stands (OUT/leg_head), and the file beside
+# its weights that says where in the run it stands.
+LEG_HEAD = "leg_head"
+POSITION = "position.json"
 
 
 def run_subprocess(argv: list[str], timeout: float) -> int:
@@ -92,7 +96,8 @@ def run_legs(out: Path, train_args: list[str], leg_seconds: float, *, max_legs: 
             argv = base + ["--resume", "--no-eval", "--leg-time-budget", f"{budget:.0f}"]
         else:  # the schedule is done: the resumed run only exports and measures
             argv = base + ["--resume"]
-        before = _read(out / "train_state" / "progress.json")
+        # where the leg starts: the checkpoint's progress, else a carried leg head's position
+        before = _read(out / "train_state" / "progress.json") or _read(out / LEG_HEAD / POSITION)
         legs += 1
         print(f"legs: leg {legs} ({what}), at most {leg_seconds:.0f}s", file=sys.stderr, flush=True)
         t0 = time.monotonic()

@@ -41,15 +41,12 @@ import torch.nn.functional as F
 from actors.models.eagle import EagleHead, EagleSpec
 from actors.models.llama import LlamaForCausalLM
 from training.categories import CATEGORIES, DEFAULT_MIX, parse_mix
+from training.legs import LEG_HEAD, POSITION
 from training.soft_ce import soft_ce
 from training.ttt_attention import CausalAttention, TTTAttention, ttt_attention, ttt_attention_dense
 from training.vocab import DraftVocab
 
 log = logging.getLogger("kestrel.training")
-# Where an unfinished leg exports the head as it stands (OUT/leg_head), and the file beside
-# its weights that says where in the run it stands.
-LEG_HEAD = "leg_head"
-POSITION = "position.json"
 # Steps of a learning-rate ramp after a start without the optimizer's moments (a run
 # continued from an exported head): Adam's first updates are the size of the learning rate
 # in every weight, whatever the gradient's size.

@@ -106,7 +106,8 @@ def test_a_lost_checkpoint_continues_from_the_legs_exported_head(tiny_llama_dir,
     """The machine holding the checkpoint is gone and only OUT/leg_head came back: the next
     leg continues from it (weights, feature scale unfolded, step, schedule and data
     position), with fresh optimizer moments behind a learning-rate ramp."""
-    from training.train import LEG_HEAD, POSITION, REWARM_STEPS
+    from training.legs import LEG_HEAD, POSITION
+    from training.train import REWARM_STEPS
     out = tmp_path / "lost"
     args = [a if a != "eagle" else "eagle3" for a in _args(tiny_llama_dir, data_file, 3)]
     args += ["--draft-vocab", "64", "--feature-scale", "rms"]
@@ -171,3 +172,21 @@ def test_the_measured_startup_plans_the_next_invocations_leg(tmp_path, monkeypat
     assert legs.run_legs(out, args, 300, max_legs=1, run_leg=fake_leg) == MORE_LEGS
     assert legs.run_legs(out, args, 300, max_legs=1, run_leg=fake_leg) == MORE_LEGS
     assert budgets == [300 - 90, 300 - 45, round(300 - 22.5)]  # the guess halves at most a leg
+
+
+def test_a_leg_continued_from_a_carried_head_reports_its_own_steps(tmp_path, capsys):
+    """On a fresh machine with only OUT/leg_head carried, the leg's line counts from the
+    head's step, not from 0 (the rate and time left come from that count)."""
+    from training import legs
+    out = tmp_path / "run"
+    (out / legs.LEG_HEAD).mkdir(parents=True)
+    (out / legs.LEG_HEAD / legs.POSITION).write_text(json.dumps({"step": 50, "total_steps": 100}))
+
+    def fake_leg(argv, timeout):
+        (out / "train_state").mkdir(exist_ok=True)
+        (out / "train_state" / "progress.json").write_text(json.dumps(
+            {"step": 60, "total_steps": 100, "epoch": 1, "batch": 2, "done": False}))
+        return 0
+
+    assert legs.run_legs(out, ["--data", "x.jsonl", "--no-eval"], 300, max_legs=1, run_leg=fake_leg) == MORE_LEGS
+    assert "steps 50 -> 60 of 100" in capsys.readouterr().err
