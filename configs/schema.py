@@ -139,7 +139,7 @@ class DraftConfig(_Strict):
     # EAGLE-1/2 heads: draft only among target token ids below this (a BPE vocabulary
     # numbers its tokens roughly by frequency), so each draft step reads that many rows of
     # the LM head instead of all. Lossless at any value (the target verifies); None: all.
-    # EAGLE-3 heads carry their own draft vocabulary and ignore it.
+    # EAGLE-3 heads carry their own draft vocabulary: set with one, it is refused at load.
     max_token_id: int | None = Field(None, ge=2)
     # Smaller draft shapes, [num_steps, num_draft_tokens] each with the same topk, that a
     # decode step may take instead of the configured one: per step, the shape with the most

@@ -411,6 +411,10 @@ class RankWorker:
             d = cfg.draft
             head = load_eagle_head(resolve_draft_path(d.path, cfg.model.path, cfg.model.load_format),
                                    model, d.arch, self.dtype, self.device, seed=cfg.seed)
+            if head.eagle3 and d.max_token_id is not None:
+                raise ValueError(f"draft.max_token_id={d.max_token_id} cuts the target's LM head for an "
+                                 "EAGLE-1 head; this EAGLE-3 head drafts among its own "
+                                 f"{head.spec.draft_vocab_size} ids: leave draft.max_token_id unset")
             head.max_token_id = d.max_token_id
             if self.cpu_weights == "packed":
                 from actors.models.packed_cpu_weights import pack_draft_weights

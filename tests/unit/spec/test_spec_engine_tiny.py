@@ -61,3 +61,10 @@ def test_draft_max_token_id_is_lossless_and_drafts_below_it(tiny_llama_dir, plai
     p, idx = head.topk(torch.randn(5, head.spec.hidden_size), 3)
     assert idx.max() < 40 and (p.sum(-1) <= 1 + 1e-6).all()
     assert outputs(eng, random_prompts(6, seed=11), 30) == plain
+
+
+def test_draft_max_token_id_with_an_eagle3_head_is_refused(tiny_llama_dir):
+    """An EAGLE-3 head drafts among its own vocabulary: the EAGLE-1 cut would not take
+    effect, so the engine refuses it at load, naming the setting."""
+    with pytest.raises(ValueError, match="draft.max_token_id=40 .* EAGLE-3 head drafts among its own"):
+        tiny_engine(tiny_llama_dir, *CHAIN, "draft.arch=eagle3", "draft.max_token_id=40")
