@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SMOLLM2_135M_INSTRUCT_EAGLE = Path(__file__).parent / "smollm2-135m-instruct-eagle"
+SMOLLM2_135M_INSTRUCT_EAGLE3 = Path(__file__).parent / "smollm2-135m-instruct-eagle3"
 
 
 def default_head_path() -> str:
-    return str(SMOLLM2_135M_INSTRUCT_EAGLE)
+    return str(SMOLLM2_135M_INSTRUCT_EAGLE3)
