@@ -25,11 +25,12 @@ def dp_attention_cfg(server, tiny_model):
 
     from configs.schema import load_config
     from serve_app.app import build_app
-    # Speculative (the preset's chain, a random head drafting below draft.max_token_id):
+    # Speculative (the preset's chain, a random EAGLE-1 head drafting below draft.max_token_id):
     # the draft phases and the LM head's vocabulary cut run their collectives too.
     cfg = load_config(overrides=server.overrides + [f"model.path={tiny_model}", "parallel.dp_size=2",
                                                     "parallel.dp_attention=true", "draft.enabled=true",
-                                                    "draft.path=random"])
+                                                    "draft.path=random", "draft.arch=eagle",
+                                                    "draft.max_token_id=16384"])
     # A health check each second: the replacement after the kill starts sooner.
     serve.run(build_app(cfg, engine_options={"health_check_period_s": 1.0}), name=APP,
               route_prefix="/dpattn")

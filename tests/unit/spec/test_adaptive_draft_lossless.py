@@ -19,7 +19,7 @@ from serve_app.engine.request import SamplingParams
 # The plain reference's settings (conftest.plain_chat_outputs), with the default chain and
 # every smaller chain shape; at most 4 running, so start-up times the shapes at 1, 2 and 4 only.
 BASE = ["model.dtype=float32", "kv_cache.num_slots=8192", "scheduler.max_running_requests=4",
-        "device=cpu", "draft.enabled=true", *CHAIN, "draft.max_token_id=16384",
+        "device=cpu", "draft.enabled=true", *CHAIN,
         "draft.adaptive_shapes=[[2,3],[1,2],[1,1]]", "draft.eager_shapes=true", "draft.plain_steps=true"]
 MAX = 32
 
