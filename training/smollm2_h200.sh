@@ -22,7 +22,9 @@
 #          unfinished leg exports the head as it stands to OUT/<head>/leg_head (about 20 MB):
 #          carry it off the machine with the leg, since the machine may be gone before the next;
 #          put back as OUT/<head>/leg_head on a fresh machine, the next leg continues from it.
-# EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement.
+# EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement. INIT_HEAD=DIR
+# starts every head of `heads` and `legs` from an exported head (train.py --init-head: the
+# shipped head fine-tuned on more data, for instance) instead of from scratch.
 set -euo pipefail
 out=${1:-runs/smollm2}
 gen_s=${2:-300}
@@ -62,6 +64,8 @@ head_flags() {  # the trainer's options for one named head
 }
 
 for h in "${heads[@]}"; do [ "$h" = shipped ] || head_flags "$h" > /dev/null || exit 2; done
+init=()
+[ -n "${INIT_HEAD:-}" ] && init=(--init-head "$INIT_HEAD")
 
 for stage in ${STAGES:-data heads}; do
   case $stage in
@@ -91,7 +95,7 @@ for stage in ${STAGES:-data heads}; do
           [ "$h" = shipped ] && continue
           # status 3: legs are left (run the stage again); the last leg measures the head
           { python -m training.legs --out "$out/$h" --leg-seconds "${LEG_S:-540}" --max-legs 1 -- \
-              "${eval_engine[@]}" "${share[@]}" $(head_flags "$h") --data "${parts[@]}" --eval-data "$held" \
+              "${eval_engine[@]}" "${share[@]}" $(head_flags "$h") "${init[@]}" --data "${parts[@]}" --eval-data "$held" \
               --epochs 40 --max-steps "${STEPS:-13000}" --eval-samples "$evals" --eval-max-tokens "$eval_tokens" \
               --eval-prompts "${eval_files[@]}" --eval-batch 128 || [ $? = 3 ]; } >> "$out/$h.log" 2>&1 & pids+=($!)
           continue
@@ -108,7 +112,7 @@ for stage in ${STAGES:-data heads}; do
           continue
         fi
         # The held-out split is GPU 0's (join_samples drops its prompts from training).
-        python -m training.train "${eval_engine[@]}" "${share[@]}" $(head_flags "$h") --data "${parts[@]}" \
+        python -m training.train "${eval_engine[@]}" "${share[@]}" $(head_flags "$h") "${init[@]}" --data "${parts[@]}" \
           --eval-data "$held" --epochs 40 --train-time-budget "$train_s" --eval-samples "$evals" \
           --eval-max-tokens "$eval_tokens" --eval-prompts "${eval_files[@]}" \
           --eval-batch 128 --out "$out/$h" > "$out/$h.log" 2>&1 & pids+=($!)
