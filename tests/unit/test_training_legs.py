@@ -190,3 +190,35 @@ def test_a_leg_continued_from_a_carried_head_reports_its_own_steps(tmp_path, cap
 
     assert legs.run_legs(out, ["--data", "x.jsonl", "--no-eval"], 300, max_legs=1, run_leg=fake_leg) == MORE_LEGS
     assert "steps 50 -> 60 of 100" in capsys.readouterr().err
+
+
+def test_fine_tuning_an_exported_head_starts_from_its_function(tiny_llama_dir, data_file, tmp_path):
+    """--init-head on a head without a position (a shipped head to fine-tune on more data):
+    the run starts at step 0 with the head's draft vocabulary, and the feature scale it
+    calibrates afresh is unfolded from the exported fc, so the fc applied to scaled
+    features computes what the exported head computes on the target's features."""
+    import shutil
+
+    from training.legs import LEG_HEAD, POSITION
+    args = [a if a != "eagle" else "eagle3" for a in _args(tiny_llama_dir, data_file, 3)]
+    args += ["--draft-vocab", "64", "--feature-scale", "rms"]
+    first = tmp_path / "first"
+    train_main(["--out", str(first), *args, "--resume"])
+    shipped = tmp_path / "shipped"
+    shutil.copytree(first / LEG_HEAD, shipped)
+    (shipped / POSITION).unlink()  # an exported head, not a leg of this run
+    exported = torch.load(first / "train_state" / "state.pt", weights_only=False)
+
+    tuned = tmp_path / "tuned"
+    leg0 = [a if a != "3" else "0" for a in args]
+    train_main(["--out", str(tuned), *leg0, "--init-head", str(shipped)])
+    state = torch.load(tuned / "train_state" / "state.pt", weights_only=False)
+    assert state["step"] == 0 and (state["epoch"], state["batch"]) == (0, 0)
+    assert torch.equal(state["draft_ids"], exported["draft_ids"])
+    fc = next(k for k in state["head"] if k.endswith("fc.weight"))
+    assert (state["feat_scale"] - 1).abs().max() > 0.1  # the unfold is visible in the fc
+    folded = exported["head"][fc].float() / exported["feat_scale"][None, :]  # what the export holds
+    assert torch.allclose(state["head"][fc].float() / state["feat_scale"][None, :], folded, rtol=2e-2, atol=1e-4)
+    for k, w in exported["head"].items():  # the rest as exported (bf16)
+        if k != fc:
+            assert torch.allclose(state["head"][k].float(), w.float(), rtol=2e-2, atol=1e-3), k
