@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from actors.models.eagle import EagleHead, EagleSpec
+from actors.models.eagle import EagleHead, EagleSpec, read_eagle_spec, read_head_state
 from actors.models.llama import LlamaForCausalLM
 from training.categories import CATEGORIES, DEFAULT_MIX, parse_mix
 from training.legs import LEG_HEAD, POSITION
@@ -319,7 +319,6 @@ class Trainer:
         fine-tune: the run starts at step 0. -> (epoch, batch) where the batch stream goes on.
         An exported fc has the feature scale folded in: unfold_feature_scale undoes it once
         the scale is known."""
-        from actors.models.eagle import read_eagle_spec, read_head_state
         state = read_head_state(folder)
         theirs = read_eagle_spec(folder, self.target.arch)
         if (theirs.arch, theirs.aux_layers) != (self.head.spec.arch, self.head.spec.aux_layers):
@@ -825,7 +824,6 @@ def main(argv: list[str] | None = None) -> dict:
         from training.vocab import build_draft_vocab, count_assistant_tokens, coverage, from_d2t
         size = min(args.draft_vocab, tarch.vocab_size)
         if init_from is not None:  # the head's own vocabulary: its LM head's rows are those ids
-            from actors.models.eagle import read_head_state
             vocab = from_d2t(read_head_state(init_from)["d2t"].long(), tarch.vocab_size)
         else:
             vocab = build_draft_vocab(train, tarch.vocab_size, size, always_include=tarch.eos_token_ids)
