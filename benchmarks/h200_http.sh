@@ -4,7 +4,8 @@
 #   bash benchmarks/h200_http.sh kestrel-plain OUT the same without speculation
 #   bash benchmarks/h200_http.sh proxy OUT        h200 preset through Serve's Python proxy instead
 #   bash benchmarks/h200_http.sh vllm-plain OUT   vllm serve, the same client
-#   bash benchmarks/h200_http.sh vllm-eagle OUT   vllm serve with our head (EAGLE, 3 tokens)
+#   bash benchmarks/h200_http.sh vllm-eagle OUT   vllm serve with the shipped head (EAGLE-3, 3 tokens;
+#                                                 HEAD_DIR=DIR for another EAGLE-3 head)
 # and on two GPUs (issue 18), HTTP only, at 64 and 128 streams:
 #   bash benchmarks/h200_http.sh dp1 OUT          one replica, one GPU (the baseline)
 #   bash benchmarks/h200_http.sh dp2 OUT          one replica, two independent DP ranks
@@ -104,6 +105,10 @@ case $part in
     bench 560 --config configs/h200.yaml --set scheduler.max_running_requests=128 "${extra[@]}" \
       --name "kestrel-$part" --no-in-process ;;
   vllm-eagle)
-    vllm_serve vllm-eagle3 --speculative-config '{"method": "eagle", "model": "/tmp/vwork/head_vllm", "num_speculative_tokens": 3}' ;;
+    # the head folder is already in the layout vLLM and SGLang load (LlamaForCausalLMEagle3,
+    # midlayer.*, d2t): no conversion, the same weights as Kestrel's preset
+    head=$(realpath "${HEAD_DIR:-heads/smollm2-135m-instruct-eagle3}")
+    vllm_serve vllm-eagle3 --speculative-config \
+      "{\"method\": \"eagle3\", \"model\": \"$head\", \"num_speculative_tokens\": 3}" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
