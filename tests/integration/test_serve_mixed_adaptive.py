@@ -42,9 +42,11 @@ def _counters(metrics: str, name: str, label: str) -> dict[str, float]:
     return {k: float(v) for k, v in pat.findall(metrics)}
 
 
-# Plain decoding's mixed steps are held in process (test_mixed_steps.py) and would add a
-# replica's start-up to make test's budget: the speculative cases run there.
-@pytest.mark.parametrize("draft", [pytest.param("plain", marks=pytest.mark.long), "chain", "tree"])
+# A replica's start-up each: make test's budget takes the tree (the adaptive shapes with
+# the most to switch between); plain and chain mixed steps are held in process there too
+# (test_mixed_steps.py, test_adaptive_draft_lossless.py).
+@pytest.mark.parametrize("draft", [pytest.param("plain", marks=pytest.mark.long),
+                                   pytest.param("chain", marks=pytest.mark.long), "tree"])
 def test_mixed_steps_and_adaptive_shapes_over_http_equal_the_engine(server, tiny_model, draft):
     from ray import serve
 

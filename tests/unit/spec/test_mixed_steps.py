@@ -35,8 +35,7 @@ def workers(fp32_worker):
 
 @pytest.mark.parametrize("draft", [
     ("draft.enabled=false",),
-    # the chain's mixed steps also run over HTTP in make test (test_serve_mixed_adaptive.py)
-    pytest.param(("draft.enabled=true", "draft.path=random", *CHAIN), marks=pytest.mark.long),
+    ("draft.enabled=true", "draft.path=random", *CHAIN),
     ("draft.enabled=true", "draft.path=random", *TREE),
     ("draft.enabled=true", *TREE),  # the shipped head: long accepts beside the chunks
 ], ids=["plain", "chain", "tree", "shipped-tree"])
