@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 
 import httpx
 import pytest
@@ -37,11 +36,6 @@ DRAFTS = {
 POLICY = ["draft.eager_shapes=true", "draft.plain_steps=false"]
 
 
-def _counters(metrics: str, name: str, label: str) -> dict[str, float]:
-    pat = re.compile(rf'^{name}_total\{{[^}}]*{label}="([^"]+)"[^}}]*\}} (\S+)', re.M)
-    return {k: float(v) for k, v in pat.findall(metrics)}
-
-
 # A replica's start-up each: make test's budget takes the tree (the adaptive shapes with
 # the most to switch between); plain and chain mixed steps are held in process there too
 # (test_mixed_steps.py, test_adaptive_draft_lossless.py).
@@ -50,6 +44,7 @@ def _counters(metrics: str, name: str, label: str) -> dict[str, float]:
 def test_mixed_steps_and_adaptive_shapes_over_http_equal_the_engine(server, tiny_model, draft):
     from ray import serve
 
+    from benchmarks.http_client import parse_metrics
     from configs.schema import load_config
     from serve_app.app import build_app
     from serve_app.engine.llm_engine import LLMEngine
@@ -84,11 +79,11 @@ def test_mixed_steps_and_adaptive_shapes_over_http_equal_the_engine(server, tiny
         answers = asyncio.run(run_all())
         assert all(a["usage"]["completion_tokens"] == MAX_TOKENS for a in answers)
         assert [a["choices"][0]["text"] for a in answers] == expected
-        metrics = httpx.get(server.base_url + "/mixed/metrics", timeout=30).text
-        steps = _counters(metrics, "kestrel_engine_steps", "mode")
-        assert steps.get("mixed", 0) > 0, steps  # prompt chunks rode in decode steps
+        metrics = parse_metrics(httpx.get(server.base_url + "/mixed/metrics", timeout=30).text)
+        assert metrics.get("kestrel_engine_steps_total:mixed", 0) > 0, metrics  # chunks rode in decode steps
         if draft != "plain":
-            shapes = _counters(metrics, "kestrel_engine_draft_shape_steps", "shape")
+            shapes = {k: v for k, v in metrics.items()
+                      if k.startswith("kestrel_engine_draft_shape_steps_total:")}
             assert sum(v > 0 for v in shapes.values()) >= 2, shapes  # the policy switched
     finally:
         serve.delete(APP)
