@@ -165,7 +165,8 @@ class DraftConfig(_Strict):
     # The next speculative step drafts once from the top-k before the plain steps; output
     # does not change (every draft is verified). Its cost is measured beside the shapes':
     # from the decode graph on a GPU, eagerly with eager_shapes on the CPU (without either,
-    # no choice). Off in every preset until measured on the GPU with the KV write.
+    # no choice). On in the CPU preset; off in the GPU presets, where at 256-512 streams it
+    # measured within the runs' spread of the preset (docs/benchmarks.md).
     plain_steps: bool = False
     # With step graphs, a shape's cost at a batch size is the larger of its graph's replay
     # time (measured at start-up) and the step loop's measured time between its steps'
