@@ -819,12 +819,13 @@ def main(argv: list[str] | None = None) -> dict:
     if init_from is None and args.resume and not state_path.exists() and (out / LEG_HEAD / POSITION).exists():
         init_from = out / LEG_HEAD
         log.info("no checkpoint in %s: continuing from the head the last leg exported", state_path.parent)
+    init_state = read_head_state(init_from) if init_from is not None else None
     vocab = None
     if args.arch == "eagle3":
         from training.vocab import build_draft_vocab, count_assistant_tokens, coverage, from_d2t
         size = min(args.draft_vocab, tarch.vocab_size)
-        if init_from is not None:  # the head's own vocabulary: its LM head's rows are those ids
-            vocab = from_d2t(read_head_state(init_from)["d2t"].long(), tarch.vocab_size)
+        if init_state is not None:  # the head's own vocabulary: its LM head's rows are those ids
+            vocab = from_d2t(init_state["d2t"].long(), tarch.vocab_size)
         else:
             vocab = build_draft_vocab(train, tarch.vocab_size, size, always_include=tarch.eos_token_ids)
         train_cov = coverage(count_assistant_tokens(train), vocab.t2d) if init_from else vocab.coverage
@@ -848,6 +849,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.resume and before_path.exists():
         before = json.loads(before_path.read_text())
     else:
+        if init_state is not None:  # the head fine-tuned or continued, not a fresh one
+            # (its fc as exported, with any feature scale folded in: the target's features as they are)
+            trainer.head.load_checkpoint_state(init_state)
         before = trainer.evaluate(held)
         before_path.parent.mkdir(parents=True, exist_ok=True)
         before_path.write_text(json.dumps(before))

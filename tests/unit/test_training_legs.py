@@ -222,3 +222,7 @@ def test_fine_tuning_an_exported_head_starts_from_its_function(tiny_llama_dir, d
     for k, w in exported["head"].items():  # the rest as exported (bf16)
         if k != fc:
             assert torch.allclose(state["head"][k].float(), w.float(), rtol=2e-2, atol=1e-3), k
+    # The held-out figure "before" is the exported head's, not a fresh head's: a fresh one,
+    # built with the same seed as the first run's, would give the first run's figure exactly.
+    before = [json.loads((run / "train_state" / "heldout_before.json").read_text()) for run in (first, tuned)]
+    assert before[1] != before[0]
