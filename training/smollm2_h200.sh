@@ -22,6 +22,8 @@
 #          unfinished leg exports the head as it stands to OUT/<head>/leg_head (about 20 MB):
 #          carry it off the machine with the leg, since the machine may be gone before the next;
 #          put back as OUT/<head>/leg_head on a fresh machine, the next leg continues from it.
+# GREEDY sets the share of greedy answers in `data` (default 0.7; 1.0: every answer as greedy
+# decoding, the way accept lengths are measured, writes it).
 # EVAL_SAMPLES (default 48) and EVAL_TOKENS (default 256) set the measurement. INIT_HEAD=DIR
 # starts every head of `heads` and `legs` from an exported head (train.py --init-head: the
 # shipped head fine-tuned on more data, for instance) instead of from scratch.
@@ -76,7 +78,7 @@ for stage in ${STAGES:-data heads}; do
         seed=$((seed0 + g))
         CUDA_VISIBLE_DEVICES=$g python -m training.train "${gen_engine[@]}" --out "$out/data$seed" --data-only \
           --seed "$seed" --samples 200000 --gen-batch 512 \
-          --gen-time-budget "$gen_s" --greedy-fraction 0.7 "${mix_flag[@]}" --eval-only-prompts "${eval_files[@]}" \
+          --gen-time-budget "$gen_s" --greedy-fraction "${GREEDY:-0.7}" "${mix_flag[@]}" --eval-only-prompts "${eval_files[@]}" \
           > "$out/data$seed.log" 2>&1 & pids+=($!)
       done
       for p in "${pids[@]}"; do wait "$p"; done ;;
