@@ -3,6 +3,8 @@ must leave a worker exactly as usable as before: run here on the CPU worker, the
 output is unchanged."""
 from __future__ import annotations
 
+import pytest
+
 from actors.graphs.warmup import (CHUNK_LENS, prefill_shapes, warm_up_prefill, warm_up_processing,
                             warm_up_sampled_decode)
 from configs.schema import load_config
@@ -18,6 +20,9 @@ def test_shapes_cover_every_chunk_length_alone_and_batched_within_the_pools():
     assert all(b <= 4 and b * n <= 100 and 16 + b * -(-n // 16) * 16 <= 200 for b, n in small), small
 
 
+# The speculative worker's case below runs the same prefill warm-up on its target, and more:
+# long, for make test's budget.
+@pytest.mark.long
 def test_warm_up_leaves_the_worker_serving_the_same_tokens(fp32_worker, tokenizer, chat_prompts):
     cfg = load_config(overrides=["model.dtype=float32", "kv_cache.num_slots=8192", "device=cpu",
                                  "scheduler.max_running_requests=16", "draft.enabled=false"])

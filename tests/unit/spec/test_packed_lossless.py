@@ -21,7 +21,12 @@ def run(cfg, tokenizer, prompts, batch):
     return [r for i in range(0, len(prompts), batch) for r in eng.generate(prompts[i:i + batch], greedy(MAX))]
 
 
-@pytest.mark.parametrize("batch,n", [(1, 4), (8, 8)])
+@pytest.mark.parametrize("batch,n", [
+    # One request at a time is also held to packed plain output through Serve, with a grammar
+    # (test_serve_default_spec.py, packed): long, for make test's budget.
+    pytest.param(1, 4, marks=pytest.mark.long),
+    (8, 8),
+])
 def test_packed_model_speculates_losslessly(tokenizer, chat_prompts, batch, n):
     cfg = load_config(overrides=BASE + ["draft.enabled=true", *CHAIN])
     plain = run(load_config(overrides=BASE + ["draft.enabled=false"]), tokenizer, chat_prompts[:n], batch)
