@@ -60,6 +60,7 @@ head_flags() {  # the trainer's options for one named head
     eagle3-lmtarget) echo --arch eagle3 --draft-vocab 8192 --lm-head-init target ;;
     eagle3-ttt3)     echo --arch eagle3 --draft-vocab 8192 --ttt-steps 3 ;;
     eagle3-fscale)   echo --arch eagle3 --draft-vocab 8192 --feature-scale rms ;;
+    eagle3-fscale-lmtarget) echo --arch eagle3 --draft-vocab 8192 --feature-scale rms --lm-head-init target ;;
     eagle3-last)     echo --arch eagle3 --draft-vocab 8192 --aux-layers 2 15 30 ;;
     *) echo "unknown head $1" >&2; return 2 ;;
   esac
