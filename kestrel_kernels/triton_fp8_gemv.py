@@ -6,10 +6,12 @@
 At one to a few rows the layer is a read of the weight: cuBLASLt's row-scaled FP8 GEMM runs
 it as 128x128 tiles, far from the bandwidth (docs/benchmarks.md, "FP8 at one stream").
 
-Two kernels share the tiling. The default (`mma`) pads the rows to 16 and multiplies each
-weight tile by them on the tensor cores: its time is flat from 1 to 16 rows. The unrolled
-GEMV (mma=False), described next, is a few percent faster at one row and grows with the
-rows; the benchmark's sweep keeps it for comparison.
+Two kernels share the tiling. The default (`mma`) pads the rows to BLOCK_M (16 for 1 to 16
+rows, 64 for 17 to 64) and multiplies each weight tile by them on the tensor cores: its time
+is nearly flat in the rows, so up to 64 streams' decode step reads each weight once, where
+cuBLASLt's row-scaled GEMM is far from the bandwidth at these row counts too. The unrolled
+GEMV (mma=False, up to 16 rows), described next, is a few percent faster at one row and
+grows with the rows; the benchmark's sweep keeps it for comparison.
 
 In the GEMV each program owns BLOCK_N output channels and a slice of K: per iteration it
 loads a [BLOCK_N, BLOCK_K] weight tile (16-byte loads along K, which is contiguous),
@@ -23,8 +25,10 @@ each split writes its fp32 sums to a [SPLIT_K, M, N] buffer and a second kernel 
 in split order, then scales, adds the bias and casts (no atomics: the same bits every run).
 
 A row's summation order depends on BLOCK_N, BLOCK_K, SPLIT_K and num_warps, so the default
-config depends on the layer's shape (and the GPU's SM count), never on M: a token's output
-is the same at one row as among sixteen. No host reads of device values: the call can be
+config depends on the layer's shape (and the GPU's SM count), never on M; the tensor-core
+kernel's BLOCK_M follows M's bucket, so a token's output is the same at one row as among
+sixteen, and the same among 17 as among 64, but may differ in the last bit between the two
+buckets (another MMA shape). No host reads of device values: the call can be
 captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -36,9 +40,11 @@ import torch
 from kestrel_kernels.fp8_format import FP8
 from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
 
-__all__ = ["HAS_TRITON", "MAX_ROWS", "default_config", "fp8_gemv"]
+__all__ = ["HAS_TRITON", "MAX_ROWS", "UNROLLED_MAX_ROWS", "block_m", "default_config", "fp8_gemv"]
 
-MAX_ROWS = 16  # unrolled by the GEMV, padded to by the MMA kernel; past it a GEMM wins anyway
+MAX_ROWS = 64  # padded to by the MMA kernel; past it cuBLASLt's tiles are full anyway
+UNROLLED_MAX_ROWS = 16  # unrolled by the GEMV (mma=False), whose time grows with the rows
+_ROW_BUCKETS = (16, MAX_ROWS)  # the MMA kernel's BLOCK_M: the smallest that holds M
 _SMS_WITHOUT_CUDA = 132  # the interpreter has no SM count; an H100/H200's keeps configs alike
 
 if HAS_TRITON:
@@ -65,11 +71,11 @@ if HAS_TRITON:
     def _fp8_mma_kernel(XQ, XS, WQ, WS, BIAS, OUT, PART, M, N, K, stride_xm, stride_xs, stride_wn,
                         stride_om, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """The same sums on the tensor cores: the rows padded to BLOCK_M (16) with zeros, both
-        tiles widened to fp16 (exact: E4M3's 3 mantissa bits and 2^-9..448 fit) and multiplied
-        by tl.dot into fp32. An output element's sum does not depend on the other rows' values,
-        and BLOCK_M is the same at every M, so a row's bits are the same alone or among
-        fifteen others."""
+        """The same sums on the tensor cores: the rows padded to BLOCK_M (block_m(M)) with
+        zeros, both tiles widened to fp16 (exact: E4M3's 3 mantissa bits and 2^-9..448 fit) and
+        multiplied by tl.dot into fp32. An output element's sum does not depend on the other
+        rows' values, and BLOCK_M is the same for every M of a bucket, so a row's bits are the
+        same alone or among fifteen others (and among 17 or 64)."""
         pid_k, offs_m, offs_n, offs_k, w_ptrs, k_start, k_end = _tile(
             WQ, N, K, stride_wn, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
         m_ok = offs_m < M
@@ -142,6 +148,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def block_m(M: int) -> int:
+    """The tensor-core kernel's padded row count for M rows: 16 up to 16 rows (one MMA's
+    rows), else 64 (a Hopper warpgroup MMA's)."""
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"fp8_gemv takes 1..{MAX_ROWS} rows, got {M}")
+    return next(b for b in _ROW_BUCKETS if M <= b)
+
+
 def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 32,
                    block_k: int = 256, mma: bool = True) -> dict:
     """The launch config for a weight [N, K] on a GPU of `sms` SMs: the tensor-core kernel on
@@ -160,11 +174,12 @@ def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 
 
 def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, **config) -> torch.Tensor:
-    """xq [M, K] fp8 and xs [M, 1] fp32 (quantize_rows' output, M <= MAX_ROWS), wq [N, K] fp8,
-    ws [N, 1] fp32, bias [N] or None -> [M, N] out_dtype. `config` overrides default_config's
-    keys (block_n, block_k, split_k, num_warps, num_stages, mma: the tensor-core kernel): the
-    benchmark's sweep. Without split_k, K is split by default_config's rule for the tile
-    asked for."""
+    """xq [M, K] fp8 and xs [M, 1] fp32 (quantize_rows' output, M <= MAX_ROWS, or
+    UNROLLED_MAX_ROWS with mma=False), wq [N, K] fp8, ws [N, 1] fp32, bias [N] or None ->
+    [M, N] out_dtype. `config` overrides default_config's keys (block_n, block_k, split_k,
+    num_warps, num_stages, mma: the tensor-core kernel) and block_m (the tensor-core kernel's
+    padded rows, default block_m(M)): the benchmark's sweep. Without split_k, K is split by
+    default_config's rule for the tile asked for."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; use kestrel_kernels.fp8_linear.fp8_linear_ref")
     M, K = xq.shape
@@ -175,7 +190,7 @@ def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     if not 1 <= M <= MAX_ROWS or xs.shape != (M, 1) or ws.shape != (N, 1):
         raise ValueError(f"fp8_gemv takes 1..{MAX_ROWS} rows with xs [M, 1] and ws [N, 1]; got "
                          f"M={M}, xs {tuple(xs.shape)}, ws {tuple(ws.shape)}")
-    unknown = set(config) - {"block_n", "block_k", "split_k", "num_warps", "num_stages", "mma"}
+    unknown = set(config) - {"block_n", "block_k", "block_m", "split_k", "num_warps", "num_stages", "mma"}
     if unknown:
         raise ValueError(f"fp8_gemv: unknown config keys {sorted(unknown)}")
     blocks = {k: config[k] for k in ("block_n", "block_k", "mma") if k in config}
@@ -185,6 +200,12 @@ def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
             or (cfg["mma"] and block_n < 16):
         raise ValueError(f"fp8_gemv: block_n and block_k must be powers of two (block_k >= 16, "
                          f"block_n >= 16 with mma), split_k >= 1; got {cfg}")
+    if cfg["mma"]:
+        rows = cfg.get("block_m", block_m(M))
+        if rows < M or rows < 16 or rows & (rows - 1):
+            raise ValueError(f"fp8_gemv: block_m must be a power of two >= 16 and >= M={M}; got {rows}")
+    elif M > UNROLLED_MAX_ROWS:
+        raise ValueError(f"fp8_gemv: the unrolled GEMV (mma=False) takes 1..{UNROLLED_MAX_ROWS} rows, got {M}")
     # Splits a whole number of tiles long, so every tile but a split's last is unmasked.
     k_per_split = -(-K // (split * block_k)) * block_k
     split = -(-K // k_per_split)  # a split that would start past K is dropped
@@ -198,9 +219,9 @@ def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     grid = (triton.cdiv(N, block_n), split)
     launch = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=has_bias,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cfg["mma"]:  # M a runtime value: one compiled kernel for 1..16 rows
+    if cfg["mma"]:  # M a runtime value: one compiled kernel per row bucket
         _fp8_mma_kernel[grid](xq, xs, wq, ws, b, out, part, M, N, K, xq.stride(0), xs.stride(0),
-                              wq.stride(0), out.stride(0), k_per_split, BLOCK_M=MAX_ROWS, **launch)
+                              wq.stride(0), out.stride(0), k_per_split, BLOCK_M=rows, **launch)
     else:
         _fp8_gemv_kernel[grid](xq, xs, wq, ws, b, out, part, N, K, xq.stride(0), xs.stride(0),
                                wq.stride(0), out.stride(0), k_per_split, M=M,

@@ -9,7 +9,7 @@ import torch
 import kestrel_kernels.fp8_linear as fp8_linear
 import kestrel_kernels.triton_fp8_gemv as kernels
 from kestrel_kernels.fp8_linear import fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows
-from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, default_config, fp8_gemv
+from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, block_m, default_config, fp8_gemv
 
 INTERPRETED, DEVICE, pytestmark = triton_setup(kernels, "_fp8_gemv_kernel")
 gpu_only = pytest.mark.skipif(DEVICE == "cpu", reason="model shapes: too slow in the interpreter")
@@ -46,6 +46,18 @@ CASES = [(37, 200, {}), (45, 1000, dict(block_k=128, split_k=3)), (20, 1000, dic
 @pytest.mark.parametrize("N,K,config", CASES)
 @pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
 def test_equals_the_reference(M, N, K, config, dtype, bias):
+    check_case(M, N, K, config, dtype, bias)
+
+
+# Past 16 rows only the tensor-core kernel runs, its rows padded to 64.
+@pytest.mark.parametrize("M", [17, 40, MAX_ROWS])
+@pytest.mark.parametrize("N,K,config", [c for c in CASES if c[2].get("mma")] + [(37, 200, {})])
+def test_past_sixteen_rows_equals_the_reference(M, N, K, config):
+    assert block_m(M) == MAX_ROWS
+    check_case(M, N, K, config, torch.bfloat16, True)
+
+
+def check_case(M, N, K, config, dtype, bias):
     x = randn(M, K, seed=M + K, dtype=dtype)  # [M, K]
     x[0, : K // 3] *= 50  # a row with a wide range
     wq, ws, b = layer(N, K, seed=N, bias_dtype=dtype if bias else None)
@@ -71,6 +83,18 @@ def test_a_row_is_the_same_alone_among_others_and_run_to_run(config):
     assert torch.equal(fp8_gemv(mixed_q, mixed_s, wq, ws, b, torch.bfloat16, **config)[1], batch[5])
 
 
+def test_a_row_is_the_same_among_17_and_among_64():
+    N, K = 29, 600
+    wq, ws, b = layer(N, K, seed=3, bias_dtype=torch.bfloat16)
+    xq, xs = quantize_rows(randn(MAX_ROWS, K, seed=6, dtype=torch.bfloat16))  # [64, K] fp8, [64, 1]
+    full = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16)  # [64, N]
+    part = fp8_gemv(xq[:17], xs[:17], wq, ws, b, torch.bfloat16)  # [17, N]
+    assert torch.equal(part, full[:17])
+    # Padded to 64 on purpose, one row is the same bits as in the 64-row batch.
+    alone = fp8_gemv(xq[40:41], xs[40:41], wq, ws, b, torch.bfloat16, block_m=MAX_ROWS)
+    assert torch.equal(alone[0], full[40])
+
+
 def test_the_default_config_depends_on_the_shape_only_and_fills_the_gpu():
     # Qwen2.5-7B's o (3584 x 3584) and down projections: 448 tiles of 8 channels, so K splits.
     assert default_config(3584, 3584)["split_k"] > 1 and default_config(3584, 18944)["split_k"] > 1
@@ -84,9 +108,13 @@ def test_the_default_config_depends_on_the_shape_only_and_fills_the_gpu():
 
 def test_refuses_what_it_cannot_run():
     wq, ws, _ = layer(16, 64, seed=6)
-    xq, xs = quantize_rows(randn(17, 64, seed=7))
-    with pytest.raises(ValueError, match="1..16 rows"):
+    xq, xs = quantize_rows(randn(MAX_ROWS + 1, 64, seed=7))
+    with pytest.raises(ValueError, match=f"1..{MAX_ROWS} rows"):
         fp8_gemv(xq, xs, wq, ws, None, torch.float32)
+    with pytest.raises(ValueError, match="unrolled GEMV .* 1..16 rows"):
+        fp8_gemv(xq[:17], xs[:17], wq, ws, None, torch.float32, mma=False)
+    with pytest.raises(ValueError, match="block_m must be"):
+        fp8_gemv(xq[:17], xs[:17], wq, ws, None, torch.float32, block_m=16)
     with pytest.raises(ValueError, match="contiguous last dim"):
         fp8_gemv(xq[:2], xs[:2], wq.t().contiguous().t(), ws, None, torch.float32)
     with pytest.raises(ValueError, match="block_n >= 16 with mma"):
@@ -130,8 +158,8 @@ def test_the_setting_routes_few_rows_to_the_gemv(routed):
     fp8_linear.set_gemv_max_rows(0)  # off: one row takes the GEMM too
     fp8_linear_scaled_mm(x[:1], wq, ws, b)
     assert routed == [5, 1]
-    with pytest.raises(ValueError, match="0..16"):
-        fp8_linear.set_gemv_max_rows(17)
+    with pytest.raises(ValueError, match=f"0..{MAX_ROWS}"):
+        fp8_linear.set_gemv_max_rows(MAX_ROWS + 1)
 
 
 def test_the_schema_setting():
@@ -142,7 +170,7 @@ def test_the_schema_setting():
     assert load_config("configs/h200-72b.yaml").model.fp8_gemv_max_rows == MAX_ROWS
     assert ModelConfig(fp8_gemv_max_rows=8).fp8_gemv_max_rows == 8
     with pytest.raises(ValidationError):
-        ModelConfig(fp8_gemv_max_rows=17)
+        ModelConfig(fp8_gemv_max_rows=MAX_ROWS + 1)
 
 
 # Qwen2.5-7B's and 72B's GEMMs (N, K), on a GPU with their default configs.
@@ -150,7 +178,7 @@ MODEL_SHAPES = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (10240
 
 
 @gpu_only
-@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("M", [1, 8, 16, 17, 64])
 @pytest.mark.parametrize("N,K", MODEL_SHAPES)
 def test_model_shapes_on_the_gpu(M, N, K):
     x = randn(M, K, seed=M, dtype=torch.bfloat16)  # [M, K] bf16
@@ -159,7 +187,8 @@ def test_model_shapes_on_the_gpu(M, N, K):
     got = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16)
     check_close(got, fp8_linear_ref(x, wq, ws, b))
     assert torch.equal(fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16), got)
-    assert torch.equal(fp8_gemv(xq[-1:], xs[-1:], wq, ws, b, torch.bfloat16)[0], got[-1])
+    alone = fp8_gemv(xq[-1:], xs[-1:], wq, ws, b, torch.bfloat16, block_m=block_m(M))  # M's padding
+    assert torch.equal(alone[0], got[-1])
 
 
 @gpu_only
