@@ -62,6 +62,10 @@ head_flags() {  # the trainer's options for one named head
     eagle3-fscale)   echo --arch eagle3 --draft-vocab 8192 --feature-scale rms ;;
     eagle3-fscale-lmtarget) echo --arch eagle3 --draft-vocab 8192 --feature-scale rms --lm-head-init target ;;
     eagle3-last)     echo --arch eagle3 --draft-vocab 8192 --aux-layers 2 15 30 ;;
+    # The shipped recipe with an MLP 4x the target's width (its held-out top-1 equals its
+    # training top-1: the head underfits); with INIT_HEAD of the target's width it starts
+    # as that head, widened (train.py --intermediate-size).
+    eagle3-fscale-wide) echo --arch eagle3 --draft-vocab 8192 --feature-scale rms --intermediate-size 6144 ;;
     *) echo "unknown head $1" >&2; return 2 ;;
   esac
 }

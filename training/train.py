@@ -118,10 +118,15 @@ class TrainResult:
 
 
 def make_spec(target_arch, arch: str, vocab: DraftVocab | None,
-              aux_layers: tuple[int, ...] | None = None) -> EagleSpec:
+              aux_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None) -> EagleSpec:
     """The head's shape; for EAGLE-3 `aux_layers` picks the captured residual streams (i:
-    the stream entering layer i, num_layers: the last layer's output before the final norm)."""
+    the stream entering layer i, num_layers: the last layer's output before the final norm);
+    `intermediate_size` the MLP's width (default the target's)."""
     s = EagleSpec.for_target(target_arch, arch, vocab.size if vocab is not None else None)
+    if intermediate_size is not None:
+        if intermediate_size < 1:
+            raise ValueError(f"--intermediate-size must be positive, not {intermediate_size}")
+        s.intermediate_size = intermediate_size
     if arch == "eagle3":
         L = target_arch.num_layers
         if aux_layers:
@@ -157,6 +162,38 @@ def init_head(spec: EagleSpec, target: LlamaForCausalLM, vocab: DraftVocab | Non
         head.lm_head.weight.copy_(target.lm_head.weight[vocab.token_ids.to(dev)].float().cpu())
         head.norm.weight.copy_(target.model.norm.weight.float().cpu())
     return head.to(dev)
+
+
+_MLP_IN = ("mlp.gate_proj.weight", "mlp.up_proj.weight")  # [I, H]: a row per MLP channel
+_MLP_OUT = "mlp.down_proj.weight"  # [H, I]: a column per MLP channel
+
+
+@torch.no_grad()
+def widen_mlp(state: dict[str, torch.Tensor], head: EagleHead) -> dict[str, torch.Tensor]:
+    """An exported head's state (published names) for `head`, whose MLP may be wider: the
+    narrower head's channels first, the new gate/up rows as `head` initialised them and the
+    new down columns zero, so the widened head computes what the narrower one did and
+    training grows into the added channels. A state as wide as the head is returned as is."""
+    # By suffix: EAGLE-1 folders publish layers.0.*, the head's own names are model.layers.0.*
+    own = {suffix: t for name, t in head.state_for_export().items()
+           for suffix in (*_MLP_IN, _MLP_OUT) if name.endswith(suffix)}
+    out = dict(state)
+    for name, t in state.items():
+        suffix = next((x for x in own if name.endswith(x)), None)
+        if suffix is not None:
+            mine = own[suffix]
+            ch_dim = 0 if suffix in _MLP_IN else 1
+            have, want = t.shape[ch_dim], mine.shape[ch_dim]
+            if have > want:
+                raise ValueError(f"{name}: the head to start from has {have} MLP channels, this run's "
+                                 f"--intermediate-size is {want}: it can widen a head, not narrow it")
+            if have < want:
+                grown = mine.detach().to(device=t.device, dtype=t.dtype, copy=True)
+                if ch_dim == 1:
+                    grown.zero_()
+                grown.narrow(ch_dim, 0, have).copy_(t)
+                out[name] = grown
+    return out
 
 
 # ---- batches ----------------------------------------------------------------------------------
@@ -319,7 +356,7 @@ class Trainer:
         fine-tune: the run starts at step 0. -> (epoch, batch) where the batch stream goes on.
         An exported fc has the feature scale folded in: unfold_feature_scale undoes it once
         the scale is known."""
-        state = read_head_state(folder)
+        state = widen_mlp(read_head_state(folder), self.head)
         theirs = read_eagle_spec(folder, self.target.arch)
         if (theirs.arch, theirs.aux_layers) != (self.head.spec.arch, self.head.spec.aux_layers):
             raise ValueError(f"{folder}: the head is {theirs.arch} reading layers {theirs.aux_layers}, this run "
@@ -678,6 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--token-weight", type=float, default=TrainConfig.token_weight,
                    help="EAGLE-1/2: weight of the token loss")
     t.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    t.add_argument("--intermediate-size", type=int, default=None,
+                   help="the head's MLP width (default the target's); an --init-head of the target's "
+                        "width is widened into it, computing what it did")
     t.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="I",
                    help="EAGLE-3: the target's residual streams the head reads (i: entering layer i; "
                         "the layer count: the last layer's output); default 2, L/2, L-3")
@@ -841,8 +881,8 @@ def main(argv: list[str] | None = None) -> dict:
                      hard_targets=args.hard_targets, feature_scale=args.feature_scale,
                      seed=args.seed, save_every=args.save_every,
                      time_budget_s=args.train_time_budget, max_steps=args.max_steps)
-    head = init_head(make_spec(tarch, args.arch, vocab, args.aux_layers), target, vocab, seed=args.seed,
-                     lm_head_from_target=args.lm_head_init == "target")
+    head = init_head(make_spec(tarch, args.arch, vocab, args.aux_layers, args.intermediate_size), target, vocab,
+                     seed=args.seed, lm_head_from_target=args.lm_head_init == "target")
     trainer = Trainer(target, head, tc, vocab)
     # measured once, by the first leg: later legs start from a trained head
     before_path = state_path.parent / "heldout_before.json"
@@ -851,7 +891,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         if init_state is not None:  # the head fine-tuned or continued, not a fresh one
             # (its fc as exported, with any feature scale folded in: the target's features as they are)
-            trainer.head.load_checkpoint_state(init_state)
+            trainer.head.load_checkpoint_state(widen_mlp(init_state, trainer.head))
         before = trainer.evaluate(held)
         before_path.parent.mkdir(parents=True, exist_ok=True)
         before_path.write_text(json.dumps(before))

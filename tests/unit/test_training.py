@@ -260,6 +260,40 @@ def test_export_load_round_trip(trained, tiny_target, tmp_path, arch):
     assert [f.name for f in one] == ["model.safetensors"]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_widened_head_computes_what_it_did_and_serves_losslessly(trained, tiny_target, tiny_llama_dir,
+                                                                   synthetic, tmp_path, arch):
+    """--intermediate-size with --init-head: the narrower head's MLP channels first, the new
+    down-projection columns zero, so before training the widened head's held-out loss and
+    top-1 per step are the narrow head's; the wider head exports, loads by its config and
+    keeps greedy speculative output equal to plain output."""
+    from actors.models.eagle import read_head_state
+    from training.train import widen_mlp
+    narrow = trained[arch].head
+    export_head(narrow, tmp_path / "narrow", torch.float32)
+    vocab = from_d2t(narrow.d2t.long().cpu(), tiny_target.arch.vocab_size) if arch == "eagle3" else None
+    width = 2 * narrow.spec.intermediate_size + 3
+    wide = init_head(make_spec(tiny_target.arch, arch, vocab, intermediate_size=width), tiny_target, vocab, seed=5)
+    fresh = Trainer(tiny_target, wide, _config(arch), vocab).evaluate(synthetic[:16])
+    wide.load_checkpoint_state(widen_mlp(read_head_state(tmp_path / "narrow"), wide))
+    before = Trainer(tiny_target, narrow, _config(arch), vocab).evaluate(synthetic[:16])
+    after = Trainer(tiny_target, wide, _config(arch), vocab).evaluate(synthetic[:16])
+    assert after["acc"] == before["acc"] and after["loss"] == pytest.approx(before["loss"], rel=1e-5)
+    assert fresh["loss"] != pytest.approx(before["loss"], rel=1e-2)  # the copy is what made them equal
+    with pytest.raises(ValueError, match="widen a head, not narrow"):
+        widen_mlp(wide.state_for_export(), narrow)
+    export_head(wide, tmp_path / "wide", torch.float32)
+    assert load_eagle_head(str(tmp_path / "wide"), tiny_target, "auto", torch.float32,
+                           torch.device("cpu")).spec.intermediate_size == width
+    prompts = _prompts(4, seed=2)
+    outs = []
+    for spec in ("draft.enabled=false", "draft.enabled=true"):
+        eng = LLMEngine(tiny_cfg(tiny_llama_dir, spec, f"draft.path={tmp_path / 'wide'}", *FIXED),
+                        load_tokenizer=False)
+        outs.append([r.output_ids for r in eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))])
+    assert outs[0] == outs[1]
+
+
 def test_export_t2d_matches_d2t(trained, tmp_path):
     from safetensors.torch import load_file
     head = trained["eagle3"].head
