@@ -12,8 +12,10 @@ from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 _, DEVICE, pytestmark = triton_setup(kernels, "_quantize_rows_kernel")
 
 
+# Rows read at once (up to 32768 values) and, past that, in blocks (the last one partial).
 @pytest.mark.parametrize("M,K,dtype", [(1, 64, torch.bfloat16), (5, 1000, torch.bfloat16),
-                                       (3, 5000, torch.float32), (2, 256, torch.float16)])
+                                       (3, 5000, torch.float32), (2, 256, torch.float16),
+                                       (3, 32768, torch.bfloat16), (3, 33000, torch.bfloat16)])
 def test_codes_and_scales_equal_the_reference(M, K, dtype):
     g = torch.Generator().manual_seed(M * K)
     x = (torch.randn(M, K, generator=g) * torch.logspace(-3, 2, M).view(M, 1)).to(dtype).to(DEVICE)
