@@ -86,7 +86,13 @@ def ray_cluster():
     os.environ.update(local_ray_env(load_config(overrides=SERVER_OVERRIDES)))
     # Logical CPUs: this app (engine bundles 2) and the other tests' apps (up to 2 more
     # engines at once) fit, on a 2-core machine too.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 10, "include_dashboard": False})
+    # A node is declared dead after 10 failed health checks in a row, not Ray's 5: on two
+    # busy cores a live node's raylet missed 5 once, and the replacement replica that
+    # test_node_lost_under_load waits for had no node left to start on. A killed node's
+    # checks fail at once, every 3 s: about 30 s to notice it instead of 15.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 10, "include_dashboard": False,
+        "_system_config": {"health_check_failure_threshold": 10}})
     ray.init(address=cluster.address, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     yield cluster
