@@ -38,20 +38,19 @@ if HAS_TRITON:
             tl.store(S + row, scale)
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
             tl.store(Q + row * K + offs, q.to(Q.dtype.element_ty), mask=ok)
-            return
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            ok = k0 + offs < K
-            x = tl.load(X + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), min_amax), fp8_max)
-        tl.store(S + row, scale)
-        for k0 in range(0, K, BLOCK):
-            ok = k0 + offs < K
-            x = tl.load(X + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-            tl.store(Q + row * K + k0 + offs, q.to(Q.dtype.element_ty), mask=ok)
-
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                ok = k0 + offs < K
+                x = tl.load(X + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), min_amax), fp8_max)
+            tl.store(S + row, scale)
+            for k0 in range(0, K, BLOCK):
+                ok = k0 + offs < K
+                x = tl.load(X + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+                q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+                tl.store(Q + row * K + k0 + offs, q.to(Q.dtype.element_ty), mask=ok)
 
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `quantize_rows`: x [M, K] (rows with a contiguous last dim) ->
