@@ -10,6 +10,7 @@
 #   call k < N:  carry [".xfer/pk"],  mkdir -p /tmp/xfer && cp .xfer/pk/* /tmp/xfer/
 #   call N:      carry [".xfer/pN", ".xfer/tools"], then
 #                cp .xfer/pN/* /tmp/xfer/ && bash .xfer/tools/install.sh && source .stage/tools/unstage.sh
+# Kestrel alone needs its first pieces only (the script prints how, install_kestrel.sh).
 # install.sh rebuilds /tmp/stage and /tmp/vstage, puts the unstage tools where the stage
 # scripts expect them and installs the extra wheels into /tmp/site. Later calls carry
 # .xfer/tools again (ignored paths that are not carried may not survive between calls).
@@ -70,4 +71,20 @@ cp -r .stage/tools .xfer/tools/stage
   echo 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .xfer/tools/wheels/*.whl'
   echo 'python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .xfer/tools/pyspy/*.whl'
 } > .xfer/tools/install.sh
+# Kestrel alone (no vLLM), in fewer transfers: its bundle is the first pieces. The tools
+# travel first in a call of their own (with a piece they would pass the limit), to
+# /tmp/xtools, which later calls on the machine keep.
+kn=$(( (ksize + PIECE - 1) / PIECE ))
+{
+  echo '#!/usr/bin/env bash'
+  echo "# Kestrel's bundle alone from /tmp/xfer/piece_00..$(printf '%02d' $((kn - 1))) (.xfer/p1..p$kn) and /tmp/xtools"
+  echo '# (.xfer/tools, copied there by an earlier call); then: source .stage/tools/unstage.sh'
+  echo 'set -eu'
+  echo 'mkdir -p /tmp/stage .stage'
+  echo "cat $(for i in $(seq 0 $((kn - 1))); do printf '/tmp/xfer/piece_%02d ' "$i"; done)| head -c $ksize > /tmp/stage/chunk_0"
+  echo 'rm -rf .stage/tools && cp -r /tmp/xtools/stage .stage/tools'
+  echo 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/xtools/wheels/*.whl'
+} > .xfer/tools/install_kestrel.sh
 echo "$n pieces in .xfer/p1..p$n, tools in .xfer/tools"
+echo "Kestrel alone: carry [.xfer/tools] once (mkdir -p /tmp/xtools && cp -r .xfer/tools/* /tmp/xtools/),"
+echo "  then .xfer/p1..p$kn as above, the last with: bash /tmp/xtools/install_kestrel.sh && source .stage/tools/unstage.sh"
