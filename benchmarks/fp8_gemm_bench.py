@@ -17,6 +17,11 @@ each model's four GEMMs, which picks default_config's tile (about 1-2 minutes on
 compiles included):
 
     PYTHONPATH=. python benchmarks/fp8_gemm_bench.py --gemv [--models 7b 72b] [--m 1 8 16 32 64]
+
+--quant times the row quantization that precedes every FP8 GEMM, at each GEMM's input
+width, and checks its bits against the torch reference:
+
+    PYTHONPATH=. python benchmarks/fp8_gemm_bench.py --quant [--m 1 64]
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel_kernels.fp8_linear import fp8_linear, quantize_rows
+from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, UNROLLED_MAX_ROWS, fp8_gemv
 
 # name -> [(GEMM, N, K)]: fused q/k/v, o, fused gate/up, down.
@@ -82,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--m", nargs="+", type=int, default=None,
                     help="rows (default 1 8 64 256 512; with --gemv 1 8 16)")
     ap.add_argument("--gemv", action="store_true", help="sweep the Triton FP8 GEMV's configs")
+    ap.add_argument("--quant", action="store_true",
+                    help="time the row quantization (Triton) at each GEMM's input and check its bits")
     ap.add_argument("--configs", nargs="+", default=None, choices=list(GEMV_CONFIGS),
                     help="with --gemv: these configs only (default all)")
     args = ap.parse_args(argv)
@@ -158,12 +166,29 @@ def gemv_sweep(args: argparse.Namespace, dev: torch.device) -> None:
                                                       for n in ranked))
 
 
+def quant_timings(args: argparse.Namespace, dev: torch.device) -> None:
+    """The row quantization before each FP8 GEMM (Triton) at each GEMM's input width: µs a
+    call and whether its codes and scales are the reference's bits."""
+    print(f"{'model':>5} {'input of':>8} {'K':>6} {'M':>4} | {'us':>6} | same bits")
+    for model in args.models:
+        for gemm, _, K in SHAPES[model]:
+            for M in args.m:
+                x = torch.randn(M, K, device=dev, dtype=torch.bfloat16) * 3  # [M, K]
+                (q, s), (rq, rs) = quantize_rows_triton(x), quantize_rows(x)
+                same = torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+                print(f"{model:>5} {gemm:>8} {K:>6} {M:>4} | {bench(lambda: quantize_rows_triton(x), rep=20):6.2f} | "
+                      f"{same}", flush=True)
+
+
 def main() -> None:
     args = parse_args()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
     if args.gemv:
         gemv_sweep(args, dev)
+        return
+    if args.quant:
+        quant_timings(args, dev)
         return
     print(f"{'model':>5} {'gemm':>8} {'N':>6} {'K':>6} {'M':>4} | {'bf16 us':>8} {'fp8 mm us':>9} "
           f"{'quant+mm us':>11} {'torch quant+mm':>14} | {'mm x':>5} {'linear x':>8} | {'fp8 TFLOP/s':>11} | "

@@ -21,7 +21,8 @@
 #              with the page cache dropped: load seconds and peak host memory (load_bench.py) ~150
 #   fp8gemm    the FP8 linear against bf16 at the 7B and 72B GEMM shapes (fp8_gemm_bench.py) ~60
 #   fp8gemv    the Triton FP8 GEMV's GPU tests, then its config sweep at 1, 8, 16 rows
-#              (fp8_gemm_bench.py --gemv; GEMV_ARGS="--m 1 16 17 64 --configs ..." instead) ~90
+#              (fp8_gemm_bench.py --gemv; GEMV_ARGS="--m 1 16 17 64 --configs ..." instead)
+#              and the row quantization's time and bits (--quant)                          ~100
 #   attention  decode attention by context (1k-32k), key splits and tile (attention_bench.py)  ~90
 #   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target)    ~50
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
@@ -153,7 +154,9 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest -q tests/unit/test_triton_fp8_gemv.py > "$work/fp8_gemv_tests.txt" 2>&1
       tail -3 "$work/fp8_gemv_tests.txt"
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/fp8_gemm_bench.py --gemv ${GEMV_ARGS:-} > "$work/fp8_gemv.txt" 2>&1
-      tail -60 "$work/fp8_gemv.txt" ;;
+      tail -60 "$work/fp8_gemv.txt"
+      PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 60 python3 benchmarks/fp8_gemm_bench.py --quant --m 1 64 > "$work/fp8_quant.txt" 2>&1
+      cat "$work/fp8_quant.txt" ;;
     profile512)
       mkdir -p "$work/profile512"
       SPY_DELAY=0 bash benchmarks/profile_http.sh /tmp/pyspy/bin/py-spy "$work/profile512" 512 \
