@@ -8,8 +8,8 @@ it as 128x128 tiles, far from the bandwidth (docs/benchmarks.md, "FP8 at one str
 
 Two kernels share the tiling. The default (`mma`) pads the rows to BLOCK_M (16 for 1 to 16
 rows, 64 for 17 to 64) and multiplies each weight tile by them on the tensor cores: its time
-is nearly flat in the rows, so up to 64 streams' decode step reads each weight once, where
-cuBLASLt's row-scaled GEMM is far from the bandwidth at these row counts too. The unrolled
+was flat from 1 to 16 rows, and a decode step of up to 64 streams reads each weight once
+(whether 17-64 rows beat cuBLASLt is for the benchmark's sweep to show). The unrolled
 GEMV (mma=False, up to 16 rows), described next, is a few percent faster at one row and
 grows with the rows; the benchmark's sweep keeps it for comparison.
 
