@@ -167,7 +167,7 @@ def test_the_schema_setting():
 
     from configs.schema import ModelConfig, load_config
     assert ModelConfig().fp8_gemv_max_rows == 0  # off unless a preset without a draft turns it on
-    assert load_config("configs/h200-72b.yaml").model.fp8_gemv_max_rows == MAX_ROWS
+    assert 0 < load_config("configs/h200-72b.yaml").model.fp8_gemv_max_rows <= MAX_ROWS
     assert ModelConfig(fp8_gemv_max_rows=8).fp8_gemv_max_rows == 8
     with pytest.raises(ValidationError):
         ModelConfig(fp8_gemv_max_rows=MAX_ROWS + 1)
