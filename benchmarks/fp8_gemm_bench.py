@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from kestrel_kernels.fp8_linear import fp8_linear, quantize_rows
-from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, UNROLLED_MAX_ROWS, fp8_gemv
+from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 
 # name -> [(GEMM, N, K)]: fused q/k/v, o, fused gate/up, down.
 SHAPES = {

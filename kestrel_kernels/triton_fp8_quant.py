@@ -5,9 +5,10 @@ clamp, cast) before every FP8 GEMM.
 One program per row. A row of up to 32768 values (every projection input of Qwen2.5-72B's
 shape) is read once into registers, spread over up to 32 warps so that all of it is in
 flight at once: a decode step's row is a latency, not a bandwidth, matter. A longer row
-takes two passes over it in blocks: the largest magnitude, then the codes. The divisions round to nearest (`div_rn`), as torch's do, and E4M3 conversion rounds to
-nearest even, so the codes and scales are bit-equal to the reference's. No host reads: the
-call can be captured in a CUDA graph.
+takes two passes over it in blocks: the largest magnitude, then the codes. The divisions
+round to nearest (`div_rn`), as torch's do, and E4M3 conversion rounds to nearest even, so
+the codes and scales are bit-equal to the reference's. No host reads: the call can be
+captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ _LOOP_BLOCK = 4096
 if HAS_TRITON:
 
     @triton.jit
+    def _scale(amax, fp8_max, min_amax):
+        """A row's scale from its largest magnitudes (any shape: reduced to one value)."""
+        return tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), min_amax), fp8_max)
+
+    @triton.jit
+    def _codes(x, scale, fp8_max):
+        return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+
+    @triton.jit
     def _quantize_rows_kernel(X, Q, S, stride_x, K, fp8_max, min_amax, BLOCK: tl.constexpr,
                               ONE_BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -34,23 +44,22 @@ if HAS_TRITON:
         if ONE_BLOCK:  # the whole row at once, held between the two steps
             ok = offs < K
             x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), min_amax), fp8_max)
+            scale = _scale(tl.abs(x), fp8_max, min_amax)
             tl.store(S + row, scale)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-            tl.store(Q + row * K + offs, q.to(Q.dtype.element_ty), mask=ok)
+            tl.store(Q + row * K + offs, _codes(x, scale, fp8_max).to(Q.dtype.element_ty), mask=ok)
         else:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for k0 in range(0, K, BLOCK):
                 ok = k0 + offs < K
                 x = tl.load(X + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), min_amax), fp8_max)
+            scale = _scale(amax, fp8_max, min_amax)
             tl.store(S + row, scale)
             for k0 in range(0, K, BLOCK):
                 ok = k0 + offs < K
                 x = tl.load(X + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-                q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-                tl.store(Q + row * K + k0 + offs, q.to(Q.dtype.element_ty), mask=ok)
+                tl.store(Q + row * K + k0 + offs, _codes(x, scale, fp8_max).to(Q.dtype.element_ty), mask=ok)
+
 
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `quantize_rows`: x [M, K] (rows with a contiguous last dim) ->
