@@ -2,7 +2,7 @@
 a model's head layout, by batch, context length, key splits and tile shape.
 
     PYTHONPATH=. python benchmarks/attention_bench.py [--heads 28 4 128] [--batch 1 8]
-        [--context 1024 8192 32768] [--splits 16 32 64] [--tiles 64/2/2 128/4/3 ...]
+        [--context 1024 8192 32768] [--splits 16 32 64] [--exact-splits] [--tiles 64/2/2 128/4/3 ...]
         [--prefill-chunk 8192]
 
 A tile is BLOCK_N/num_warps/num_stages; "default" is the launcher's own choice. Each launch
@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--splits", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--exact-splits", action="store_true",
+                    help="run exactly --splits key splits (default: at most, the launcher choosing)")
     ap.add_argument("--tiles", nargs="+", default=["default", "64/4/3", "128/4/3", "128/8/3", "64/4/4"])
     ap.add_argument("--prefill-chunk", type=int, default=0,
                     help="time a causal prefill chunk of this many queries instead of decode")
@@ -100,9 +102,11 @@ def main() -> None:
                                     num_warps=warps, num_stages=stages)
                     triton_attention._launch_config = config
                 for splits in args.splits:
-                    def run(splits=splits):
+                    forced = splits if args.exact_splits else None
+
+                    def run(splits=splits, forced=forced):
                         return triton_attention.paged_attention(
-                            *case, max_q_len=1, max_kv_splits=splits)
+                            *case, max_q_len=1, max_kv_splits=splits, num_kv_splits=forced)
                     err = (run().float() - ref.float()).abs().max().item()
                     us = bench(run)
                     row = dict(batch=batch, context=context, tile=tile, max_splits=splits,
