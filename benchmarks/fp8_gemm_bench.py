@@ -18,6 +18,11 @@ compiles included):
 
     PYTHONPATH=. python benchmarks/fp8_gemm_bench.py --gemv [--models 7b 72b] [--m 1 8 16 32 64]
 
+With --weights bf16 the same sweep runs the kernels on bf16 weights (`gemv`) beside
+F.linear (cuBLAS), the bf16 model's decode GEMMs:
+
+    PYTHONPATH=. python benchmarks/fp8_gemm_bench.py --gemv --weights bf16 --models 7b
+
 --quant times the row quantization that precedes every FP8 GEMM, at each GEMM's input
 width, and checks its bits against the torch reference:
 
@@ -32,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel_kernels.fp8_linear import fp8_linear, quantize_rows
-from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, UNROLLED_MAX_ROWS, fp8_gemv
+from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, UNROLLED_MAX_ROWS, fp8_gemv, gemv
 from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 
 # name -> [(GEMM, N, K)]: fused q/k/v, o, fused gate/up, down.
@@ -79,6 +84,11 @@ GEMV_CONFIGS = {
     "mma_n64": dict(mma=True, block_n=64),
     "mma_k128": dict(mma=True, block_k=128),
     "mma_w8": dict(mma=True, num_warps=8),
+    # Counted in values: for bf16 weights k64 is a 128-byte tile and k256 a 512-byte one.
+    "mma_k64": dict(mma=True, block_k=64),
+    "mma_k256": dict(mma=True, block_k=256),
+    "mma_n16": dict(mma=True, block_n=16),
+    "mma_s4": dict(mma=True, num_stages=4),
 }
 
 
@@ -90,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gemv", action="store_true", help="sweep the Triton FP8 GEMV's configs")
     ap.add_argument("--quant", action="store_true",
                     help="time the row quantization (Triton) at each GEMM's input and check its bits")
+    ap.add_argument("--weights", choices=["fp8", "bf16"], default="fp8",
+                    help="with --gemv: FP8 weights beside _scaled_mm, or bf16 beside F.linear")
     ap.add_argument("--configs", nargs="+", default=None, choices=list(GEMV_CONFIGS),
                     help="with --gemv: these configs only (default all)")
     args = ap.parse_args(argv)
@@ -105,18 +117,21 @@ def gemv_sweep(args: argparse.Namespace, dev: torch.device) -> None:
     fails (compile, resources) prints why and the sweep goes on."""
     names = args.configs or list(GEMV_CONFIGS)
     totals: dict[tuple[str, str, int], float] = {}  # (model, config, M) -> µs over its GEMMs
-    print(f"{'model':>5} {'gemm':>8} {'N':>6} {'K':>6} {'M':>3} | {'scaled_mm':>15} | "
+    fp8 = args.weights == "fp8"
+    base = "scaled_mm" if fp8 else "F.linear"
+    print(f"{'model':>5} {'gemm':>8} {'N':>6} {'K':>6} {'M':>3} | {base:>15} | "
           + " | ".join(f"{n:>15}" for n in names) + " | best")
     print(" " * 33 + "| " + " | ".join(f"{'us':>7} {'TB/s':>7}" for _ in ["mm"] + names))
     for model in args.models:
         for gemm, N, K in SHAPES[model]:
             w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02  # [N, K] bf16
-            wq, ws = quantize_rows(w)  # [N, K] fp8, [N, 1] fp32
+            wq, ws = quantize_rows(w) if fp8 else (w, None)  # [N, K] fp8 and [N, 1] fp32, or bf16
             del w
             # A decode step reads each layer's weight once: the timed calls cycle through
             # copies of it, 256 MB in all, so that the 7B shapes (16-70 MB) are not served
             # from the 50 MB L2 as one weight re-read would be. Captured in the graph.
-            copies = [wq] + [wq.clone() for _ in range(min(15, -(-(256 << 20) // (N * K)) - 1))]
+            nbytes = wq.numel() * wq.element_size()
+            copies = [wq] + [wq.clone() for _ in range(min(15, -(-(256 << 20) // nbytes) - 1))]
             turn = itertools.count()
 
             def weight() -> torch.Tensor:
@@ -124,38 +139,49 @@ def gemv_sweep(args: argparse.Namespace, dev: torch.device) -> None:
 
             for M in args.m:
                 x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)  # [M, K]
-                xq, xs = quantize_rows(x)  # [M, K] fp8, [M, 1] fp32
-                want = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1),
-                                        out_dtype=torch.bfloat16)  # [M, N]
+                if fp8:
+                    xq, xs = quantize_rows(x)  # [M, K] fp8, [M, 1] fp32
+
+                    def baseline(w):
+                        return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1),
+                                                out_dtype=torch.bfloat16)  # [M, N]
+
+                    def kernel(w, cfg):
+                        return fp8_gemv(xq, xs, w, ws, None, torch.bfloat16, **cfg)
+                else:
+                    def baseline(w):
+                        return F.linear(x, w)  # [M, N] bf16
+
+                    def kernel(w, cfg):
+                        return gemv(x, w, None, **cfg)
+                want = baseline(wq)
                 cells = []
-                t_mm = bench(lambda: torch._scaled_mm(xq, weight().t(), scale_a=xs, scale_b=ws.view(1, -1),
-                                                      out_dtype=torch.bfloat16), rep=10)
-                cells.append(f"{t_mm:7.1f} {N * K / t_mm / 1e6:7.2f}")
-                best = ("scaled_mm", t_mm)
+                t_mm = bench(lambda: baseline(weight()), rep=10)
+                cells.append(f"{t_mm:7.1f} {nbytes / t_mm / 1e6:7.2f}")
+                best = (base, t_mm)
                 for name in names:
                     cfg = GEMV_CONFIGS[name]
                     if not cfg.get("mma", True) and M > UNROLLED_MAX_ROWS:
                         cells.append(f"{'-':>15}")  # the unrolled GEMV stops at 16 rows
                         continue
                     try:
-                        got = fp8_gemv(xq, xs, wq, ws, None, torch.bfloat16, **cfg)
+                        got = kernel(wq, cfg)
                         err = (got.float() - want.float()).abs().max().item()
                         if err > 2 ** -6 * want.float().abs().max().item():
                             raise RuntimeError(f"wrong: max error {err:.3g}")
-                        t = bench(lambda cfg=cfg: fp8_gemv(xq, xs, weight(), ws, None, torch.bfloat16, **cfg),
-                                  rep=10)
+                        t = bench(lambda cfg=cfg: kernel(weight(), cfg), rep=10)
                     except Exception as e:  # one config's failure must not end the sweep
                         print(f"  {name} at {gemm} M={M}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
                               flush=True)
                         cells.append(f"{'fail':>15}")
                         totals[(model, name, M)] = float("inf")
                         continue
-                    cells.append(f"{t:7.1f} {N * K / t / 1e6:7.2f}")
+                    cells.append(f"{t:7.1f} {nbytes / t / 1e6:7.2f}")
                     totals[(model, name, M)] = totals.get((model, name, M), 0.0) + t
                     if t < best[1]:
                         best = (name, t)
                 print(f"{model:>5} {gemm:>8} {N:>6} {K:>6} {M:>3} | " + " | ".join(cells)
-                      + f" | {best[0]} {best[1]:.1f} us {N * K / best[1] / 1e6:.2f} TB/s", flush=True)
+                      + f" | {best[0]} {best[1]:.1f} us {nbytes / best[1] / 1e6:.2f} TB/s", flush=True)
             del wq, ws, copies
             torch.cuda.empty_cache()
     print("\nPer config, µs over each model's four GEMMs (a decoder layer's linears), by rows:")

@@ -40,7 +40,7 @@ import torch
 from kestrel_kernels.fp8_format import FP8
 from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
 
-__all__ = ["HAS_TRITON", "MAX_ROWS", "UNROLLED_MAX_ROWS", "block_m", "default_config", "fp8_gemv"]
+__all__ = ["HAS_TRITON", "MAX_ROWS", "UNROLLED_MAX_ROWS", "block_m", "default_config", "fp8_gemv", "gemv"]
 
 MAX_ROWS = 64  # padded to by the MMA kernel; past it cuBLASLt's tiles are full anyway
 UNROLLED_MAX_ROWS = 16  # unrolled by the GEMV (mma=False), whose time grows with the rows
@@ -53,7 +53,7 @@ if HAS_TRITON:
     def _fp8_gemv_kernel(XQ, XS, WQ, WS, BIAS, OUT, PART, N, K, stride_xm, stride_xs, stride_wn,
                          stride_om, k_per_split, M: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):
         pid_k, offs_m, offs_n, offs_k, w_ptrs, k_start, k_end = _tile(
             WQ, N, K, stride_wn, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -65,17 +65,19 @@ if HAS_TRITON:
                 part = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N] this tile's sum for row m
                 acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
         _finish(acc, offs_m, offs_n, pid_k, M, N, XS, WS, BIAS, OUT, PART, stride_xs, stride_om,
-                SPLIT_K, HAS_BIAS)
+                SPLIT_K, HAS_BIAS, SCALED)
 
     @triton.jit
     def _fp8_mma_kernel(XQ, XS, WQ, WS, BIAS, OUT, PART, M, N, K, stride_xm, stride_xs, stride_wn,
                         stride_om, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        SCALED: tl.constexpr):
         """The same sums on the tensor cores: the rows padded to BLOCK_M (block_m(M)) with
-        zeros, both tiles widened to fp16 (exact: E4M3's 3 mantissa bits and 2^-9..448 fit) and
-        multiplied by tl.dot into fp32. An output element's sum does not depend on the other
-        rows' values, and BLOCK_M is the same for every M of a bucket, so a row's bits are the
-        same alone or among fifteen others (and among 17 or 64)."""
+        zeros, FP8 tiles widened to fp16 (exact: E4M3's 3 mantissa bits and 2^-9..448 fit;
+        16-bit tiles as they are) and multiplied by tl.dot into fp32. An output element's sum
+        does not depend on the other rows' values, and BLOCK_M is the same for every M of a
+        bucket, so a row's bits are the same alone or among fifteen others (and among 17 or
+        64)."""
         pid_k, offs_m, offs_n, offs_k, w_ptrs, k_start, k_end = _tile(
             WQ, N, K, stride_wn, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
         m_ok = offs_m < M
@@ -83,11 +85,13 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k_ok = k0 + offs_k < k_end
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float16)
-            w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float16)
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
+            if SCALED:
+                x, w = x.to(tl.float16), w.to(tl.float16)
             acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N] fp32
         _finish(acc, offs_m, offs_n, pid_k, M, N, XS, WS, BIAS, OUT, PART, stride_xs, stride_om,
-                SPLIT_K, HAS_BIAS)
+                SPLIT_K, HAS_BIAS, SCALED)
 
     @triton.jit
     def _tile(WQ, N, K, stride_wn, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -109,16 +113,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _finish(acc, offs_m, offs_n, pid_k, M, N, XS, WS, BIAS, OUT, PART, stride_xs, stride_om,
-                SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """acc [BLOCK_M, BLOCK_N] fp32 sums -> scaled output, or this split's sums to PART."""
+                SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] fp32 sums -> (scaled) output, or this split's sums to PART."""
         m_ok = offs_m < M
         n_ok = offs_n < N
         ok = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
-            xs = tl.load(XS + offs_m * stride_xs, mask=m_ok, other=0.0)
-            ws = tl.load(WS + offs_n, mask=n_ok, other=0.0)
-            # The reference's order: (sum * xs) * ws, then the bias, in fp32.
-            out = acc * xs[:, None] * ws[None, :]
+            out = acc
+            if SCALED:
+                xs = tl.load(XS + offs_m * stride_xs, mask=m_ok, other=0.0)
+                ws = tl.load(WS + offs_n, mask=n_ok, other=0.0)
+                # The reference's order: (sum * xs) * ws, then the bias, in fp32.
+                out = out * xs[:, None] * ws[None, :]
             if HAS_BIAS:
                 out = out + tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :],
@@ -128,14 +134,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _fp8_gemv_reduce_kernel(PART, XS, WS, BIAS, OUT, N, stride_xs, stride_om, M: tl.constexpr,
-                                SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                                SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                SCALED: tl.constexpr):
         m = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         n_ok = offs_n < N
-        total = tl.load(PART + m * N + offs_n, mask=n_ok, other=0.0)
+        out = tl.load(PART + m * N + offs_n, mask=n_ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):  # split order, fixed: deterministic
-            total += tl.load(PART + (s * M + m) * N + offs_n, mask=n_ok, other=0.0)
-        out = total * tl.load(XS + m * stride_xs) * tl.load(WS + offs_n, mask=n_ok, other=0.0)
+            out += tl.load(PART + (s * M + m) * N + offs_n, mask=n_ok, other=0.0)
+        if SCALED:
+            out = out * tl.load(XS + m * stride_xs) * tl.load(WS + offs_n, mask=n_ok, other=0.0)
         if HAS_BIAS:
             out = out + tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(OUT + m * stride_om + offs_n, out.to(OUT.dtype.element_ty), mask=n_ok)
@@ -157,13 +165,14 @@ def block_m(M: int) -> int:
 
 
 def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 32,
-                   block_k: int = 256, mma: bool = True) -> dict:
-    """The launch config for a weight [N, K] on a GPU of `sms` SMs: the tensor-core kernel on
-    32 channels by 256 bytes of K a tile (flat from 1 to 16 rows, where the unrolled GEMV's
-    time grows with the rows: docs/benchmarks.md), K split in two, four, ... while the
-    programs fill the SMs fewer than four times and each split keeps at least two tiles of K.
-    A function of the shape only, not of M (see the module docstring). Other tile sizes get
-    their split by the same rule (the benchmark's sweep)."""
+                   block_k: int | None = None, mma: bool = True, elem_bytes: int = 1) -> dict:
+    """The launch config for a weight [N, K] of `elem_bytes`-byte values on a GPU of `sms`
+    SMs: the tensor-core kernel on 32 channels by 256 bytes of K a tile (flat from 1 to 16
+    rows, where the unrolled GEMV's time grows with the rows: docs/benchmarks.md), K split in
+    two, four, ... while the programs fill the SMs fewer than four times and each split keeps
+    at least two tiles of K. A function of the shape only, not of M (see the module
+    docstring). Other tile sizes get their split by the same rule (the benchmark's sweep)."""
+    block_k = 256 // elem_bytes if block_k is None else block_k
     block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))  # no wider than K
     n_blocks = -(-N // block_n)
     split = 1
@@ -180,8 +189,6 @@ def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     num_warps, num_stages, mma: the tensor-core kernel) and block_m (the tensor-core kernel's
     padded rows, default block_m(M)): the benchmark's sweep. Without split_k, K is split by
     default_config's rule for the tile asked for."""
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not installed; use kestrel_kernels.fp8_linear.fp8_linear_ref")
     M, K = xq.shape
     N = wq.shape[0]
     if xq.dtype != FP8 or wq.dtype != FP8 or wq.shape[1] != K or xq.stride(1) != 1 or wq.stride(1) != 1:
@@ -190,45 +197,74 @@ def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     if not 1 <= M <= MAX_ROWS or xs.shape != (M, 1) or ws.shape != (N, 1):
         raise ValueError(f"fp8_gemv takes 1..{MAX_ROWS} rows with xs [M, 1] and ws [N, 1]; got "
                          f"M={M}, xs {tuple(xs.shape)}, ws {tuple(ws.shape)}")
+    return _launch(xq, xs, wq, ws.reshape(N), bias, out_dtype, config)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, **config) -> torch.Tensor:
+    """F.linear(x, w, bias) at a few rows by the same kernels, on 16-bit weights: x [M, K]
+    and w [N, K] of one dtype (bfloat16 or float16), M <= MAX_ROWS, bias [N] or None ->
+    [M, N] x.dtype, summed in fp32. `config` as for fp8_gemv (block_k counts values:
+    default_config's 256 bytes are 128 of them)."""
+    M, K = x.shape
+    N = w.shape[0]
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or w.shape[1] != K \
+            or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"gemv needs x [M, K] and w [N, K] of one 16-bit float dtype with a contiguous "
+                         f"last dim; got {x.dtype} {tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {M}")
+    return _launch(x, None, w, None, bias, x.dtype, config)
+
+
+def _launch(x: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: torch.Tensor | None,
+            bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (* xs [M, 1] * ws [N] where given) + bias -> [M, N] out_dtype."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed; use kestrel_kernels.fp8_linear.fp8_linear_ref "
+                           "or torch.nn.functional.linear")
+    M, K = x.shape
+    N = w.shape[0]
     unknown = set(config) - {"block_n", "block_k", "block_m", "split_k", "num_warps", "num_stages", "mma"}
     if unknown:
-        raise ValueError(f"fp8_gemv: unknown config keys {sorted(unknown)}")
+        raise ValueError(f"gemv: unknown config keys {sorted(unknown)}")
     blocks = {k: config[k] for k in ("block_n", "block_k", "mma") if k in config}
-    cfg = {**default_config(N, K, _sm_count(xq.device), **blocks), **config}
+    cfg = {**default_config(N, K, _sm_count(x.device), elem_bytes=w.element_size(), **blocks), **config}
     block_n, block_k, split = cfg["block_n"], cfg["block_k"], cfg["split_k"]
     if any(v < 1 or v & (v - 1) for v in (block_n, block_k)) or block_k < 16 or split < 1 \
             or (cfg["mma"] and block_n < 16):
-        raise ValueError(f"fp8_gemv: block_n and block_k must be powers of two (block_k >= 16, "
+        raise ValueError(f"gemv: block_n and block_k must be powers of two (block_k >= 16, "
                          f"block_n >= 16 with mma), split_k >= 1; got {cfg}")
     if cfg["mma"]:
         rows = cfg.get("block_m", block_m(M))
         if rows < M or rows < 16 or rows & (rows - 1):
-            raise ValueError(f"fp8_gemv: block_m must be a power of two >= 16 and >= M={M}; got {rows}")
+            raise ValueError(f"gemv: block_m must be a power of two >= 16 and >= M={M}; got {rows}")
     elif M > UNROLLED_MAX_ROWS:
-        raise ValueError(f"fp8_gemv: the unrolled GEMV (mma=False) takes 1..{UNROLLED_MAX_ROWS} rows, got {M}")
+        raise ValueError(f"gemv: the unrolled GEMV (mma=False) takes 1..{UNROLLED_MAX_ROWS} rows, got {M}")
     # Splits a whole number of tiles long, so every tile but a split's last is unmasked.
     k_per_split = -(-K // (split * block_k)) * block_k
     split = -(-K // k_per_split)  # a split that would start past K is dropped
-    ws = ws.reshape(N)  # [N] fp32, a stride of 1
-    bias = bias.contiguous() if bias is not None else None  # [N]
-    out = torch.empty((M, N), dtype=out_dtype, device=xq.device)  # [M, N]
-    part = (torch.empty((split, M, N), dtype=torch.float32, device=xq.device)  # [SPLIT_K, M, N] fp32 sums
+    scaled = xs is not None
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)  # [M, N]
+    part = (torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N] fp32 sums
             if split > 1 else out)
     has_bias = bias is not None
-    b = bias if has_bias else ws  # any pointer: not read without a bias
+    bias = bias.contiguous() if has_bias else out  # [N]; any pointer: not read without a bias
+    xs, ws = (xs, ws) if scaled else (out, out)  # not read unscaled
     grid = (triton.cdiv(N, block_n), split)
-    launch = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=has_bias,
+    launch = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=has_bias, SCALED=scaled,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    xs_stride = xs.stride(0) if scaled else 0
     if cfg["mma"]:  # M a runtime value: one compiled kernel per row bucket
-        _fp8_mma_kernel[grid](xq, xs, wq, ws, b, out, part, M, N, K, xq.stride(0), xs.stride(0),
-                              wq.stride(0), out.stride(0), k_per_split, BLOCK_M=rows, **launch)
+        _fp8_mma_kernel[grid](x, xs, w, ws, bias, out, part, M, N, K, x.stride(0), xs_stride,
+                              w.stride(0), out.stride(0), k_per_split, BLOCK_M=rows, **launch)
     else:
-        _fp8_gemv_kernel[grid](xq, xs, wq, ws, b, out, part, N, K, xq.stride(0), xs.stride(0),
-                               wq.stride(0), out.stride(0), k_per_split, M=M,
+        _fp8_gemv_kernel[grid](x, xs, w, ws, bias, out, part, N, K, x.stride(0), xs_stride,
+                               w.stride(0), out.stride(0), k_per_split, M=M,
                                BLOCK_M=triton.next_power_of_2(M), **launch)
     if split > 1:
         block = 1024
-        _fp8_gemv_reduce_kernel[(M, triton.cdiv(N, block))](part, xs, ws, b, out, N, xs.stride(0),
+        _fp8_gemv_reduce_kernel[(M, triton.cdiv(N, block))](part, xs, ws, bias, out, N, xs_stride,
                                                              out.stride(0), M=M, SPLIT_K=split,
-                                                             BLOCK=block, HAS_BIAS=has_bias, num_warps=4)
+                                                             BLOCK=block, HAS_BIAS=has_bias,
+                                                             SCALED=scaled, num_warps=4)
     return out

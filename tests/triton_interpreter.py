@@ -57,6 +57,28 @@ def _round_bf16_to_nearest_even() -> None:
     interp._convert_float = convert
 
 
+def _multiply_bf16_as_its_values() -> None:
+    """Triton 3.6's interpreter multiplies bfloat16 dot operands as the uint16 bits it stores
+    them in. Widen them to fp32 (exact) first, as it widens FP8 operands to fp16."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+    builder = interp.InterpreterBuilder
+    if getattr(builder.create_dot, "_kestrel_patched", False):
+        return
+    original = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        f32 = (handle.data.astype(np.uint32) << 16).view(np.float32)
+        return interp.TensorHandle(f32, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+    create_dot._kestrel_patched = True
+    builder.create_dot = create_dot
+
+
 def triton_setup(kernels_module, kernel_name: str) -> tuple[bool, str, pytest.MarkDecorator]:
     """(interpreted, the device test tensors live on, the mark for kernel tests) for a
     kernels module (with HAS_TRITON) whose kernels look like its `kernel_name`."""
@@ -71,4 +93,5 @@ def triton_setup(kernels_module, kernel_name: str) -> tuple[bool, str, pytest.Ma
     if interpreted:
         _let_interpreter_index_numpy_scalars()
         _round_bf16_to_nearest_even()
+        _multiply_bf16_as_its_values()
     return interpreted, dev, mark

@@ -9,7 +9,7 @@ import torch
 import kestrel_kernels.fp8_linear as fp8_linear
 import kestrel_kernels.triton_fp8_gemv as kernels
 from kestrel_kernels.fp8_linear import fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows
-from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, block_m, default_config, fp8_gemv
+from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, block_m, default_config, fp8_gemv, gemv
 
 INTERPRETED, DEVICE, pytestmark = triton_setup(kernels, "_fp8_gemv_kernel")
 gpu_only = pytest.mark.skipif(DEVICE == "cpu", reason="model shapes: too slow in the interpreter")
@@ -29,7 +29,7 @@ def layer(N, K, seed, bias_dtype=None):
 def check_close(got, want):
     """Equal up to the fp32 summation order, then one rounding to the output dtype."""
     assert got.dtype == want.dtype and got.shape == want.shape
-    eps = 2.0 ** -7 if want.dtype == torch.bfloat16 else 1e-5
+    eps = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}.get(want.dtype, 1e-5)
     big = want.float().abs().max().item()
     torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=eps * big)
 
@@ -93,6 +93,39 @@ def test_a_row_is_the_same_among_17_and_among_64():
     # Padded to 64 on purpose, one row is the same bits as in the 64-row batch.
     alone = fp8_gemv(xq[40:41], xs[40:41], wq, ws, b, torch.bfloat16, block_m=MAX_ROWS)
     assert torch.equal(alone[0], full[40])
+
+
+def linear_ref(x, w, b):
+    """F.linear's math in fp32, one rounding to x's dtype: what gemv computes."""
+    out = x.float() @ w.float().t()  # [M, N] fp32
+    return (out + b.float() if b is not None else out).to(x.dtype)
+
+
+# 16-bit weights through the same kernels: the tensor-core kernel multiplies them as they
+# are, the unrolled GEMV widens them to fp32.
+@pytest.mark.parametrize("M", [1, 5, 16, 33])
+@pytest.mark.parametrize("N,K,config", [c for c in CASES if c[2].get("mma")]
+                         + [(37, 200, {}), (45, 1000, dict(mma=False, block_k=128, split_k=3))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_weights_equal_the_reference(M, N, K, config, dtype):
+    if not config.get("mma", True) and M > 16:
+        pytest.skip("the unrolled GEMV stops at 16 rows")
+    x = randn(M, K, seed=M + K, dtype=dtype)  # [M, K]
+    w = randn(N, K, seed=N, scale=0.05, dtype=dtype)  # [N, K]
+    b = randn(N, seed=N + 1, dtype=dtype) if M % 2 else None  # [N]
+    check_close(gemv(x, w, b, **config), linear_ref(x, w, b))
+
+
+def test_sixteen_bit_rows_are_the_same_alone_and_among_others():
+    N, K = 29, 600
+    w = randn(N, K, seed=3, scale=0.05, dtype=torch.bfloat16)
+    x = randn(16, K, seed=4, dtype=torch.bfloat16)  # [16, K]
+    batch = gemv(x, w, None, split_k=3)  # [16, N]
+    assert torch.equal(gemv(x[7:8], w, None, split_k=3)[0], batch[7])
+    with pytest.raises(ValueError, match="one 16-bit float dtype"):
+        gemv(x, w.float())
+    with pytest.raises(ValueError, match=f"1..{MAX_ROWS} rows"):
+        gemv(randn(MAX_ROWS + 1, K, seed=5, dtype=torch.bfloat16), w)
 
 
 def test_the_default_config_depends_on_the_shape_only_and_fills_the_gpu():
