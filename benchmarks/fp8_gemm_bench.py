@@ -9,14 +9,14 @@ steps run when serving, so launch overhead does not hide the kernels.
 
     PYTHONPATH=. python benchmarks/fp8_gemm_bench.py [--models 7b 72b] [--m 1 8 64 256 512]
 
---gemv instead sweeps the Triton FP8 GEMV (kestrel_kernels/triton_fp8_gemv.py) over a few
-launch configs at 1, 8 and 16 rows, or any up to 64 (pre-quantized rows, beside _scaled_mm
+--gemv instead sweeps the Triton FP8 GEMV (kestrel_kernels/triton_gemv.py) over a few
+launch configs at 1, 8 and 16 rows, or any up to 16 (pre-quantized rows, beside _scaled_mm
 on the same codes):
 µs and TB/s of FP8 weight bytes per config, the best per shape, and per config the sum over
 each model's four GEMMs, which picks default_config's tile (about 1-2 minutes on an H200,
 compiles included):
 
-    PYTHONPATH=. python benchmarks/fp8_gemm_bench.py --gemv [--models 7b 72b] [--m 1 8 16 32 64]
+    PYTHONPATH=. python benchmarks/fp8_gemm_bench.py --gemv [--models 7b 72b] [--m 1 8 16]
 
 With --weights bf16 the same sweep runs the kernels on bf16 weights (`gemv`) beside
 F.linear (cuBLAS), the bf16 model's decode GEMMs:
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel_kernels.fp8_linear import fp8_linear, quantize_rows
-from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, UNROLLED_MAX_ROWS, fp8_gemv, gemv
+from kestrel_kernels.triton_gemv import MAX_ROWS, fp8_gemv, gemv
 from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 
 # name -> [(GEMM, N, K)]: fused q/k/v, o, fused gate/up, down.
@@ -78,9 +78,6 @@ GEMV_CONFIGS = {
     "mma_n64k256w8": dict(mma=True, block_n=64, block_k=256, num_warps=8),
     "mma_n16k512": dict(mma=True, block_n=16, block_k=512),
     "mma_n64k128s5": dict(mma=True, block_n=64, block_k=128, num_stages=5),
-    # Rows padded to 64 at any M (one bucket from 1 to 64 rows: what it costs a few rows),
-    # and other tiles for the 17-64-row bucket.
-    "mma_pad64": dict(mma=True, block_m=64),
     "mma_n64": dict(mma=True, block_n=64),
     "mma_k128": dict(mma=True, block_k=128),
     "mma_w8": dict(mma=True, num_warps=8),
@@ -161,9 +158,6 @@ def gemv_sweep(args: argparse.Namespace, dev: torch.device) -> None:
                 best = (base, t_mm)
                 for name in names:
                     cfg = GEMV_CONFIGS[name]
-                    if not cfg.get("mma", True) and M > UNROLLED_MAX_ROWS:
-                        cells.append(f"{'-':>15}")  # the unrolled GEMV stops at 16 rows
-                        continue
                     try:
                         got = kernel(wq, cfg)
                         err = (got.float() - want.float()).abs().max().item()

@@ -21,7 +21,7 @@
 #              with the page cache dropped: load seconds and peak host memory (load_bench.py) ~150
 #   fp8gemm    the FP8 linear against bf16 at the 7B and 72B GEMM shapes (fp8_gemm_bench.py) ~60
 #   fp8gemv    the Triton FP8 GEMV's GPU tests, then its config sweep at 1, 8, 16 rows
-#              (fp8_gemm_bench.py --gemv; GEMV_ARGS="--m 1 16 17 64 --configs ..." instead)
+#              (fp8_gemm_bench.py --gemv; GEMV_ARGS="--m 1 16 --weights bf16 ..." instead)
 #              and the row quantization's time and bits (--quant)                          ~100
 #   attention  decode attention by context (1k-32k), key splits and tile (attention_bench.py)  ~90
 #   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target)    ~50
@@ -128,7 +128,7 @@ for stage in "$@"; do
       tail -8 "$work/load7b.txt"; rm -rf /tmp/ckpt-7b ;;
     fp8)
       timeout 300 python3 -m pytest -q tests/gpu/test_fp8_gpu.py \
-        tests/unit/test_triton_fp8_quant.py tests/unit/test_triton_fp8_gemv.py > "$work/fp8_tests.txt" 2>&1
+        tests/unit/test_triton_fp8_quant.py tests/unit/test_triton_gemv.py > "$work/fp8_tests.txt" 2>&1
       tail -3 "$work/fp8_tests.txt" ;;
     attention)
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/attention_bench.py \
@@ -151,7 +151,7 @@ for stage in "$@"; do
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/fp8_gemm_bench.py > "$work/fp8_gemm.txt" 2>&1
       tail -45 "$work/fp8_gemm.txt" ;;
     fp8gemv)
-      timeout 200 python3 -m pytest -q tests/unit/test_triton_fp8_gemv.py > "$work/fp8_gemv_tests.txt" 2>&1
+      timeout 200 python3 -m pytest -q tests/unit/test_triton_gemv.py > "$work/fp8_gemv_tests.txt" 2>&1
       tail -3 "$work/fp8_gemv_tests.txt"
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/fp8_gemm_bench.py --gemv ${GEMV_ARGS:-} > "$work/fp8_gemv.txt" 2>&1
       tail -60 "$work/fp8_gemv.txt"

@@ -76,12 +76,18 @@ class ModelConfig(_Strict):
     # checkpoint is served in FP8 whatever this says (docs/serve.md, "FP8").
     quantization: Literal["none", "fp8"] = "none"
     # With quantization fp8 on CUDA: decoder linear layers at 1..this many rows (decode
-    # steps of up to 64 streams, a small verify) run as a Triton kernel that reads the weight
-    # once for all rows (kestrel_kernels/triton_fp8_gemv.py) instead of cuBLASLt's GEMM,
+    # steps of up to 16 streams, a small verify) run as a Triton kernel that reads the weight
+    # once for all rows (kestrel_kernels/triton_gemv.py) instead of cuBLASLt's GEMM,
     # which runs a few rows as 128x128 tiles; more rows, and 0, take the GEMM. Off by
     # default and refused with a draft: the two sum in different orders, so a verify that
     # takes the GEMM would not reproduce the plain step's tokens (docs/serve.md, "FP8").
-    fp8_gemv_max_rows: int = Field(0, ge=0, le=64)  # kestrel_kernels.triton_fp8_gemv.MAX_ROWS
+    fp8_gemv_max_rows: int = Field(0, ge=0, le=16)  # kestrel_kernels.triton_gemv.MAX_ROWS
+    # With bfloat16/float16 weights on CUDA: linear layers (the LM head too) at 1..this many
+    # rows run as the same Triton kernel on the 16-bit weights (triton_gemv.gemv) instead
+    # of cuBLAS, whose few-row GEMVs read the small projections below the bandwidth and
+    # split K into extra reduce launches; 0 (the default) leaves every row to cuBLAS. A row
+    # gets the same bits at any row count within 1..this (cuBLAS gives no such promise).
+    gemv_max_rows: int = Field(0, ge=0, le=16)  # kestrel_kernels.triton_gemv.MAX_ROWS
     # On a CPU: float computes every layer in dtype from the weights as loaded (a GGUF's
     # dequantized). packed: the decoder's linear layers as Q4_1 blocks of 32 inputs (a
     # float16 scale and min each: a Q4_1 GGUF's own blocks, exactly; other weights are

@@ -5,7 +5,7 @@ y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n] + bias[n]
 
 On CUDA the product is one `torch._scaled_mm` (cuBLASLt / CUTLASS row-wise scaling, which
 needs a compute capability of 8.9 or more and writes bf16), or at few rows, where that GEMM
-is far from the bandwidth, the Triton kernel of `triton_fp8_gemv.py` (rows up to
+is far from the bandwidth, the Triton kernel of `triton_gemv.py` (rows up to
 `set_gemv_max_rows`, model.fp8_gemv_max_rows; off by default); elsewhere, and as the test
 oracle, `fp8_linear_ref` dequantizes both operands to fp32 and multiplies. Both quantize the
 activations alike: the reference with torch ops (`quantize_rows`), CUDA with one Triton
@@ -22,8 +22,8 @@ import torch
 
 from kestrel_kernels.fp8_format import FP8, FP8_MAX, MIN_AMAX
 from kestrel_kernels.triton_available import use_triton
-from kestrel_kernels.triton_fp8_gemv import MAX_ROWS as GEMV_MAX_ROWS
-from kestrel_kernels.triton_fp8_gemv import fp8_gemv
+from kestrel_kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
+from kestrel_kernels.triton_gemv import fp8_gemv
 from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 
 __all__ = ["FP8", "FP8_MAX", "quantize_rows", "fp8_linear", "fp8_linear_ref", "fp8_linear_scaled_mm",

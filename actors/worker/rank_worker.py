@@ -107,6 +107,7 @@ class RankWorker:
         torch.manual_seed(cfg.seed)
         layer_ops.set_fused(cfg.model.fused_layer_ops)
         fp8_linear.set_gemv_max_rows(cfg.model.fp8_gemv_max_rows)
+        small_rows_linear.set_gpu_max_rows(cfg.model.gemv_max_rows)
         spec = cfg.draft.enabled
         if loaded is None:
             loaded = self._load(spec)

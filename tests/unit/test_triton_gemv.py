@@ -1,15 +1,17 @@
-"""The FP8 GEMV (kestrel_kernels/triton_fp8_gemv.py) against fp8_linear_ref's math: the same
-exact products summed in fp32 in another order; a row's bits independent of the other rows
-and of the run; and model.fp8_gemv_max_rows routing rows to it in fp8_linear_scaled_mm. On
-CPU in Triton's interpreter (small shapes: it is slow), on a GPU compiled (model shapes too)."""
+"""The few-row GEMV (kestrel_kernels/triton_gemv.py) against fp8_linear_ref's math (FP8
+weights) and F.linear's (16-bit weights): the same products summed in fp32 in another order;
+a row's bits independent of the other rows and of the run; and model.fp8_gemv_max_rows and
+model.gemv_max_rows routing rows to it. On CPU in Triton's interpreter (small shapes: it is
+slow), on a GPU compiled (model shapes too)."""
 from tests.triton_interpreter import triton_setup  # noqa: I001 - before triton is imported
 import pytest
 import torch
 
 import kestrel_kernels.fp8_linear as fp8_linear
-import kestrel_kernels.triton_fp8_gemv as kernels
+import kestrel_kernels.small_rows_linear as small_rows_linear
+import kestrel_kernels.triton_gemv as kernels
 from kestrel_kernels.fp8_linear import fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows
-from kestrel_kernels.triton_fp8_gemv import MAX_ROWS, block_m, default_config, fp8_gemv, gemv
+from kestrel_kernels.triton_gemv import MAX_ROWS, default_config, fp8_gemv, gemv
 
 INTERPRETED, DEVICE, pytestmark = triton_setup(kernels, "_fp8_gemv_kernel")
 gpu_only = pytest.mark.skipif(DEVICE == "cpu", reason="model shapes: too slow in the interpreter")
@@ -49,14 +51,6 @@ def test_equals_the_reference(M, N, K, config, dtype, bias):
     check_case(M, N, K, config, dtype, bias)
 
 
-# Past 16 rows only the tensor-core kernel runs, its rows padded to 64.
-@pytest.mark.parametrize("M", [17, 40, MAX_ROWS])
-@pytest.mark.parametrize("N,K,config", [c for c in CASES if c[2].get("mma")] + [(37, 200, {})])
-def test_past_sixteen_rows_equals_the_reference(M, N, K, config):
-    assert block_m(M) == MAX_ROWS
-    check_case(M, N, K, config, torch.bfloat16, True)
-
-
 def check_case(M, N, K, config, dtype, bias):
     x = randn(M, K, seed=M + K, dtype=dtype)  # [M, K]
     x[0, : K // 3] *= 50  # a row with a wide range
@@ -83,18 +77,6 @@ def test_a_row_is_the_same_alone_among_others_and_run_to_run(config):
     assert torch.equal(fp8_gemv(mixed_q, mixed_s, wq, ws, b, torch.bfloat16, **config)[1], batch[5])
 
 
-def test_a_row_is_the_same_among_17_and_among_64():
-    N, K = 29, 600
-    wq, ws, b = layer(N, K, seed=3, bias_dtype=torch.bfloat16)
-    xq, xs = quantize_rows(randn(MAX_ROWS, K, seed=6, dtype=torch.bfloat16))  # [64, K] fp8, [64, 1]
-    full = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16)  # [64, N]
-    part = fp8_gemv(xq[:17], xs[:17], wq, ws, b, torch.bfloat16)  # [17, N]
-    assert torch.equal(part, full[:17])
-    # Padded to 64 on purpose, one row is the same bits as in the 64-row batch.
-    alone = fp8_gemv(xq[40:41], xs[40:41], wq, ws, b, torch.bfloat16, block_m=MAX_ROWS)
-    assert torch.equal(alone[0], full[40])
-
-
 def linear_ref(x, w, b):
     """F.linear's math in fp32, one rounding to x's dtype: what gemv computes."""
     out = x.float() @ w.float().t()  # [M, N] fp32
@@ -103,13 +85,11 @@ def linear_ref(x, w, b):
 
 # 16-bit weights through the same kernels: the tensor-core kernel multiplies them as they
 # are, the unrolled GEMV widens them to fp32.
-@pytest.mark.parametrize("M", [1, 5, 16, 33])
+@pytest.mark.parametrize("M", [1, 5, 16])
 @pytest.mark.parametrize("N,K,config", [c for c in CASES if c[2].get("mma")]
                          + [(37, 200, {}), (45, 1000, dict(mma=False, block_k=128, split_k=3))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sixteen_bit_weights_equal_the_reference(M, N, K, config, dtype):
-    if not config.get("mma", True) and M > 16:
-        pytest.skip("the unrolled GEMV stops at 16 rows")
     x = randn(M, K, seed=M + K, dtype=dtype)  # [M, K]
     w = randn(N, K, seed=N, scale=0.05, dtype=dtype)  # [N, K]
     b = randn(N, seed=N + 1, dtype=dtype) if M % 2 else None  # [N]
@@ -144,10 +124,6 @@ def test_refuses_what_it_cannot_run():
     xq, xs = quantize_rows(randn(MAX_ROWS + 1, 64, seed=7))
     with pytest.raises(ValueError, match=f"1..{MAX_ROWS} rows"):
         fp8_gemv(xq, xs, wq, ws, None, torch.float32)
-    with pytest.raises(ValueError, match="unrolled GEMV .* 1..16 rows"):
-        fp8_gemv(xq[:17], xs[:17], wq, ws, None, torch.float32, mma=False)
-    with pytest.raises(ValueError, match="block_m must be"):
-        fp8_gemv(xq[:17], xs[:17], wq, ws, None, torch.float32, block_m=16)
     with pytest.raises(ValueError, match="contiguous last dim"):
         fp8_gemv(xq[:2], xs[:2], wq.t().contiguous().t(), ws, None, torch.float32)
     with pytest.raises(ValueError, match="block_n >= 16 with mma"):
@@ -195,6 +171,38 @@ def test_the_setting_routes_few_rows_to_the_gemv(routed):
         fp8_linear.set_gemv_max_rows(MAX_ROWS + 1)
 
 
+def test_the_setting_routes_few_sixteen_bit_rows_to_the_gemv(monkeypatch):
+    calls = []
+    real = torch.nn.functional.linear
+
+    def linear(x, w, b=None):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, w, b)
+
+    monkeypatch.setattr(small_rows_linear.F, "linear", linear)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(small_rows_linear, "use_triton", lambda t, force_torch=False: True)
+    K, N = 96, 48
+    w = randn(N, K, seed=8, scale=0.05, dtype=torch.bfloat16)  # [N, K]
+    b = randn(N, seed=9, dtype=torch.bfloat16)  # [N]
+    x = randn(5, K, seed=10, dtype=torch.bfloat16)  # [5, K]
+    try:
+        small_rows_linear.set_gpu_max_rows(4)
+        for M in (1, 4):
+            got = small_rows_linear.linear(x[:M].view(1, M, K), w, b)  # leading dims pass through
+            assert got.shape == (1, M, N) and torch.equal(got[0], gemv(x[:M], w, b))
+        assert calls == []
+        small_rows_linear.linear(x, w, b)  # 5 rows: F.linear
+        small_rows_linear.linear(x[:1].float(), w.float())  # float32: F.linear
+        small_rows_linear.set_gpu_max_rows(0)  # off: one row takes F.linear too
+        small_rows_linear.linear(x[:1], w, b)
+        assert calls == [5, 1, 1]
+        with pytest.raises(ValueError, match=f"0..{MAX_ROWS}"):
+            small_rows_linear.set_gpu_max_rows(MAX_ROWS + 1)
+    finally:
+        small_rows_linear.set_gpu_max_rows(0)
+
+
 def test_the_schema_setting():
     from pydantic import ValidationError
 
@@ -202,8 +210,10 @@ def test_the_schema_setting():
     assert ModelConfig().fp8_gemv_max_rows == 0  # off unless a preset without a draft turns it on
     assert 0 < load_config("configs/h200-72b.yaml").model.fp8_gemv_max_rows <= MAX_ROWS
     assert ModelConfig(fp8_gemv_max_rows=8).fp8_gemv_max_rows == 8
-    with pytest.raises(ValidationError):
-        ModelConfig(fp8_gemv_max_rows=MAX_ROWS + 1)
+    assert ModelConfig().gemv_max_rows == 0 and ModelConfig(gemv_max_rows=MAX_ROWS).gemv_max_rows == MAX_ROWS
+    for key in ("fp8_gemv_max_rows", "gemv_max_rows"):
+        with pytest.raises(ValidationError):
+            ModelConfig(**{key: MAX_ROWS + 1})
 
 
 # Qwen2.5-7B's and 72B's GEMMs (N, K), on a GPU with their default configs.
@@ -211,7 +221,7 @@ MODEL_SHAPES = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (10240
 
 
 @gpu_only
-@pytest.mark.parametrize("M", [1, 8, 16, 17, 64])
+@pytest.mark.parametrize("M", [1, 8, 16])
 @pytest.mark.parametrize("N,K", MODEL_SHAPES)
 def test_model_shapes_on_the_gpu(M, N, K):
     x = randn(M, K, seed=M, dtype=torch.bfloat16)  # [M, K] bf16
@@ -220,7 +230,7 @@ def test_model_shapes_on_the_gpu(M, N, K):
     got = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16)
     check_close(got, fp8_linear_ref(x, wq, ws, b))
     assert torch.equal(fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16), got)
-    alone = fp8_gemv(xq[-1:], xs[-1:], wq, ws, b, torch.bfloat16, block_m=block_m(M))  # M's padding
+    alone = fp8_gemv(xq[-1:], xs[-1:], wq, ws, b, torch.bfloat16)
     assert torch.equal(alone[0], got[-1])
 
 
@@ -240,3 +250,20 @@ def test_in_a_cuda_graph():
         xs.copy_(s)
         graph.replay()
         assert torch.equal(out, fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16))
+
+
+@gpu_only
+@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("N,K", MODEL_SHAPES[:4] + [(152064, 3584)])  # the 7B's, its LM head
+def test_sixteen_bit_model_shapes_on_the_gpu(M, N, K):
+    x = randn(M, K, seed=M, dtype=torch.bfloat16)  # [M, K] bf16
+    w = randn(N, K, seed=N + K, scale=0.02, dtype=torch.bfloat16)  # [N, K] bf16
+    got = gemv(x, w)
+    check_close(got, linear_ref(x, w, None))
+    assert torch.equal(gemv(x[-1:], w)[0], got[-1])  # the same bits alone
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(x, w)
+    x.copy_(randn(M, K, seed=M + 1, dtype=torch.bfloat16))
+    graph.replay()
+    assert torch.equal(out, gemv(x, w))

@@ -1,35 +1,36 @@
-"""Triton GEMV for the FP8 linear at a few rows (kestrel_kernels/fp8_linear.py): what
-`fp8_linear_ref` computes, from activations already quantized per row.
+"""Triton GEMV for a linear layer at a few rows (1 to 16): the FP8 linear's product from
+activations already quantized per row (kestrel_kernels/fp8_linear.py, `fp8_gemv`),
 
     y[m, n] = (sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n] (+ bias[n])
 
-At one to a few rows the layer is a read of the weight: cuBLASLt's row-scaled FP8 GEMM runs
-it as 128x128 tiles, far from the bandwidth (docs/benchmarks.md, "FP8 at one stream").
+and the same kernels on 16-bit weights (`gemv`: F.linear, no scales), summed in fp32.
 
-Two kernels share the tiling. The default (`mma`) pads the rows to BLOCK_M (16 for 1 to 16
-rows, 64 for 17 to 64) and multiplies each weight tile by them on the tensor cores: its time
-was flat from 1 to 16 rows, and a decode step of up to 64 streams reads each weight once
-(whether 17-64 rows beat cuBLASLt is for the benchmark's sweep to show). The unrolled
-GEMV (mma=False, up to 16 rows), described next, is a few percent faster at one row and
-grows with the rows; the benchmark's sweep keeps it for comparison.
+At a few rows the layer is a read of the weight: cuBLASLt's row-scaled FP8 GEMM runs it as
+128x128 tiles, far from the bandwidth, and cuBLAS's bf16 GEMV splits K into extra reduce
+launches (docs/benchmarks.md, "FP8 at one stream", "Few-row GEMVs").
+
+Two kernels share the tiling. The default (`mma`) pads the rows to 16 and multiplies each
+weight tile by them on the tensor cores (FP8 tiles widened to fp16, 16-bit ones as they
+are): its time is flat from 1 to 16 rows. Past 16 rows the library GEMMs win (a 64-row pad
+was measured slower than cuBLASLt at every 7B and 72B shape). The unrolled GEMV (mma=False)
+is a few percent faster at one row and grows with the rows; the benchmark's sweep keeps it.
 
 In the GEMV each program owns BLOCK_N output channels and a slice of K: per iteration it
 loads a [BLOCK_N, BLOCK_K] weight tile (16-byte loads along K, which is contiguous),
-converts it to fp32 (E4M3 values and their products are exact in fp32) and multiplies it by
-every row's [BLOCK_K] codes, so the weight is read once for all M rows. Each row's tile is
-summed into an fp32 accumulator of [M, BLOCK_N]; the rows are unrolled (M is a compile-time
-constant) so a row's sum takes the same steps whichever other rows are in the batch.
+converts it to fp32 (E4M3 and 16-bit values and their products are exact in fp32) and
+multiplies it by every row's [BLOCK_K] values, so the weight is read once for all M rows.
+Each row's tile is summed into an fp32 accumulator of [M, BLOCK_N]; the rows are unrolled
+(M is a compile-time constant) so a row's sum takes the same steps whichever other rows are
+in the batch.
 
 Where N / BLOCK_N programs would not fill the GPU a few times over, K is split SPLIT_K ways:
 each split writes its fp32 sums to a [SPLIT_K, M, N] buffer and a second kernel adds them
 in split order, then scales, adds the bias and casts (no atomics: the same bits every run).
 
 A row's summation order depends on BLOCK_N, BLOCK_K, SPLIT_K and num_warps, so the default
-config depends on the layer's shape (and the GPU's SM count), never on M; the tensor-core
-kernel's BLOCK_M follows M's bucket, so a token's output is the same at one row as among
-sixteen, and the same among 17 as among 64, but may differ in the last bit between the two
-buckets (another MMA shape). No host reads of device values: the call can be
-captured in a CUDA graph.
+config depends on the layer's shape (and the GPU's SM count), never on M: a token's output
+is the same bits at one row as among sixteen. No host reads of device values: the call can
+be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -40,11 +41,9 @@ import torch
 from kestrel_kernels.fp8_format import FP8
 from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
 
-__all__ = ["HAS_TRITON", "MAX_ROWS", "UNROLLED_MAX_ROWS", "block_m", "default_config", "fp8_gemv", "gemv"]
+__all__ = ["HAS_TRITON", "MAX_ROWS", "default_config", "fp8_gemv", "gemv"]
 
-MAX_ROWS = 64  # padded to by the MMA kernel; past it cuBLASLt's tiles are full anyway
-UNROLLED_MAX_ROWS = 16  # unrolled by the GEMV (mma=False), whose time grows with the rows
-_ROW_BUCKETS = (16, MAX_ROWS)  # the MMA kernel's BLOCK_M: the smallest that holds M
+MAX_ROWS = 16  # the tensor-core kernel's padded rows (one MMA's); past them the GEMMs win
 _SMS_WITHOUT_CUDA = 132  # the interpreter has no SM count; an H100/H200's keeps configs alike
 
 if HAS_TRITON:
@@ -72,12 +71,11 @@ if HAS_TRITON:
                         stride_om, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SCALED: tl.constexpr):
-        """The same sums on the tensor cores: the rows padded to BLOCK_M (block_m(M)) with
-        zeros, FP8 tiles widened to fp16 (exact: E4M3's 3 mantissa bits and 2^-9..448 fit;
-        16-bit tiles as they are) and multiplied by tl.dot into fp32. An output element's sum
-        does not depend on the other rows' values, and BLOCK_M is the same for every M of a
-        bucket, so a row's bits are the same alone or among fifteen others (and among 17 or
-        64)."""
+        """The same sums on the tensor cores: the rows padded to BLOCK_M (16) with zeros, FP8
+        tiles widened to fp16 (exact: E4M3's 3 mantissa bits and 2^-9..448 fit; 16-bit tiles
+        as they are) and multiplied by tl.dot into fp32. An output element's sum does not
+        depend on the other rows' values, so a row's bits are the same alone or among
+        fifteen others."""
         pid_k, offs_m, offs_n, offs_k, w_ptrs, k_start, k_end = _tile(
             WQ, N, K, stride_wn, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
         m_ok = offs_m < M
@@ -156,14 +154,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def block_m(M: int) -> int:
-    """The tensor-core kernel's padded row count for M rows: 16 up to 16 rows (one MMA's
-    rows), else 64 (a Hopper warpgroup MMA's)."""
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"fp8_gemv takes 1..{MAX_ROWS} rows, got {M}")
-    return next(b for b in _ROW_BUCKETS if M <= b)
-
-
 def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 32,
                    block_k: int | None = None, mma: bool = True, elem_bytes: int = 1) -> dict:
     """The launch config for a weight [N, K] of `elem_bytes`-byte values on a GPU of `sms`
@@ -183,11 +173,10 @@ def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 
 
 def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, **config) -> torch.Tensor:
-    """xq [M, K] fp8 and xs [M, 1] fp32 (quantize_rows' output, M <= MAX_ROWS, or
-    UNROLLED_MAX_ROWS with mma=False), wq [N, K] fp8, ws [N, 1] fp32, bias [N] or None ->
-    [M, N] out_dtype. `config` overrides default_config's keys (block_n, block_k, split_k,
-    num_warps, num_stages, mma: the tensor-core kernel) and block_m (the tensor-core kernel's
-    padded rows, default block_m(M)): the benchmark's sweep. Without split_k, K is split by
+    """xq [M, K] fp8 and xs [M, 1] fp32 (quantize_rows' output, M <= MAX_ROWS), wq [N, K]
+    fp8, ws [N, 1] fp32, bias [N] or None -> [M, N] out_dtype. `config` overrides
+    default_config's keys (block_n, block_k, split_k, num_warps, num_stages, mma: the
+    tensor-core kernel): the benchmark's sweep. Without split_k, K is split by
     default_config's rule for the tile asked for."""
     M, K = xq.shape
     N = wq.shape[0]
@@ -224,7 +213,7 @@ def _launch(x: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: torch
                            "or torch.nn.functional.linear")
     M, K = x.shape
     N = w.shape[0]
-    unknown = set(config) - {"block_n", "block_k", "block_m", "split_k", "num_warps", "num_stages", "mma"}
+    unknown = set(config) - {"block_n", "block_k", "split_k", "num_warps", "num_stages", "mma"}
     if unknown:
         raise ValueError(f"gemv: unknown config keys {sorted(unknown)}")
     blocks = {k: config[k] for k in ("block_n", "block_k", "mma") if k in config}
@@ -234,12 +223,6 @@ def _launch(x: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: torch
             or (cfg["mma"] and block_n < 16):
         raise ValueError(f"gemv: block_n and block_k must be powers of two (block_k >= 16, "
                          f"block_n >= 16 with mma), split_k >= 1; got {cfg}")
-    if cfg["mma"]:
-        rows = cfg.get("block_m", block_m(M))
-        if rows < M or rows < 16 or rows & (rows - 1):
-            raise ValueError(f"gemv: block_m must be a power of two >= 16 and >= M={M}; got {rows}")
-    elif M > UNROLLED_MAX_ROWS:
-        raise ValueError(f"gemv: the unrolled GEMV (mma=False) takes 1..{UNROLLED_MAX_ROWS} rows, got {M}")
     # Splits a whole number of tiles long, so every tile but a split's last is unmasked.
     k_per_split = -(-K // (split * block_k)) * block_k
     split = -(-K // k_per_split)  # a split that would start past K is dropped
@@ -254,9 +237,9 @@ def _launch(x: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: torch
     launch = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=has_bias, SCALED=scaled,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     xs_stride = xs.stride(0) if scaled else 0
-    if cfg["mma"]:  # M a runtime value: one compiled kernel per row bucket
+    if cfg["mma"]:  # M a runtime value: one compiled kernel for 1..16 rows
         _fp8_mma_kernel[grid](x, xs, w, ws, bias, out, part, M, N, K, x.stride(0), xs_stride,
-                              w.stride(0), out.stride(0), k_per_split, BLOCK_M=rows, **launch)
+                              w.stride(0), out.stride(0), k_per_split, BLOCK_M=MAX_ROWS, **launch)
     else:
         _fp8_gemv_kernel[grid](x, xs, w, ws, bias, out, part, N, K, x.stride(0), xs_stride,
                                w.stride(0), out.stride(0), k_per_split, M=M,
