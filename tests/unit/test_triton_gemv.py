@@ -209,6 +209,7 @@ def test_the_schema_setting():
     from configs.schema import ModelConfig, load_config
     assert ModelConfig().fp8_gemv_max_rows == 0  # off unless a preset without a draft turns it on
     assert 0 < load_config("configs/h200-72b.yaml").model.fp8_gemv_max_rows <= MAX_ROWS
+    assert 0 < load_config("configs/h200-7b.yaml").model.gemv_max_rows <= MAX_ROWS
     assert ModelConfig(fp8_gemv_max_rows=8).fp8_gemv_max_rows == 8
     assert ModelConfig().gemv_max_rows == 0 and ModelConfig(gemv_max_rows=MAX_ROWS).gemv_max_rows == MAX_ROWS
     for key in ("fp8_gemv_max_rows", "gemv_max_rows"):
