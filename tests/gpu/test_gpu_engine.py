@@ -70,6 +70,22 @@ def test_decode_graphs_equal_eager(tokenizer, chat_prompts, fp32_ref, backend):
     assert sum(a == b for a, b in zip(graphs, eager)) >= 4
 
 
+def test_few_row_gemv_serves_as_cublas_does(tokenizer, chat_prompts, fp32_ref):
+    """model.gemv_max_rows sends the linears at 1-16 rows to the Triton GEMV: greedy output
+    equals cuBLAS's up to bf16 near-ties, with graphs, and speculation on top of it equals
+    plain decoding on it."""
+    from kestrel_kernels import small_rows_linear
+    graphs = ["attention.backend=triton", "attention.cuda_graphs=true"]
+    cublas = run(tokenizer, chat_prompts, *graphs)
+    gemv = run(tokenizer, chat_prompts, *graphs, "model.gemv_max_rows=16")
+    assert small_rows_linear._gpu_max_rows == 16  # the rank worker set it
+    spec = run(tokenizer, chat_prompts, *graphs, "model.gemv_max_rows=16", "draft.enabled=true",
+               "draft.path=random", *TREE)
+    for got, ref in ((gemv, cublas), (spec, gemv)):
+        n = check_near_ties(fp32_ref, chat_prompts, got, ref)
+        assert n <= len(chat_prompts) // 4, f"{n} of {len(chat_prompts)} prompts diverged"
+
+
 @pytest.mark.parametrize("backend", ["triton", FLASHINFER])
 def test_eagle3_head_and_sampled_rows_on_gpu(tokenizer, chat_prompts, fp32_ref, backend):
     """An EAGLE-3 head (its own draft vocabulary, mapped back through d2t after the draft's
