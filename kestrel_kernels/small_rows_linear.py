@@ -9,8 +9,8 @@ decode steps and speculation lost to plain decoding. Whether a machine gains is 
 start-up (`measure`), not assumed.
 
 On CUDA, 16-bit weights at 1..set_gpu_max_rows rows (model.gemv_max_rows): the Triton GEMV
-of triton_gemv.py, which reads each weight once for all rows at the bandwidth and needs no
-split-K reduce launches (docs/benchmarks.md, "Few-row GEMVs").
+of triton_gemv.py, which reads each weight once for all rows, nearer the bandwidth than
+cuBLAS's few-row kernels (docs/benchmarks.md, "Few-row GEMVs").
 
 Elsewhere the reference, F.linear.
 """
@@ -51,7 +51,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     1..set_gpu_max_rows rows by the Triton GEMV."""
     rows = x.numel() // max(1, x.shape[-1])
     if 0 < rows <= _gpu_max_rows and x.dtype in (torch.bfloat16, torch.float16) \
-            and weight.dtype == x.dtype and use_triton(x):
+            and weight.dtype == x.dtype and weight.stride(-1) == 1 and use_triton(x):
         x2 = x.reshape(rows, x.shape[-1])
         out = gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, bias)  # [rows, N]
         return out.view(*x.shape[:-1], weight.shape[0])
