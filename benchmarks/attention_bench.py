@@ -5,7 +5,8 @@ a model's head layout, by batch, context length, key splits and tile shape.
         [--context 1024 8192 32768] [--splits 16 32 64] [--exact-splits] [--tiles 64/2/2 128/4/3 ...]
         [--prefill-chunk 8192]
 
-A tile is BLOCK_N/num_warps/num_stages; "default" is the launcher's own choice. Each launch
+A tile is BLOCK_N/num_warps/num_stages or BLOCK_M/BLOCK_N/num_warps/num_stages; "default" is
+the launcher's own choice. With --prefill-chunk the tiles apply to the causal chunk. Each launch
 is timed as a replayed CUDA graph (decode steps run that way), and the figure printed beside
 it is the K/V bytes read over that time, the figure a long-context decode is judged by
 against the device's copy bandwidth (benchmarks/copy_bandwidth.py).
@@ -53,19 +54,43 @@ def prefill_case(context: int, chunk: int, heads: int, kv_heads: int, dim: int):
     return q, k, v, req_to_token, rows, prefix, new, indptr
 
 
+def use_tile(tile: str, original) -> None:
+    """Make the launcher take `tile` ("default", BLOCK_N/warps/stages, or
+    BLOCK_M/BLOCK_N/warps/stages) for the next launches."""
+    if tile == "default":
+        triton_attention._launch_config = original
+        return
+    parts = [int(x) for x in tile.split("/")]
+    keys = ("BLOCK_N", "num_warps", "num_stages") if len(parts) == 3 else \
+        ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+    def config(max_q_len, group, head_dim):
+        return dict(original(max_q_len, group, head_dim), **dict(zip(keys, parts)))
+    triton_attention._launch_config = config
+
+
 def prefill(args) -> None:
     """--prefill-chunk: the causal chunk's time and TFLOP/s (QK^T and PV over the keys each
-    query sees) at each context, default tiles and splits."""
+    query sees) at each context and tile, default splits."""
     H, Hkv, D = args.heads
+    original = triton_attention._launch_config
     for context in args.context:
         chunk = min(args.prefill_chunk, context)
         case = prefill_case(context, chunk, H, Hkv, D)
-        us = bench(lambda: triton_attention.paged_attention(*case, max_q_len=chunk))
         flops = 4 * H * D * chunk * (context - chunk + (chunk + 1) / 2)
-        print(f"prefill chunk={chunk:<5} ctx={context:<6} {us:9.1f} us  {flops / us / 1e6:6.1f} TFLOP/s",
-              flush=True)
+        for tile in args.tiles:
+            use_tile(tile, original)
+            try:
+                us = bench(lambda: triton_attention.paged_attention(*case, max_q_len=chunk))
+            except Exception as e:  # a tile that does not fit (shared memory) must not end the sweep
+                print(f"prefill chunk={chunk:<5} ctx={context:<6} tile={tile:<12} failed: "
+                      f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+                continue
+            print(f"prefill chunk={chunk:<5} ctx={context:<6} tile={tile:<12} {us:9.1f} us  "
+                  f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
         del case
         torch.cuda.empty_cache()
+    triton_attention._launch_config = original
 
 
 def main() -> None:
@@ -92,15 +117,7 @@ def main() -> None:
             ref = triton_attention.paged_attention_ref(*case, max_q_len=1)
             kv_bytes = 2 * batch * context * Hkv * D * 2
             for tile in args.tiles:
-                if tile == "default":
-                    triton_attention._launch_config = original
-                else:
-                    bn, warps, stages = (int(x) for x in tile.split("/"))
-
-                    def config(max_q_len, group, head_dim, bn=bn, warps=warps, stages=stages):
-                        return dict(original(max_q_len, group, head_dim), BLOCK_N=bn,
-                                    num_warps=warps, num_stages=stages)
-                    triton_attention._launch_config = config
+                use_tile(tile, original)
                 for splits in args.splits:
                     forced = splits if args.exact_splits else None
 
