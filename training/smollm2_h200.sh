@@ -66,6 +66,9 @@ head_flags() {  # the trainer's options for one named head
     # training top-1: the head underfits); with INIT_HEAD of the target's width it starts
     # as that head, widened (train.py --intermediate-size).
     eagle3-fscale-wide) echo --arch eagle3 --draft-vocab 8192 --feature-scale rms --intermediate-size 6144 ;;
+    # The shipped recipe trained on the target's argmax alone (greedy acceptance asks only
+    # that the draft's first choice be the target's) instead of its whole distribution.
+    eagle3-fscale-hard) echo --arch eagle3 --draft-vocab 8192 --feature-scale rms --hard-targets ;;
     *) echo "unknown head $1" >&2; return 2 ;;
   esac
 }
