@@ -144,6 +144,34 @@ def test_the_chunked_token_loss_trains_as_the_autograd_path(tiny_target, synthet
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hard_targets_score_the_target_argmax_alone(tiny_target, synthetic, arch, monkeypatch):
+    """--hard-targets: every step's token loss is taken against a one-hot of the target's
+    argmax (among the draft's ids for EAGLE-3), the argmax of the distribution the soft loss
+    uses, and the agreement counted is the same."""
+    import training.train as tt
+    seen = {}
+    real = tt.soft_ce
+
+    def spy(x, weight, t_probs, rows, w, dtype, how):
+        seen.setdefault(how, []).append(t_probs[rows])
+        return real(x, weight, t_probs, rows, w, dtype)
+    ids, mask, lens = tt.collate(synthetic, list(range(6)), 64, torch.device("cpu"))
+    correct = {}
+    for how in ("soft", "hard"):
+        monkeypatch.setattr(tt, "soft_ce", lambda *a, how=how: spy(*a, how))
+        head, vocab = _new_head(arch, tiny_target, synthetic)
+        trainer = Trainer(tiny_target, head, _config(arch, ttt_steps=2, hard_targets=how == "hard"), vocab)
+        _, stats = trainer.losses(ids, mask, lens)
+        correct[how] = [int(c) for _, c, _ in stats]
+    assert correct["soft"] == correct["hard"]
+    for soft, hard in zip(seen["soft"], seen["hard"]):
+        assert torch.equal(hard.sum(-1), torch.ones(hard.shape[0]))
+        assert torch.equal(hard.max(-1).values, torch.ones(hard.shape[0]))  # one-hot rows
+        assert torch.equal(hard.argmax(-1), soft.argmax(-1))
+        assert not torch.equal(hard, soft)
+
+
 def test_feature_scale_trains_on_scaled_features_and_folds_into_the_fc(tiny_target, synthetic, tmp_path):
     """feature_scale=rms: features divided per dimension by their RMS (calibrated on the first
     batches, kept across a resume); folded into the fc, the head computes the same losses
