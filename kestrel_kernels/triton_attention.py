@@ -23,7 +23,8 @@ num_splits > 1 (flash-decoding, for batches too small to fill the GPU) each spli
 a slice of the keys and writes a partial output + log-sum-exp; a second kernel merges them.
 Up to BASE_KV_SPLITS splits divide any context evenly; a launch with more (a few streams
 over a long context, `attention.max_kv_splits`) uses the extra ones only where each still
-gets SPLIT_MIN_KEYS keys, so a short context splits as it would at BASE_KV_SPLITS.
+gets SPLIT_MIN_KEYS keys, so a short context splits as it would at BASE_KV_SPLITS; the
+empty splits write only a -inf log-sum-exp, and the merge reads no partial output there.
 The split count is a run-time argument, not a compile-time constant: it follows the
 batch's shape, and as a constant every new prefill shape compiled a new kernel (0.5-1 s
 on the H200, in front of the first token of every request in that batch).
@@ -279,8 +280,10 @@ if HAS_TRITON:
             o = o * tl.load(VScale)
         out_ok = row_ok[:, None] & d_ok[None, :]
         if SPLIT:
+            # An empty split (past the keys: most of a wide launch over a short context)
+            # writes only its -inf lse; the merge reads no output where lse is -inf.
             po = tok[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
-            tl.store(PartO + po + offs_d[None, :], o, mask=out_ok)
+            tl.store(PartO + po + offs_d[None, :], o, mask=out_ok & (lo < hi))
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             # PartLse is contiguous [T, H, num_splits].
             tl.store(PartLse + (tok * (NUM_KV_HEADS * GROUP) + head) * num_splits + split, lse,
@@ -308,8 +311,9 @@ if HAS_TRITON:
         m = tl.max(lse, 0)
         w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty split -> weight 0
         denom = tl.sum(w, 0)
+        seen = lse > float("-inf")  # a split with no visible key (or none at all) adds nothing
         part = tl.load(PartO + base + offs_s[:, None] * stride_ps + offs_d[None, :],
-                       mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+                       mask=s_ok[:, None] & d_ok[None, :] & seen[:, None], other=0.0)
         o = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0, denom, 1.0)
         tl.store(Out + t * stride_ot + h * stride_oh + offs_d, o.to(Out.dtype.element_ty),
                  mask=d_ok)

@@ -238,6 +238,25 @@ def test_kernel_more_splits_than_base_matches_ref(prefix):
 
 
 @needs_triton
+def test_splits_read_no_partial_output_they_did_not_write(monkeypatch):
+    """The partial buffers start as NaN: an empty split writes only its -inf lse and the
+    merge reads no output where lse is -inf, so the NaN never reaches the result."""
+    real = torch.empty
+
+    def poisoned(*shape, dtype=None, device=None, **kw):
+        t = real(*shape, dtype=dtype, device=device, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(ta.torch, "empty", poisoned)
+    c = make_case("decode", 16, cfg="mha_d16", seed=21, B=1, min_prefix=0, max_prefix=150)
+    store_new_kv(c)
+    args, kw = kernel_args(c)
+    want = ta.paged_attention_ref(*args, **kw)
+    for n in (5, ta.MAX_KV_SPLITS):  # 150 keys: a few splits empty at 5, most at 64
+        got = ta.paged_attention(*args, **kw, num_kv_splits=n, out=torch.zeros_like(want))
+        torch.testing.assert_close(got, want, **tol(c["dtype"]))
+
+
+@needs_triton
 def test_kernel_fp16_and_page4():
     c = make_case("verify", 4, seed=30, dtype=torch.float16)
     store_new_kv(c)
