@@ -186,18 +186,26 @@ def gemv_sweep(args: argparse.Namespace, dev: torch.device) -> None:
                                                       for n in ranked))
 
 
+QUANT_WARPS = (None, 4, 8, 16, 32)  # None: the kernel's default, one warp per 512 values
+
+
 def quant_timings(args: argparse.Namespace, dev: torch.device) -> None:
     """The row quantization before each FP8 GEMM (Triton) at each GEMM's input width: µs a
-    call and whether its codes and scales are the reference's bits."""
-    print(f"{'model':>5} {'input of':>8} {'K':>6} {'M':>4} | {'us':>6} | same bits")
+    call by num_warps (the default first) and whether every run's codes and scales are the
+    reference's bits."""
+    print(f"{'model':>5} {'input of':>8} {'K':>6} {'M':>4} | "
+          + " | ".join(f"{'us w' + str(w or 'dflt'):>8}" for w in QUANT_WARPS) + " | same bits")
     for model in args.models:
         for gemm, _, K in SHAPES[model]:
             for M in args.m:
                 x = torch.randn(M, K, device=dev, dtype=torch.bfloat16) * 3  # [M, K]
-                (q, s), (rq, rs) = quantize_rows_triton(x), quantize_rows(x)
-                same = torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
-                print(f"{model:>5} {gemm:>8} {K:>6} {M:>4} | {bench(lambda: quantize_rows_triton(x), rep=20):6.2f} | "
-                      f"{same}", flush=True)
+                rq, rs = quantize_rows(x)
+                same, cells = True, []
+                for w in QUANT_WARPS:
+                    q, s = quantize_rows_triton(x, w)
+                    same &= torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+                    cells.append(f"{bench(lambda w=w: quantize_rows_triton(x, w), rep=20):8.2f}")
+                print(f"{model:>5} {gemm:>8} {K:>6} {M:>4} | " + " | ".join(cells) + f" | {same}", flush=True)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@
 #   fp8gemm    the FP8 linear against bf16 at the 7B and 72B GEMM shapes (fp8_gemm_bench.py) ~60
 #   fp8gemv    the Triton FP8 GEMV's GPU tests, then its config sweep at 1, 8, 16 rows
 #              (fp8_gemm_bench.py --gemv; GEMV_ARGS="--m 1 16 --weights bf16 ..." instead)
-#              and the row quantization's time and bits (--quant)                          ~100
+#              and the row quantization's time by warp count and its bits (--quant)           ~100
 #   attention  decode attention by context (1k-32k), key splits and tile (attention_bench.py)  ~90
 #   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target)    ~50
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150

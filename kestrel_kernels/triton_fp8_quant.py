@@ -61,9 +61,10 @@ if HAS_TRITON:
                 tl.store(Q + row * K + k0 + offs, _codes(x, scale, fp8_max).to(Q.dtype.element_ty), mask=ok)
 
 
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `quantize_rows`: x [M, K] (rows with a contiguous last dim) ->
-    (q [M, K] float8_e4m3fn, scale [M, 1] fp32)."""
+    (q [M, K] float8_e4m3fn, scale [M, 1] fp32). `num_warps` overrides the default of one
+    warp per 512 values of the row's block (the benchmark's sweep; the bits do not change)."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; use kestrel_kernels.fp8_linear.quantize_rows")
     if x.dim() != 2 or x.stride(-1) != 1:
@@ -78,5 +79,5 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     one = block <= _MAX_BLOCK
     block = block if one else _LOOP_BLOCK
     _quantize_rows_kernel[(M,)](x, q, scale, x.stride(0), K, FP8_MAX, MIN_AMAX, BLOCK=block,
-                                ONE_BLOCK=one, num_warps=min(max(block // 512, 1), 32))
+                                ONE_BLOCK=one, num_warps=num_warps or min(max(block // 512, 1), 32))
     return q, scale

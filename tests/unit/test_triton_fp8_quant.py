@@ -40,6 +40,14 @@ def test_rows_of_a_strided_view():
     assert torch.equal(got_s, want_s) and torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("num_warps", [1, 4, 16])
+def test_any_warp_count_gives_the_same_bits(num_warps):
+    x = (torch.randn(3, 3584, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16).to(DEVICE)
+    want_q, want_s = quantize_rows(x)
+    got_q, got_s = quantize_rows_triton(x, num_warps)
+    assert torch.equal(got_s, want_s) and torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def test_refuses_a_non_contiguous_last_dim():
     with pytest.raises(ValueError, match="contiguous last dim"):
         quantize_rows_triton(torch.randn(8, 4, device=DEVICE).t())
