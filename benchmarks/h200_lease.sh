@@ -145,7 +145,7 @@ for stage in "$@"; do
         --tiles default 128/64/8/3 128/32/4/3 64/32/4/2 128/64/4/3 64/128/8/3 > "$work/prefill_tiles.txt" 2>&1
       cut -c1-110 "$work/prefill_tiles.txt" | tail -14
       timeout 150 python3 benchmarks/fp8_gemm_bench.py --gemv --weights bf16 --models 7b --m 1 2 8 16 \
-        --configs default gemv_n8k512 n16k512 mma_k256 > "$work/gemv_bf16.txt" 2>&1
+        --configs default gemv_n8k512 n16k512 mma_k256 mma_n16k512 mma_n64k256w8 > "$work/gemv_bf16.txt" 2>&1
       tail -6 "$work/gemv_bf16.txt"
       timeout 60 python3 benchmarks/fp8_gemm_bench.py --quant --m 1 64 > "$work/fp8_quant.txt" 2>&1
       cat "$work/fp8_quant.txt" ;;
