@@ -49,25 +49,25 @@ _SMS_WITHOUT_CUDA = 132  # the interpreter has no SM count; an H100/H200's keeps
 if HAS_TRITON:
 
     @triton.jit
-    def _fp8_gemv_kernel(XQ, XS, WQ, WS, BIAS, OUT, PART, N, K, stride_xm, stride_xs, stride_wn,
+    def _gemv_kernel(X, XS, W, WS, BIAS, OUT, PART, N, K, stride_xm, stride_xs, stride_wn,
                          stride_om, k_per_split, M: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):
         pid_k, offs_m, offs_n, offs_k, w_ptrs, k_start, k_end = _tile(
-            WQ, N, K, stride_wn, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
+            W, N, K, stride_wn, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k_ok = k0 + offs_k < k_end
             w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32)
             for m in tl.static_range(M):
-                x = tl.load(XQ + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                x = tl.load(X + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 part = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N] this tile's sum for row m
                 acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
         _finish(acc, offs_m, offs_n, pid_k, M, N, XS, WS, BIAS, OUT, PART, stride_xs, stride_om,
                 SPLIT_K, HAS_BIAS, SCALED)
 
     @triton.jit
-    def _fp8_mma_kernel(XQ, XS, WQ, WS, BIAS, OUT, PART, M, N, K, stride_xm, stride_xs, stride_wn,
+    def _mma_kernel(X, XS, W, WS, BIAS, OUT, PART, M, N, K, stride_xm, stride_xs, stride_wn,
                         stride_om, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SCALED: tl.constexpr):
@@ -77,9 +77,9 @@ if HAS_TRITON:
         depend on the other rows' values, so a row's bits are the same alone or among
         fifteen others."""
         pid_k, offs_m, offs_n, offs_k, w_ptrs, k_start, k_end = _tile(
-            WQ, N, K, stride_wn, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
+            W, N, K, stride_wn, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
         m_ok = offs_m < M
-        x_ptrs = XQ + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k_ok = k0 + offs_k < k_end
@@ -92,7 +92,7 @@ if HAS_TRITON:
                 SPLIT_K, HAS_BIAS, SCALED)
 
     @triton.jit
-    def _tile(WQ, N, K, stride_wn, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _tile(W, N, K, stride_wn, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
         """This program's split of K, its rows, channels and K offsets, and its weight tile's
         pointers [BLOCK_N, BLOCK_K]. Channels past N re-read channel N-1 instead of being
@@ -104,7 +104,7 @@ if HAS_TRITON:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-        w_ptrs = WQ + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        w_ptrs = W + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         return pid_k, offs_m, offs_n, offs_k, w_ptrs, k_start, k_end
@@ -131,7 +131,7 @@ if HAS_TRITON:
             tl.store(PART + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=ok)
 
     @triton.jit
-    def _fp8_gemv_reduce_kernel(PART, XS, WS, BIAS, OUT, N, stride_xs, stride_om, M: tl.constexpr,
+    def _reduce_kernel(PART, XS, WS, BIAS, OUT, N, stride_xs, stride_om, M: tl.constexpr,
                                 SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 SCALED: tl.constexpr):
         m = tl.program_id(0)
@@ -238,15 +238,15 @@ def _launch(x: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: torch
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     xs_stride = xs.stride(0) if scaled else 0
     if cfg["mma"]:  # M a runtime value: one compiled kernel for 1..16 rows
-        _fp8_mma_kernel[grid](x, xs, w, ws, bias, out, part, M, N, K, x.stride(0), xs_stride,
+        _mma_kernel[grid](x, xs, w, ws, bias, out, part, M, N, K, x.stride(0), xs_stride,
                               w.stride(0), out.stride(0), k_per_split, BLOCK_M=MAX_ROWS, **launch)
     else:
-        _fp8_gemv_kernel[grid](x, xs, w, ws, bias, out, part, N, K, x.stride(0), xs_stride,
+        _gemv_kernel[grid](x, xs, w, ws, bias, out, part, N, K, x.stride(0), xs_stride,
                                w.stride(0), out.stride(0), k_per_split, M=M,
                                BLOCK_M=triton.next_power_of_2(M), **launch)
     if split > 1:
         block = 1024
-        _fp8_gemv_reduce_kernel[(M, triton.cdiv(N, block))](part, xs, ws, bias, out, N, xs_stride,
+        _reduce_kernel[(M, triton.cdiv(N, block))](part, xs, ws, bias, out, N, xs_stride,
                                                              out.stride(0), M=M, SPLIT_K=split,
                                                              BLOCK=block, HAS_BIAS=has_bias,
                                                              SCALED=scaled, num_warps=4)

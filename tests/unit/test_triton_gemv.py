@@ -13,7 +13,7 @@ import kestrel_kernels.triton_gemv as kernels
 from kestrel_kernels.fp8_linear import fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows
 from kestrel_kernels.triton_gemv import MAX_ROWS, default_config, fp8_gemv, gemv
 
-INTERPRETED, DEVICE, pytestmark = triton_setup(kernels, "_fp8_gemv_kernel")
+INTERPRETED, DEVICE, pytestmark = triton_setup(kernels, "_gemv_kernel")
 gpu_only = pytest.mark.skipif(DEVICE == "cpu", reason="model shapes: too slow in the interpreter")
 
 
