@@ -17,12 +17,13 @@ import torch
 from kestrel_kernels.fp8_format import FP8, FP8_MAX, MIN_AMAX
 from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
 
-__all__ = ["HAS_TRITON", "quantize_rows_triton"]
+__all__ = ["HAS_TRITON", "default_warps", "quantize_rows_triton"]
 
 # The longest row one program holds at once (32 values a thread at 32 warps); longer rows
 # loop over blocks of _LOOP_BLOCK.
 _MAX_BLOCK = 32768
 _LOOP_BLOCK = 4096
+_LATENCY_ROWS = 64  # up to here a call's rows are few enough that each takes many warps
 
 
 if HAS_TRITON:
@@ -63,8 +64,8 @@ if HAS_TRITON:
 
 def quantize_rows_triton(x: torch.Tensor, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `quantize_rows`: x [M, K] (rows with a contiguous last dim) ->
-    (q [M, K] float8_e4m3fn, scale [M, 1] fp32). `num_warps` overrides the default of one
-    warp per 512 values of the row's block (the benchmark's sweep; the bits do not change)."""
+    (q [M, K] float8_e4m3fn, scale [M, 1] fp32). `num_warps` overrides the default
+    (`default_warps`; the benchmark's sweep: the bits do not change)."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; use kestrel_kernels.fp8_linear.quantize_rows")
     if x.dim() != 2 or x.stride(-1) != 1:
@@ -79,5 +80,15 @@ def quantize_rows_triton(x: torch.Tensor, num_warps: int | None = None) -> tuple
     one = block <= _MAX_BLOCK
     block = block if one else _LOOP_BLOCK
     _quantize_rows_kernel[(M,)](x, q, scale, x.stride(0), K, FP8_MAX, MIN_AMAX, BLOCK=block,
-                                ONE_BLOCK=one, num_warps=num_warps or min(max(block // 512, 1), 32))
+                                ONE_BLOCK=one, num_warps=num_warps or default_warps(M, block))
     return q, scale
+
+
+def default_warps(rows: int, block: int) -> int:
+    """A decode step's few rows are a latency: spread each over many warps (one per 128
+    values). Prefill's thousands are a bandwidth: fewer warps a row (one per 1024 values)
+    leave room for more rows in flight. The H100's sweep (fp8_gemm_bench.py --quant):
+    3,584-wide rows 2.3 us with 32 warps against 3.8 with 8 at 1-64 rows, but 38 us with 4
+    against 70 with 32 at 8,192 rows."""
+    per_warp = 128 if rows <= _LATENCY_ROWS else 1024
+    return min(max(block // per_warp, 1), 32)

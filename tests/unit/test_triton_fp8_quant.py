@@ -51,3 +51,10 @@ def test_any_warp_count_gives_the_same_bits(num_warps):
 def test_refuses_a_non_contiguous_last_dim():
     with pytest.raises(ValueError, match="contiguous last dim"):
         quantize_rows_triton(torch.randn(8, 4, device=DEVICE).t())
+
+
+def test_default_warps_many_for_a_few_rows_fewer_for_many():
+    from kestrel_kernels.triton_fp8_quant import default_warps
+    assert default_warps(1, 4096) == 32 and default_warps(64, 4096) == 32  # a decode step's rows
+    assert default_warps(8192, 4096) == 4 and default_warps(8192, 32768) == 32  # prefill's
+    assert default_warps(1, 512) == 4 and default_warps(8192, 512) == 1
