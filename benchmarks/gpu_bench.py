@@ -13,6 +13,7 @@ the raw figures as JSON under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -41,7 +42,9 @@ def spec_shape(name: str) -> list[str]:
     return [f"draft.topk={k}", f"draft.num_steps={s}", f"draft.num_draft_tokens={n}"]
 
 
-def bench_engine(cfg, tok, prompts, batch, max_tokens, workers=None):
+def bench_engine(cfg, tok, prompts, batch, max_tokens, workers=None, measure=contextlib.nullcontext):
+    """One engine over `workers` (built when None): an 8-token warm-up generation of the
+    prompts, then the timed one, inside `measure()` (a profiler, for instance)."""
     from serve_app.engine.llm_engine import LLMEngine
     from serve_app.engine.request import SamplingParams
     eng = LLMEngine(cfg, tokenizer=tok, workers=workers)
@@ -56,9 +59,10 @@ def bench_engine(cfg, tok, prompts, batch, max_tokens, workers=None):
             step_times.setdefault(k, []).append(v)
         return out
     eng.workers[0].execute = timed
-    t0 = time.perf_counter()
-    reqs = eng.generate(prompts[:batch], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    dt = time.perf_counter() - t0
+    with measure():
+        t0 = time.perf_counter()
+        reqs = eng.generate(prompts[:batch], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        dt = time.perf_counter() - t0
     eng.workers[0].execute = real_execute
     toks = sum(len(r.output_ids) for r in reqs)
     acc = [a for r in reqs for a in r.accept_lengths]

@@ -33,6 +33,8 @@
 #   census     SmolLM2's decode step and tree iteration per kernel, with graphs (kernel_census.py) ~60
 #   census7b   the 7B shape's decode step per kernel (kernel_census.py): bf16 at 1 and 64
 #              streams, FP8 at 1, prompts of about 1k tokens                               ~200
+#   decode64   the 7B shape's decode steps alone at 64 streams (kernel_census.py --decode-only),
+#              bf16 and FP8: where Kestrel trails vLLM                                      ~200
 #   ttt        the draft trainer's TTT attention against its dense-mask reference
 #              (ttt_attention_bench.py, B=16, T=1024, 7 steps)                             ~30
 #   shapes     draft shapes in-process, graphs, batch 1 (8 prompts) to 64: the preset's tree
@@ -106,6 +108,14 @@ for stage in "$@"; do
       timeout 400 python3 -m pytest -q tests/gpu/test_memory_profile_gpu.py ${GPU_TESTS:-} \
         > "$work/memory.txt" 2>&1
       tail -5 "$work/memory.txt" ;;
+    decode64)
+      for q in bf16 fp8; do
+        set_=(); [ $q = fp8 ] && set_=(--set model.quantization=fp8)
+        timeout 300 python3 -m benchmarks.kernel_census --config configs/h200-7b.yaml --variants plain_graphs \
+          --prompt-words 750 --batch 64 --decode-only "${set_[@]}" --out "$work/decode64_$q" > "$work/decode64_$q.txt" 2>&1
+        grep -E "tok/s|kernels/step|Error" "$work/decode64_$q.txt" | cut -c1-200
+        head -14 "$work/decode64_$q/plain_graphs_b64.txt" | tail -12 | cut -c1-110
+      done ;;
     kestrel-7b|vllm-7b|kestrel-32b|vllm-32b|kestrel-72b|vllm-72b)
       if [ "${stage#vllm}" != "$stage" ]; then mkdir -p .peer && rm -rf .peer/tools && cp -r .xfer/tools/peer .peer/tools; fi
       mkdir -p "$work/sizes"

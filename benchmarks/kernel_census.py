@@ -6,12 +6,13 @@ graphs and eagerly (--variants picks). --config runs another model (a 7B shape's
 builds random weights), --batch more streams, --prompt-words a longer context. torch.profiler's CUPTI tracing sees the kernels inside graph
 replays. One MT-bench prompt, 128 new tokens after a 64-token warm-up generation; counts
 are per step (plain) or per speculative iteration, and include bench_engine's own
-8-token warm-up (hence the 136/128 factor). Profiling slows the host side, so tokens/s
+8-token warm-up (hence the 136/128 factor; with --decode-only the profile starts after the
+warm-up, whose prompts the prefix cache then holds: decode steps alone). Profiling slows the host side, so tokens/s
 here are not benchmark figures (benchmarks/gpu_bench.py gives those).
 
     python -m benchmarks.kernel_census --out OUT [--draft DIR] [--shape tree|chain|K-S-N]
     python -m benchmarks.kernel_census --out OUT --config configs/h200-7b.yaml \
-        --variants plain_graphs --batch 1 64 --prompt-words 750 [--set k=v ...]
+        --variants plain_graphs --batch 1 64 --prompt-words 750 [--decode-only] [--set k=v ...]
 
 Writes OUT/<variant>.txt (the top 80 kernel names by GPU time) and OUT/summary.json.
 """
@@ -59,6 +60,9 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="streams decoding together")
     ap.add_argument("--prompt-words", type=int, default=0, help="pad each prompt to about this many words")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="profile the timed generation alone, after the warm-up has put its prompts "
+                         "in the prefix cache: decode steps without the prefill chunks")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -84,13 +88,20 @@ def main(argv=None):
     summary = {}
     for variant in args.variants:
         cfg = load_config(args.config, overrides=base + overrides[variant])
+        if args.decode_only and not cfg.kv_cache.prefix_caching:
+            ap.error("--decode-only needs kv_cache.prefix_caching: the warm-up's prompts must be "
+                     "cached for the profiled generation to skip their prefill")
         workers = None
         for batch in args.batch:
             name = variant.replace("spec", args.shape) + (f"_b{batch}" if args.batch != [1] else "")
             _, workers = bench_engine(cfg, tok, prompts, batch, 64, workers)  # load, capture, compile
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                r, _ = bench_engine(cfg, tok, prompts, batch, MAX_TOKENS, workers)
-            scale = (MAX_TOKENS + WARMUP_TOKENS) / MAX_TOKENS
+            prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+            if args.decode_only:
+                r, _ = bench_engine(cfg, tok, prompts, batch, MAX_TOKENS, workers, measure=lambda: prof)
+            else:
+                with prof:
+                    r, _ = bench_engine(cfg, tok, prompts, batch, MAX_TOKENS, workers)
+            scale = 1 if args.decode_only else (MAX_TOKENS + WARMUP_TOKENS) / MAX_TOKENS
             iterations = r["iterations"] / batch  # accept lengths are per request
             steps = iterations * scale if iterations else MAX_TOKENS + WARMUP_TOKENS
             count, micros = census(prof, steps)
