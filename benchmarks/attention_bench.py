@@ -3,10 +3,11 @@ a model's head layout, by batch, context length, key splits and tile shape.
 
     PYTHONPATH=. python benchmarks/attention_bench.py [--heads 28 4 128] [--batch 1 8]
         [--context 1024 8192 32768] [--splits 16 32 64] [--exact-splits] [--tiles 64/2/2 128/4/3 ...]
-        [--prefill-chunk 8192]
+        [--prefill-chunk 8192 [--peers]]
 
 A tile is BLOCK_N/num_warps/num_stages or BLOCK_M/BLOCK_N/num_warps/num_stages; "default" is
-the launcher's own choice. With --prefill-chunk the tiles apply to the causal chunk. Each launch
+the launcher's own choice. With --prefill-chunk the tiles apply to the causal chunk, and
+--peers times the same chunk by torch's SDPA and FlashInfer's FA2 and FA3. Each launch
 is timed as a replayed CUDA graph (decode steps run that way), and the figure printed beside
 it is the K/V bytes read over that time, the figure a long-context decode is judged by
 against the device's copy bandwidth (benchmarks/copy_bandwidth.py).
@@ -88,9 +89,56 @@ def prefill(args) -> None:
                 continue
             print(f"prefill chunk={chunk:<5} ctx={context:<6} tile={tile:<12} {us:9.1f} us  "
                   f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+        if args.peers:
+            for name, fn in peer_prefills(case, context, chunk, H, Hkv, D):
+                try:
+                    us = bench(fn)
+                except Exception as e:  # a peer this build lacks must not end the sweep
+                    print(f"prefill chunk={chunk:<5} ctx={context:<6} {name:<17} failed: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+                    continue
+                print(f"prefill chunk={chunk:<5} ctx={context:<6} {name:<17} {us:9.1f} us  "
+                      f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
         del case
         torch.cuda.empty_cache()
     triton_attention._launch_config = original
+
+
+def peer_prefills(case, context: int, chunk: int, H: int, Hkv: int, D: int):
+    """The same causal chunk by other kernels: (name, launch) pairs. torch's SDPA over
+    contiguous K/V (the queries aligned to the last keys), and FlashInfer's paged prefill
+    (FA2 and Hopper's FA3) at page sizes 1 and 16, planned once outside the timed launch."""
+    from torch.nn.attention.bias import causal_lower_right
+    q, k, v = case[0], case[1], case[2]  # [chunk, H, D], [S, Hkv, D] bf16
+    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, chunk, D]
+    ks = k[:context].transpose(0, 1).unsqueeze(0)  # [1, Hkv, context, D]
+    vs = v[:context].transpose(0, 1).unsqueeze(0)
+    bias = causal_lower_right(chunk, context)
+    yield "sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(
+        qs, ks, vs, attn_mask=bias, enable_gqa=True)
+    try:
+        import flashinfer
+    except ImportError:
+        return
+    dev = q.device
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)  # FlashInfer's scratch
+    for backend in ("fa2", "fa3"):
+        for page in (1, 16):
+            pages = context // page
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+            qo_indptr = torch.tensor([0, chunk], dtype=torch.int32, device=dev)  # [2]
+            kv_indptr = torch.tensor([0, pages], dtype=torch.int32, device=dev)  # [2]
+            kv_indices = torch.arange(pages, dtype=torch.int32, device=dev)  # [pages]
+            last = torch.tensor([page], dtype=torch.int32, device=dev)  # [1]
+            try:
+                wrapper.plan(qo_indptr, kv_indptr, kv_indices, last, H, Hkv, D, page, causal=True,
+                             q_data_type=q.dtype, kv_data_type=k.dtype)
+            except Exception as e:
+                print(f"flashinfer {backend} page {page}: plan failed: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:120]}", flush=True)
+                continue
+            kv = (k[:context].view(pages, page, Hkv, D), v[:context].view(pages, page, Hkv, D))
+            yield f"flashinfer-{backend}-p{page}", lambda w=wrapper, kv=kv: w.run(q, kv)
 
 
 def main() -> None:
@@ -104,6 +152,8 @@ def main() -> None:
     ap.add_argument("--tiles", nargs="+", default=["default", "64/4/3", "128/4/3", "128/8/3", "64/4/4"])
     ap.add_argument("--prefill-chunk", type=int, default=0,
                     help="time a causal prefill chunk of this many queries instead of decode")
+    ap.add_argument("--peers", action="store_true",
+                    help="with --prefill-chunk: also time torch's SDPA and FlashInfer's FA2/FA3 prefill")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     if args.prefill_chunk:
