@@ -86,6 +86,9 @@ GEMV_CONFIGS = {
     "mma_k256": dict(mma=True, block_k=256),
     "mma_n16": dict(mma=True, block_n=16),
     "mma_s4": dict(mma=True, num_stages=4),
+    # The splits of K added up by each tile's last split instead of a second launch.
+    "last": dict(reduce="last"),
+    "last_k256": dict(mma=True, block_k=256, reduce="last"),
 }
 
 

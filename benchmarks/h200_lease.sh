@@ -25,8 +25,9 @@
 #              and the row quantization's time by warp count and its bits (--quant)           ~100
 #   attention  decode attention by context (1k-32k), key splits and tile (attention_bench.py)  ~90
 #   sweeps     needs no bundle (torch and Triton as the machine has them): the 7B prefill
-#              chunk's attention tiles, the bf16 GEMVs beside cuBLAS at 1-16 rows, the FP8
-#              row quantization by warp count                                              ~200
+#              chunk's attention beside torch's SDPA (and FlashInfer's FA2/FA3 where the bundle
+#              is unstaged), the GEMVs' split-K reduce by launch or by the last split (bf16,
+#              FP8), the FP8 row quantization by warp count, the GEMV's GPU tests (with pytest) ~300
 #   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target)    ~50
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
@@ -151,14 +152,21 @@ for stage in "$@"; do
       grep -E "ctx=(1024|32768)|prefill" "$work/attention.txt" | cut -c1-100 | tail -40 ;;
     sweeps)
       export PYTHONPATH=$PWD:${PYTHONPATH:-}
-      timeout 150 python3 benchmarks/attention_bench.py --prefill-chunk 8192 --context 8192 32768 \
-        --tiles default 128/64/8/3 128/32/4/3 64/32/4/2 128/64/4/3 64/128/8/3 > "$work/prefill_tiles.txt" 2>&1
-      cut -c1-110 "$work/prefill_tiles.txt" | tail -14
-      timeout 150 python3 benchmarks/fp8_gemm_bench.py --gemv --weights bf16 --models 7b --m 1 2 8 16 \
-        --configs default gemv_n8k512 n16k512 mma_k256 mma_n16k512 mma_n64k256w8 > "$work/gemv_bf16.txt" 2>&1
-      tail -6 "$work/gemv_bf16.txt"
-      timeout 60 python3 benchmarks/fp8_gemm_bench.py --quant --m 1 64 > "$work/fp8_quant.txt" 2>&1
-      cat "$work/fp8_quant.txt" ;;
+      timeout 240 python3 benchmarks/attention_bench.py --prefill-chunk 8192 --context 8192 32768 \
+        --tiles default --peers > "$work/prefill_peers.txt" 2>&1
+      cut -c1-110 "$work/prefill_peers.txt" | grep prefill
+      timeout 150 python3 benchmarks/fp8_gemm_bench.py --gemv --weights bf16 --models 7b --m 1 8 16 \
+        --configs default mma_k256 last last_k256 > "$work/gemv_bf16.txt" 2>&1
+      tail -4 "$work/gemv_bf16.txt"
+      timeout 150 python3 benchmarks/fp8_gemm_bench.py --gemv --models 7b 72b --m 1 16 \
+        --configs default last > "$work/gemv_fp8.txt" 2>&1
+      tail -5 "$work/gemv_fp8.txt"
+      timeout 60 python3 benchmarks/fp8_gemm_bench.py --quant --m 1 64 8192 > "$work/fp8_quant.txt" 2>&1
+      cat "$work/fp8_quant.txt"
+      if python3 -c "import pytest" 2>/dev/null; then
+        timeout 200 python3 -m pytest -q tests/gpu/test_triton_gemv_gpu.py > "$work/gemv_gpu_tests.txt" 2>&1
+        tail -3 "$work/gemv_gpu_tests.txt"
+      fi ;;
     ttt)
       timeout 200 python3 -m benchmarks.ttt_attention_bench --device cuda > "$work/ttt.txt" 2>&1
       cat "$work/ttt.txt" ;;

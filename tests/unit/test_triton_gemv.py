@@ -1,6 +1,7 @@
 """The few-row GEMV (kestrel_kernels/triton_gemv.py) against fp8_linear_ref's math (FP8
 weights) and F.linear's (16-bit weights): the same products summed in fp32 in another order;
-a row's bits independent of the other rows and of the run; and model.fp8_gemv_max_rows and
+a row's bits independent of the other rows and of the run; the splits of K reduced by their
+last program (reduce="last") to the reduce launch's bits; and model.fp8_gemv_max_rows and
 model.gemv_max_rows routing rows to it. On CPU in Triton's interpreter (small shapes: it is
 slow), on a GPU compiled (model shapes too)."""
 from tests.triton_interpreter import triton_setup  # noqa: I001 - before triton is imported
@@ -108,6 +109,48 @@ def test_sixteen_bit_rows_are_the_same_alone_and_among_others():
         gemv(randn(MAX_ROWS + 1, K, seed=5, dtype=torch.bfloat16), w)
 
 
+# reduce="last": each tile's last split to arrive adds the splits up instead of a second
+# launch. N not a multiple of the tile; K split 1, 2, 4 and 8 ways, the last split shorter.
+LAST_CASES = [(37, 1000, dict(block_k=64, split_k=s)) for s in (1, 2, 4, 8)] \
+    + [(45, 1000, dict(mma=False, block_n=8, block_k=128, split_k=4))]
+
+
+def counters_are_zero(device):
+    return all(not t.any() for t in kernels._TICKETS.get(device, []))
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("N,K,config", LAST_CASES)
+@pytest.mark.parametrize("weights", ["fp8", "bf16"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_last_split_reducing_gives_the_launchs_bits(M, N, K, config, weights, bias):
+    x = randn(M, K, seed=M + K, dtype=torch.bfloat16)  # [M, K]
+    b = randn(N, seed=N + 1, dtype=torch.bfloat16) if bias else None  # [N]
+    if weights == "fp8":
+        wq, ws, _ = layer(N, K, seed=N)
+        xq, xs = quantize_rows(x)  # [M, K] fp8, [M, 1] fp32
+        launch = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16, **config)
+        last = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16, reduce="last", **config)
+        check_close(last, fp8_linear_ref(x, wq, ws, b))
+    else:
+        w = randn(N, K, seed=N, scale=0.05, dtype=torch.bfloat16)  # [N, K]
+        launch, last = gemv(x, w, b, **config), gemv(x, w, b, reduce="last", **config)
+        check_close(last, linear_ref(x, w, b))
+    assert torch.equal(last, launch)
+    assert counters_are_zero(x.device)
+
+
+def test_the_counters_grow_with_the_grid_and_are_zero_after_each_call(monkeypatch):
+    monkeypatch.setattr(kernels, "_TICKETS", {})
+    x = randn(3, 600, seed=20, dtype=torch.bfloat16)  # [3, K]
+    config = dict(block_n=16, block_k=64, split_k=4)
+    for N in (20, 70, 20):  # 2 tiles, then 5 (a bigger buffer), then 2 again
+        w = randn(N, 600, seed=N, scale=0.05, dtype=torch.bfloat16)  # [N, K]
+        assert torch.equal(gemv(x, w, reduce="last", **config), gemv(x, w, **config))
+        assert counters_are_zero(x.device)
+    assert [t.numel() for t in kernels._TICKETS[x.device]] == [2, 5]
+
+
 def test_the_default_config_depends_on_the_shape_only_and_fills_the_gpu():
     # Qwen2.5-7B's o (3584 x 3584) and down projections: 448 tiles of 8 channels, so K splits.
     assert default_config(3584, 3584)["split_k"] > 1 and default_config(3584, 18944)["split_k"] > 1
@@ -130,6 +173,8 @@ def test_refuses_what_it_cannot_run():
         fp8_gemv(xq[:2], xs[:2], wq, ws, None, torch.float32, mma=True, block_n=8)
     with pytest.raises(ValueError, match="unknown config"):
         fp8_gemv(xq[:2], xs[:2], wq, ws, None, torch.float32, block=64)
+    with pytest.raises(ValueError, match="reduce 'launch' or 'last'"):
+        fp8_gemv(xq[:2], xs[:2], wq, ws, None, torch.float32, reduce="atomic")
 
 
 @pytest.fixture
