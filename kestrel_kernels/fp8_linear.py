@@ -15,8 +15,15 @@ graph. Each row's scale depends on that row alone, so speculative verify of N to
 plain decode of one quantize a token alike; the sums are alike only where both take the
 same GEMM (the Triton kernel at any row count up to its limit, or cuBLASLt), which is why
 the kernel is refused with a draft (actors/worker/rank_worker.py).
+
+The input is float rows, or `Fp8Rows`: rows the kernel that computed them has quantized
+already (layer_ops' RMSNorm and SiLU-and-mul `*_quant` ops, for the decoder's linears that
+read them), with the codes and scales quantizing them here would give, so the product is
+the same bits and the separate quantization launch is saved.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -26,8 +33,8 @@ from kestrel_kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kestrel_kernels.triton_gemv import fp8_gemv
 from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 
-__all__ = ["FP8", "FP8_MAX", "quantize_rows", "fp8_linear", "fp8_linear_ref", "fp8_linear_scaled_mm",
-           "set_gemv_max_rows"]
+__all__ = ["FP8", "FP8_MAX", "Fp8Rows", "fp8_rows", "quantize_rows", "fp8_linear", "fp8_linear_ref",
+           "fp8_linear_scaled_mm", "set_gemv_max_rows"]
 
 _gemv_max_rows = 0  # rows at or below it take the Triton GEMV on CUDA; 0: never
 
@@ -55,7 +62,44 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
+class Fp8Rows(NamedTuple):
+    """Float rows x [..., K] as `quantize_rows` quantizes them, with x's dtype (the linear's
+    output dtype): what `fp8_linear` takes in place of x. `shape`, `dtype` and `is_cuda`
+    read as x's would."""
+    q: torch.Tensor  # [..., K] float8_e4m3fn
+    scale: torch.Tensor  # [..., 1] fp32
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.q.is_cuda
+
+
+def fp8_rows(x: torch.Tensor) -> Fp8Rows:
+    """x [..., K] quantized by `quantize_rows` (the fused kernels' references)."""
+    return Fp8Rows(*quantize_rows(x), x.dtype)
+
+
+def _flat_rows(x: torch.Tensor | Fp8Rows, quantize) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (codes [M, K] fp8, scales [M, 1] fp32): `quantize`'s of float rows, an
+    Fp8Rows' own."""
+    if isinstance(x, Fp8Rows):
+        return x.q.reshape(-1, x.q.shape[-1]), x.scale.reshape(-1, 1)
+    return quantize(x.reshape(-1, x.shape[-1]))
+
+
+def _quantize_on_device(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` by its Triton kernel where it runs (rows with a contiguous last dim)."""
+    if not use_triton(rows):
+        return quantize_rows(rows)
+    return quantize_rows_triton(rows if rows.stride(-1) == 1 else rows.contiguous())
+
+
+def _check(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
     N, K = weight.shape
     if weight.dtype != FP8 or x.shape[-1] != K or weight_scale.shape != (N, 1) \
             or weight_scale.dtype != torch.float32:
@@ -64,12 +108,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
                          f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_ref(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] in the model dtype, weight [N, K] fp8, weight_scale [N, 1] fp32, bias [N]
-    -> [..., N] in x's dtype: the pure-torch reference (the CPU path)."""
+    """x [..., K] in the model dtype (or those rows quantized), weight [N, K] fp8,
+    weight_scale [N, 1] fp32, bias [N] -> [..., N] in x's dtype: the pure-torch reference
+    (the CPU path)."""
     _check(x, weight, weight_scale)
-    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))  # [M, K] fp8, [M, 1] fp32
+    xq, xs = _flat_rows(x, quantize_rows)  # [M, K] fp8, [M, 1] fp32
     # E4M3 values are exact in fp32 and so are their products: only the sums round.
     out = (xq.float() @ weight.float().t()) * xs * weight_scale.view(1, -1)  # [M, N] fp32
     if bias is not None:
@@ -77,17 +122,13 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_scaled_mm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_linear_ref` as one `torch._scaled_mm` with row-wise scales (CUDA, bf16 x; K and
     N multiples of 16), or as the Triton GEMV at 1..set_gemv_max_rows rows."""
     _check(x, weight, weight_scale)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    quantize = quantize_rows_triton if use_triton(rows) else quantize_rows
-    xq, xs = quantize(rows)  # [M, K] fp8, [M, 1] fp32
-    if 0 < rows.shape[0] <= _gemv_max_rows and use_triton(rows):
+    xq, xs = _flat_rows(x, _quantize_on_device)  # [M, K] fp8, [M, 1] fp32
+    if 0 < xq.shape[0] <= _gemv_max_rows and use_triton(xq):
         out = fp8_gemv(xq, xs, weight, weight_scale, bias, x.dtype)  # [M, N]
         return out.view(*x.shape[:-1], weight.shape[0])
     # weight [N, K] row-major is the column-major [K, N] the second operand must be.
@@ -96,7 +137,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_linear_scaled_mm` on CUDA, `fp8_linear_ref` elsewhere."""
     fn = fp8_linear_scaled_mm if x.is_cuda else fp8_linear_ref

@@ -4,6 +4,10 @@ The Triton kernel runs when the inputs are on CUDA, triton imports and no gradie
 needed (the kernels have no backward: EAGLE training keeps the references); otherwise, or
 inside `force_torch()`, the pure-torch reference runs. Both agree to rounding (the fp32
 reductions and cos/sin/exp may differ by an ulp), so callers need not care which one ran.
+
+The `*_quant` ops hand their result to an FP8 linear as `Fp8Rows`: the kernel writes the
+codes and row scales `quantize_rows` would make of the op's own output, so an FP8 linear
+gives the same bits after the op and after its `*_quant` form, without a launch of its own.
 """
 from __future__ import annotations
 
@@ -15,13 +19,16 @@ import torch
 from kestrel_kernels import activation, kv_store
 from kestrel_kernels import rmsnorm as rmsnorm_ref
 from kestrel_kernels import rope as rope_ref
-from kestrel_kernels.triton_activation import silu_and_mul_triton
-from kestrel_kernels.triton_rmsnorm import HAS_TRITON, fused_add_rmsnorm_triton, rmsnorm_triton
+from kestrel_kernels.fp8_linear import Fp8Rows
+from kestrel_kernels.triton_activation import silu_and_mul_quant_triton, silu_and_mul_triton
+from kestrel_kernels.triton_rmsnorm import (HAS_TRITON, fused_add_rmsnorm_quant_triton, fused_add_rmsnorm_triton,
+                                            rmsnorm_quant_triton, rmsnorm_triton)
 from kestrel_kernels.triton_kv_store import store_kv_fits, store_kv_triton
 from kestrel_kernels.triton_rope import rope_triton
 
-__all__ = ["set_fused", "force_torch", "use_triton", "rmsnorm", "fused_add_rmsnorm", "rope", "Rotary",
-           "rotary", "rope_at", "silu_and_mul", "store_kv"]
+__all__ = ["set_fused", "force_torch", "use_triton", "rmsnorm", "fused_add_rmsnorm", "rmsnorm_quant",
+           "fused_add_rmsnorm_quant", "rope", "Rotary", "rotary", "rope_at", "silu_and_mul",
+           "silu_and_mul_quant", "store_kv"]
 
 _forced_torch = False
 
@@ -64,6 +71,20 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     return fn(x, residual, weight, eps)
 
 
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    """`kestrel_kernels.rmsnorm.rmsnorm_quant`."""
+    fn = rmsnorm_quant_triton if use_triton(x, weight) else rmsnorm_ref.rmsnorm_quant
+    return fn(x, weight, eps)
+
+
+def fused_add_rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[Fp8Rows, torch.Tensor]:
+    """`kestrel_kernels.rmsnorm.fused_add_rmsnorm_quant`."""
+    fn = (fused_add_rmsnorm_quant_triton if use_triton(x, residual, weight)
+          else rmsnorm_ref.fused_add_rmsnorm_quant)
+    return fn(x, residual, weight, eps)
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
          inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`kestrel_kernels.rope.rope`."""
@@ -99,6 +120,12 @@ def rope_at(q: torch.Tensor, k: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`kestrel_kernels.activation.silu_and_mul`."""
     fn = silu_and_mul_triton if use_triton(gate, up) else activation.silu_and_mul
+    return fn(gate, up)
+
+
+def silu_and_mul_quant(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
+    """`kestrel_kernels.activation.silu_and_mul_quant`."""
+    fn = silu_and_mul_quant_triton if use_triton(gate, up) else activation.silu_and_mul_quant
     return fn(gate, up)
 
 

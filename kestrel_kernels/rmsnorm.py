@@ -1,13 +1,16 @@
 """RMSNorm, alone and with the residual add folded in: the torch references.
 
 The Triton kernels in kestrel_kernels/triton_rmsnorm.py compute the same thing; these are the CPU
-path and the test oracle.
+path and the test oracle. The `*_quant` forms give the normed value as an FP8 linear's
+input (`quantize_rows` of it), which the kernels write in place of the value.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["rmsnorm", "fused_add_rmsnorm"]
+from kestrel_kernels.fp8_linear import Fp8Rows, fp8_rows
+
+__all__ = ["rmsnorm", "fused_add_rmsnorm", "rmsnorm_quant", "fused_add_rmsnorm_quant"]
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -23,3 +26,15 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     """x, residual [..., H] -> (rmsnorm(x + residual), x + residual)."""
     r = x + residual
     return rmsnorm(r, weight, eps), r
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    """rmsnorm(x) as FP8 rows."""
+    return fp8_rows(rmsnorm(x, weight, eps))
+
+
+def fused_add_rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[Fp8Rows, torch.Tensor]:
+    """x, residual [..., H] -> (rmsnorm(x + residual) as FP8 rows, x + residual)."""
+    normed, r = fused_add_rmsnorm(x, residual, weight, eps)
+    return fp8_rows(normed), r

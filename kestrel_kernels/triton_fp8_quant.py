@@ -9,6 +9,10 @@ takes two passes over it in blocks: the largest magnitude, then the codes. The d
 round to nearest (`div_rn`), as torch's do, and E4M3 conversion rounds to nearest even, so
 the codes and scales are bit-equal to the reference's. No host reads: the call can be
 captured in a CUDA graph.
+
+`quantize_block` is the one-block step as a jitted helper: the RMSNorm and SiLU kernels
+(triton_rmsnorm.py, triton_activation.py) call it to write a row they hold as FP8 for the
+next linear, with the codes and scale this kernel would give it.
 """
 from __future__ import annotations
 
@@ -17,11 +21,11 @@ import torch
 from kestrel_kernels.fp8_format import FP8, FP8_MAX, MIN_AMAX
 from kestrel_kernels.triton_available import HAS_TRITON, tl, triton
 
-__all__ = ["HAS_TRITON", "default_warps", "quantize_rows_triton"]
+__all__ = ["HAS_TRITON", "MAX_BLOCK", "default_warps", "quantize_block", "quantize_rows_triton"]
 
 # The longest row one program holds at once (32 values a thread at 32 warps); longer rows
 # loop over blocks of _LOOP_BLOCK.
-_MAX_BLOCK = 32768
+MAX_BLOCK = 32768
 _LOOP_BLOCK = 4096
 _LATENCY_ROWS = 64  # up to here a call's rows are few enough that each takes many warps
 
@@ -38,6 +42,14 @@ if HAS_TRITON:
         return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
 
     @triton.jit
+    def quantize_block(Q, S, x, offs, ok, fp8_max, min_amax):
+        """A whole row x (fp32, one block, 0 where not `ok`) -> its scale at S and its codes
+        at Q + offs."""
+        scale = _scale(tl.abs(x), fp8_max, min_amax)
+        tl.store(S, scale)
+        tl.store(Q + offs, _codes(x, scale, fp8_max).to(Q.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _quantize_rows_kernel(X, Q, S, stride_x, K, fp8_max, min_amax, BLOCK: tl.constexpr,
                               ONE_BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -45,9 +57,7 @@ if HAS_TRITON:
         if ONE_BLOCK:  # the whole row at once, held between the two steps
             ok = offs < K
             x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-            scale = _scale(tl.abs(x), fp8_max, min_amax)
-            tl.store(S + row, scale)
-            tl.store(Q + row * K + offs, _codes(x, scale, fp8_max).to(Q.dtype.element_ty), mask=ok)
+            quantize_block(Q + row * K, S + row, x, offs, ok, fp8_max, min_amax)
         else:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for k0 in range(0, K, BLOCK):
@@ -77,7 +87,7 @@ def quantize_rows_triton(x: torch.Tensor, num_warps: int | None = None) -> tuple
     if M == 0:
         return q, scale
     block = triton.next_power_of_2(K)
-    one = block <= _MAX_BLOCK
+    one = block <= MAX_BLOCK
     block = block if one else _LOOP_BLOCK
     _quantize_rows_kernel[(M,)](x, q, scale, x.stride(0), K, FP8_MAX, MIN_AMAX, BLOCK=block,
                                 ONE_BLOCK=one, num_warps=num_warps or default_warps(M, block))

@@ -2,14 +2,16 @@
 layers with E4M3 weights and a scale per output channel; embeddings, LM head and norms
 stay in the model dtype, and so does the draft head, which reads the target's embedding,
 LM head and bf16 hidden states. Weights arrive quantized (a compressed-tensors FP8
-checkpoint) or are quantized on the device as they are written (`write_quantized`)."""
+checkpoint) or are quantized on the device as they are written (`write_quantized`).
+The kernels whose output a layer's FP8 linear reads (its norms, SiLU-and-mul) write that
+input as FP8 themselves (`fuse_fp8_inputs`); o_proj quantizes attention's output itself."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kestrel_kernels.fp8_linear import FP8, fp8_linear, quantize_rows
+from kestrel_kernels.fp8_linear import FP8, Fp8Rows, fp8_linear, quantize_rows
 
 # The quantized projections of each decoder layer (llama.py's fused names).
 FP8_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -30,13 +32,14 @@ class Fp8Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)  # [N]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
 
 def use_fp8_linears(model: nn.Module) -> None:
     """Replace the decoder layers' FP8_LINEARS of a LlamaForCausalLM by Fp8Linear modules,
-    on the device the model is on (meta while it is being built), bias in its dtype."""
+    on the device the model is on (meta while it is being built), bias in its dtype, and
+    have the kernels that feed them write their FP8 input (`fuse_fp8_inputs`)."""
     for layer in model.model.layers:
         for path in FP8_LINEARS:
             parent_name, name = path.split(".")
@@ -44,6 +47,19 @@ def use_fp8_linears(model: nn.Module) -> None:
             old = getattr(parent, name)
             setattr(parent, name, Fp8Linear(old.in_features, old.out_features, old.bias is not None,
                                             old.weight.dtype, old.weight.device))
+    fuse_fp8_inputs(model)
+
+
+def fuse_fp8_inputs(model: nn.Module, enabled: bool = True) -> None:
+    """Where an Fp8Linear reads a kernel's output as it is (qkv_proj the input norm's,
+    gate_up_proj the post-attention norm's, down_proj SiLU-and-mul's), that kernel writes
+    the linear's FP8 codes and row scales (`enabled`), or its usual output for the linear to
+    quantize: the same bits, one launch fewer each."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        layer.input_layernorm.quantize = enabled and isinstance(attn.qkv_proj, Fp8Linear)
+        layer.post_attention_layernorm.quantize = enabled and isinstance(mlp.gate_up_proj, Fp8Linear)
+        mlp.quantize = enabled and isinstance(mlp.down_proj, Fp8Linear)
 
 
 def is_fp8(model: nn.Module) -> bool:

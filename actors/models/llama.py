@@ -1,4 +1,7 @@
-"""Llama-family decoder over a flat token batch; attention (and so the KV cache) is injected."""
+"""Llama-family decoder over a flat token batch; attention (and so the KV cache) is injected.
+
+Where a layer's linears are FP8 (fp8_linear.py), the norms and the SiLU-and-mul that feed
+them write their FP8 input themselves (`quantize`, set by fp8_linear.fuse_fp8_inputs)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from actors.models.model_config import LlamaArch
 from actors.models.rope import RotaryEmbedding
 from kestrel_kernels import layer_ops, small_rows_linear
 from kestrel_kernels.small_rows_linear import SmallRowsLinear
-from kestrel_kernels.fp8_linear import FP8
+from kestrel_kernels.fp8_linear import FP8, Fp8Rows
 
 # attn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], layer_id) -> [T, Hq, D].
 # The backend owns the KV cache, the causal/tree mask and the 1/sqrt(D) softmax scale.
@@ -25,12 +28,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # Set where an FP8 linear reads the norm (fp8_linear.fuse_fp8_inputs): the kernel
+        # writes that linear's FP8 input (Fp8Rows) instead of the normed value.
+        self.quantize = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x -> norm(x); with a residual, x + residual -> (norm of the sum, the sum)."""
         if residual is None:
-            return layer_ops.rmsnorm(x, self.weight, self.eps)
-        return layer_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            op = layer_ops.rmsnorm_quant if self.quantize else layer_ops.rmsnorm
+            return op(x, self.weight, self.eps)
+        op = layer_ops.fused_add_rmsnorm_quant if self.quantize else layer_ops.fused_add_rmsnorm
+        return op(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -46,7 +54,7 @@ class Attention(nn.Module):
         self.qkv_proj = SmallRowsLinear(h, sum(self.qkv_sizes), bias=b)
         self.o_proj = SmallRowsLinear(arch.q_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, rot: layer_ops.Rotary, attn: AttnFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows, rot: layer_ops.Rotary, attn: AttnFn) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, -1)  # column slices, no copies
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -123,10 +131,13 @@ class MLP(nn.Module):
         # gate and up in one GEMM (checkpoints' gate_proj/up_proj, fused at load).
         self.gate_up_proj = SmallRowsLinear(h, 2 * self.intermediate, bias=False)
         self.down_proj = SmallRowsLinear(self.intermediate, h, bias=False)
+        # Set where down_proj is FP8 (fp8_linear.fuse_fp8_inputs): SiLU-and-mul writes its input.
+        self.quantize = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, -1)  # [T, I] each, views
-        return self.down_proj(layer_ops.silu_and_mul(gate, up))
+        act = layer_ops.silu_and_mul_quant if self.quantize else layer_ops.silu_and_mul
+        return self.down_proj(act(gate, up))
 
 
 class DecoderLayer(nn.Module):

@@ -1,14 +1,15 @@
 """FP8 linear (kestrel_kernels/fp8_linear.py): per-row quantization's error bounds, the fp32
 reference against exact arithmetic and against the unquantized product, the CPU dispatch,
-and torch._scaled_mm (the CUDA path) against the reference where this torch runs it on the
-CPU. tests/gpu/test_fp8_gpu.py checks the CUDA path at model shapes."""
+torch._scaled_mm (the CUDA path) against the reference where this torch runs it on the
+CPU, and rows quantized ahead (Fp8Rows) multiplying as the float rows.
+tests/gpu/test_fp8_gpu.py checks the CUDA path at model shapes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kestrel_kernels.fp8_linear import (FP8, FP8_MAX, fp8_linear, fp8_linear_ref,
-                                        fp8_linear_scaled_mm, quantize_rows)
+                                        fp8_linear_scaled_mm, fp8_rows, quantize_rows)
 
 # E4M3: 3 mantissa bits, so a normal value rounds within 2^-4 of itself; below 2^-6 (in
 # units of the row's scale) the spacing is the subnormals' 2^-9.
@@ -81,6 +82,21 @@ def test_cpu_dispatch_runs_the_reference():
     assert torch.equal(fp8_linear(x3, wq, ws, b).view(5, 32), fp8_linear_ref(x, wq, ws, b))
 
 
+def test_fp8_rows_give_the_float_rows_product():
+    """Rows quantized by the kernel that made them (Fp8Rows) multiply as the float rows."""
+    x = randn(5, 64, seed=3, dtype=torch.bfloat16).view(1, 5, 64)  # [1, T, K]
+    _, wq, ws = quantized_weight(32, 64, seed=4)
+    b = randn(32, seed=5, dtype=torch.bfloat16)
+    rows = fp8_rows(x)
+    assert rows.shape == x.shape and rows.dtype == x.dtype and not rows.is_cuda
+    got = fp8_linear(rows, wq, ws, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 5, 32)
+    assert torch.equal(got, fp8_linear(x, wq, ws, b))
+    assert torch.equal(fp8_linear_ref(rows, wq, ws), fp8_linear_ref(x, wq, ws))
+    with pytest.raises(ValueError, match=r"\[N, 48\]"):
+        fp8_linear_ref(fp8_rows(x[..., :48]), wq, ws)
+
+
 def test_shapes_and_dtypes_are_checked():
     x = randn(2, 64, seed=6)
     _, wq, ws = quantized_weight(32, 64, seed=7)
@@ -109,5 +125,6 @@ def test_scaled_mm_layout_equals_the_reference(M, bias):
     x = randn(M, 96, seed=M, dtype=torch.bfloat16)  # [M, K]
     _, wq, ws = quantized_weight(48, 96, seed=9)
     b = randn(48, seed=10, dtype=torch.bfloat16) if bias else None
-    torch.testing.assert_close(fp8_linear_scaled_mm(x, wq, ws, b), fp8_linear_ref(x, wq, ws, b),
-                               rtol=2 ** -7, atol=1e-3)
+    got = fp8_linear_scaled_mm(x, wq, ws, b)
+    torch.testing.assert_close(got, fp8_linear_ref(x, wq, ws, b), rtol=2 ** -7, atol=1e-3)
+    assert torch.equal(fp8_linear_scaled_mm(fp8_rows(x), wq, ws, b), got)
