@@ -28,7 +28,8 @@
 #              chunk's attention beside torch's SDPA (and FlashInfer's FA2/FA3 where the bundle
 #              is unstaged), the GEMVs' split-K reduce by launch or by the last split (bf16,
 #              FP8), the FP8 row quantization by warp count, the GEMV's GPU tests (with pytest) ~300
-#   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target)    ~50
+#   fp8        the FP8 linear's GPU tests (the CUDA path, graphs, a served FP8 target, the
+#              fused quantization, the GEMV's reduce by its last split)                       ~90
 #   profile512 py-spy on the replica, core and rank while 512 streams arrive at once      ~150
 #   memory     the start-up memory profile's GPU test (and GPU_TESTS, more test files)    ~90
 #   census     SmolLM2's decode step and tree iteration per kernel, with graphs (kernel_census.py) ~60
@@ -141,8 +142,9 @@ for stage in "$@"; do
         > "$work/load7b.txt" 2>&1
       tail -8 "$work/load7b.txt"; rm -rf /tmp/ckpt-7b ;;
     fp8)
-      timeout 300 python3 -m pytest -q tests/gpu/test_fp8_gpu.py \
-        tests/unit/test_triton_fp8_quant.py tests/unit/test_triton_gemv.py > "$work/fp8_tests.txt" 2>&1
+      timeout 300 python3 -m pytest -q tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_fused_quant_gpu.py \
+        tests/gpu/test_triton_gemv_gpu.py tests/unit/test_triton_fp8_quant.py tests/unit/test_triton_gemv.py \
+        tests/unit/test_fp8_fused_quant.py > "$work/fp8_tests.txt" 2>&1
       tail -3 "$work/fp8_tests.txt" ;;
     attention)
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 300 python3 benchmarks/attention_bench.py \
