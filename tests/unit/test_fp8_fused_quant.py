@@ -24,6 +24,10 @@ INTERPRETED, DEV, needs_triton = triton_setup(trms, "_rmsnorm_kernel")
 DTYPES = [torch.bfloat16, torch.float16]
 ROWS = [1, 3, 64]
 WIDTHS = [576, 3584, 18944]  # SmolLM2-135M's hidden size, Qwen2.5-7B's hidden and intermediate
+# Every rows x width pair; the widest at 64 rows (seconds each in the interpreter) in
+# `make test-long` only, the 3-row case covering that width in `make test`.
+SHAPES = [pytest.param(T, H, marks=pytest.mark.long) if (T, H) == (max(ROWS), max(WIDTHS)) else (T, H)
+          for T in ROWS for H in WIDTHS]
 
 
 def rows(T, H, dtype, seed, scale=1.0):
@@ -50,8 +54,7 @@ def assert_same(got: Fp8Rows, q: torch.Tensor, scale: torch.Tensor, dtype: torch
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H", WIDTHS)
-@pytest.mark.parametrize("T", ROWS)
+@pytest.mark.parametrize("T,H", SHAPES)
 def test_rmsnorm_quant_is_the_norm_then_its_quantization(T, H, dtype):
     wide = rows(T, H + 64, dtype, seed=T * H)  # [T, H + 64]
     x = wide[:, :H]  # [T, H] rows of a wider tensor, read in place
@@ -62,8 +65,7 @@ def test_rmsnorm_quant_is_the_norm_then_its_quantization(T, H, dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H", WIDTHS)
-@pytest.mark.parametrize("T", ROWS)
+@pytest.mark.parametrize("T,H", SHAPES)
 def test_fused_add_rmsnorm_quant_writes_the_sum_and_the_norms_codes(T, H, dtype):
     x = rows(T, H, dtype, seed=T * H + 2)  # [T, H]
     res = rows(T, H, dtype, seed=T * H + 3, scale=4.0)  # [T, H]
@@ -77,7 +79,7 @@ def test_fused_add_rmsnorm_quant_writes_the_sum_and_the_norms_codes(T, H, dtype)
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 # The last: rows longer than one program holds (the two kernels).
-@pytest.mark.parametrize("T,I", [(T, I) for T in ROWS for I in WIDTHS] + [(1, MAX_BLOCK + 232), (3, MAX_BLOCK + 232)])
+@pytest.mark.parametrize("T,I", SHAPES + [(1, MAX_BLOCK + 232), (3, MAX_BLOCK + 232)])
 def test_silu_and_mul_quant_is_the_product_then_its_quantization(T, I, dtype):
     gate_up = rows(T, 2 * I, dtype, seed=T * I, scale=0.05)  # [T, 2I] one GEMM's output
     gate, up = gate_up.split(I, -1)  # [T, I] each, row stride 2I
