@@ -37,8 +37,9 @@ def faults_url(server, tiny_model):
     ("rank0", "rank 0"),  # its step channel closes under the engine core
     ("core", "engine core closed its channel"),  # the front channel closes under the replica
     # The replica itself (the HTTP server of the stream): the connection drops mid-body,
-    # which the client sees as an error, not as a finished answer.
-    ("replica", None),
+    # which the client sees as an error, not as a finished answer. Long, for make test's
+    # budget: a replica coming back is also test_serve_dp_attention's killed-rank case.
+    pytest.param("replica", None, marks=pytest.mark.long),
 ])
 def test_killed_actor_fails_its_streams_fast_and_the_replica_comes_back(faults_url, victim, message):
     kill_mid_stream_and_recover(faults_url, APP, victim, message)

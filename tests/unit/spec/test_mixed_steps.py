@@ -35,7 +35,8 @@ def workers(fp32_worker):
 
 @pytest.mark.parametrize("draft", [
     ("draft.enabled=false",),
-    ("draft.enabled=true", "draft.path=random", *CHAIN),
+    # Long, for make test's budget: a chain is a tree of one branch, which the tree cases run.
+    pytest.param(("draft.enabled=true", "draft.path=random", *CHAIN), marks=pytest.mark.long),
     ("draft.enabled=true", "draft.path=random", *TREE),
     ("draft.enabled=true", *TREE),  # the shipped head: long accepts beside the chunks
 ], ids=["plain", "chain", "tree", "shipped-tree"])
