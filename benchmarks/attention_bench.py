@@ -79,26 +79,22 @@ def prefill(args) -> None:
         chunk = min(args.prefill_chunk, context)
         case = prefill_case(context, chunk, H, Hkv, D)
         flops = 4 * H * D * chunk * (context - chunk + (chunk + 1) / 2)
+
+        def timed(label: str, fn) -> None:
+            head = f"prefill chunk={chunk:<5} ctx={context:<6} {label:<17}"
+            try:
+                us = bench(fn)
+            except Exception as e:  # a tile that does not fit, a peer this build lacks: go on
+                print(f"{head} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+                return
+            print(f"{head} {us:9.1f} us  {flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+
         for tile in args.tiles:
             use_tile(tile, original)
-            try:
-                us = bench(lambda: triton_attention.paged_attention(*case, max_q_len=chunk))
-            except Exception as e:  # a tile that does not fit (shared memory) must not end the sweep
-                print(f"prefill chunk={chunk:<5} ctx={context:<6} tile={tile:<12} failed: "
-                      f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
-                continue
-            print(f"prefill chunk={chunk:<5} ctx={context:<6} tile={tile:<12} {us:9.1f} us  "
-                  f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+            timed(f"tile={tile}", lambda: triton_attention.paged_attention(*case, max_q_len=chunk))
         if args.peers:
             for name, fn in peer_prefills(case, context, chunk, H, Hkv, D):
-                try:
-                    us = bench(fn)
-                except Exception as e:  # a peer this build lacks must not end the sweep
-                    print(f"prefill chunk={chunk:<5} ctx={context:<6} {name:<17} failed: "
-                          f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
-                    continue
-                print(f"prefill chunk={chunk:<5} ctx={context:<6} {name:<17} {us:9.1f} us  "
-                      f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+                timed(name, fn)
         del case
         torch.cuda.empty_cache()
     triton_attention._launch_config = original
