@@ -261,15 +261,23 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # Prefix keys (all visible) need no mask work; new keys follow in their own loop.
+        # Keys every row of the block sees need no mask work: the prefix, and of the new
+        # keys (causal) those up to the block's first diagonal, so a prefill chunk masks only
+        # its diagonal tiles and a decode step visits its keys in one unmasked run.
+        if CAUSAL:
+            shared = prefix + tl.minimum(tl.maximum(q0 + n_new - q_len + 1, 0), n_new)
+        else:
+            shared = prefix + n_new
+        if HAS_MASK:
+            shared = tl.where(masked, prefix, shared)
         acc, m_i, l_i = _attend_keys(
-            acc, m_i, l_i, q, lo, tl.minimum(hi, prefix), K, V, ReqToToken, row, kvh,
+            acc, m_i, l_i, q, lo, tl.minimum(hi, shared), K, V, ReqToToken, row, kvh,
             stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_ok, row_ok, q_idx,
             prefix, n_new, q_len, Mask, mask_base, masked, qk_scale,
             BLOCK_N=BLOCK_N, NEW_KEYS=False, HAS_MASK=HAS_MASK, CAUSAL=CAUSAL,
             PRECISION=PRECISION)
         acc, m_i, l_i = _attend_keys(
-            acc, m_i, l_i, q, tl.maximum(lo, prefix), hi, K, V, ReqToToken, row, kvh,
+            acc, m_i, l_i, q, tl.maximum(lo, shared), hi, K, V, ReqToToken, row, kvh,
             stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_ok, row_ok, q_idx,
             prefix, n_new, q_len, Mask, mask_base, masked, qk_scale,
             BLOCK_N=BLOCK_N, NEW_KEYS=True, HAS_MASK=HAS_MASK, CAUSAL=CAUSAL,
