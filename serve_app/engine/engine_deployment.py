@@ -93,7 +93,13 @@ class EngineDeployment:
         name = f"kestrel-{self._replica}"
         self.core = EngineCoreActor.options(name=f"{name}-core", namespace="kestrel", num_cpus=1,
                                             **in_bundle(0)).remote(cfg)
-        core_ip = await self.core.node_ip.remote()
+        # A rank's step channel listens on loopback where the core shares its node. Under
+        # the STRICT_PACK group that node is this replica's, known now, so the ranks start
+        # beside the core rather than after it (a process start and its imports sooner).
+        if pg is not None and ray.util.placement_group_table(pg).get("strategy") == "STRICT_PACK":
+            core_ip = ray.util.get_node_ip_address()
+        else:
+            core_ip = await self.core.node_ip.remote()
         self.actors = []
         for rank in range(dp):
             opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": 1} if gpu else {"num_cpus": 1}

@@ -283,6 +283,7 @@ def test_node_without_the_model_fails_its_replica_with_a_clear_error(cluster_app
         serve.delete("nomodel")
 
 
+@pytest.mark.long  # make test keeps the cluster's spread replicas; the node's loss is a minute more
 def test_node_lost_under_load(cluster_app):
     """Streams on both replicas and a trickle of short requests; one replica's node goes.
     Its streams end with an error (never a hang, never an answer that looks whole), the

@@ -74,5 +74,6 @@ def test_lockstep_ranks_serve_the_tokens_of_one_rank(server, dp_attention_cfg, t
     assert served == [r.text for r in reqs]
 
 
+@pytest.mark.long  # a killed rank and the replica's return: test_serve_faults.py's rank case in make test
 def test_a_killed_rank_fails_the_stream_and_the_replica_comes_back(server, dp_attention_cfg):
     kill_mid_stream_and_recover(server.base_url + "/dpattn/v1/completions", APP, "rank1", "rank 1")

@@ -38,7 +38,7 @@ def faults_url(server, tiny_model):
     ("core", "engine core closed its channel"),  # the front channel closes under the replica
     # The replica itself (the HTTP server of the stream): the connection drops mid-body,
     # which the client sees as an error, not as a finished answer. Long, for make test's
-    # budget: a replica coming back is also test_serve_dp_attention's killed-rank case.
+    # budget: the rank's and the core's cases see the replica come back too.
     pytest.param("replica", None, marks=pytest.mark.long),
 ])
 def test_killed_actor_fails_its_streams_fast_and_the_replica_comes_back(faults_url, victim, message):

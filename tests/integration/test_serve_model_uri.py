@@ -44,6 +44,7 @@ def overrides(url: str, download_dir) -> list[str]:
             "kv_cache.num_slots=4096", "cpu_threads=1"]
 
 
+@pytest.mark.long  # the fetch itself: tests/unit/test_model_download.py and test_cli.py in make test
 def test_a_replica_fetches_a_uri_model_path_and_serves_it(server, model_url, tmp_path):
     from ray import serve
 

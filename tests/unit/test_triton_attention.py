@@ -32,6 +32,13 @@ INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(ta, "_paged_att
 
 MODES = ("decode", "extend", "verify", "draft_decode", "causal_wide", "full")
 ORACLE_MODES = MODES[:-1]  # ForwardBatch has no "full" flag (it is an all-True custom mask)
+
+
+def one_page_each(modes) -> list:
+    """(mode, page) for every mode at pages 1 and 16: in make test each mode at one page,
+    alternating, the other in make test-long (the interpreter takes seconds a case)."""
+    return [pytest.param(m, p, marks=pytest.mark.long) if (i + (p == 16)) % 2 else (m, p)
+            for i, m in enumerate(modes) for p in (1, 16)]
 CONFIGS = {"smollm": (9, 3, 64), "gqa2_d24": (4, 2, 24), "mha_d16": (2, 2, 16)}  # H, Hkv, D
 
 
@@ -411,7 +418,7 @@ def test_empty_mask_blocks_are_causal_in_the_reference(page):
 
 
 @needs_triton
-@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("page", [1, pytest.param(16, marks=pytest.mark.long)])
 def test_kernel_mixed_masked_and_causal_matches_ref(page):
     c, _, Bm = mixed_case(page, seed=90 + page)
     assert_kernel_matches_ref(c, (1, 3), mixed_kernel_args(c, Bm))
@@ -476,8 +483,7 @@ def test_ref_fp8_matches_torch_native(mode):
 
 
 @needs_triton
-@pytest.mark.parametrize("page", [1, 16])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,page", one_page_each(MODES))
 def test_kernel_matches_ref_fp8_kv(mode, page):
     """FP8 K/V tiles converted in the kernel and its scales applied: the reference's answer,
     in one split and in several."""

@@ -70,7 +70,9 @@ def test_the_fp8_cache_keeps_the_model(plain_fp8, plain_chat_outputs):
     assert sorted(shared)[PROMPTS // 2] >= 8, shared
 
 
-@pytest.mark.parametrize("shape,page", [(CHAIN, 1), (TREE, 16)], ids=["chain", "tree"])
+# The chain in make test-long only: a chain is a tree of one branch, which the tree runs.
+@pytest.mark.parametrize("shape,page", [pytest.param(CHAIN, 1, marks=pytest.mark.long), (TREE, 16)],
+                         ids=["chain", "tree"])
 def test_fp8_kv_speculates_losslessly(tokenizer, chat_prompts, plain_fp8_run, shape, page, monkeypatch):
     cfg = load_config(overrides=BASE + ["draft.enabled=true", *shape, f"kv_cache.page_size={page}"])
     eng = LLMEngine(cfg, tokenizer=tokenizer)  # the shipped head: it drafts for real
