@@ -40,6 +40,9 @@ def dp_attention_cfg(server, tiny_model):
         serve.delete(APP)
 
 
+# Long, for make test's budget: lockstep ranks are tests/unit/test_dp_attention.py's, and a
+# replica of several ranks over Serve is test_serve_dp.py's, both in make test.
+@pytest.mark.long
 def test_lockstep_ranks_serve_the_tokens_of_one_rank(server, dp_attention_cfg, tokenizer):
     from ray import serve
 

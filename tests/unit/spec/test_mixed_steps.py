@@ -38,7 +38,9 @@ def workers(fp32_worker):
     # Long, for make test's budget: a chain is a tree of one branch, which the tree cases run.
     pytest.param(("draft.enabled=true", "draft.path=random", *CHAIN), marks=pytest.mark.long),
     ("draft.enabled=true", "draft.path=random", *TREE),
-    ("draft.enabled=true", *TREE),  # the shipped head: long accepts beside the chunks
+    # The shipped head's long accepts beside the chunks: long, for make test's budget (the
+    # random tree above runs the same mixed steps).
+    pytest.param(("draft.enabled=true", *TREE), marks=pytest.mark.long),
 ], ids=["plain", "chain", "tree", "shipped-tree"])
 def test_mixed_steps_keep_greedy_output(workers, tokenizer, chat_prompts, plain_chat_outputs,
                                         hf_model, draft):
