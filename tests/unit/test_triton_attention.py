@@ -33,13 +33,14 @@ INTERPRETED, DEV, needs_triton = triton_interpreter.triton_setup(ta, "_paged_att
 MODES = ("decode", "extend", "verify", "draft_decode", "causal_wide", "full")
 ORACLE_MODES = MODES[:-1]  # ForwardBatch has no "full" flag (it is an all-True custom mask)
 
+CONFIGS = {"smollm": (9, 3, 64), "gqa2_d24": (4, 2, 24), "mha_d16": (2, 2, 16)}  # H, Hkv, D
+
 
 def one_page_each(modes) -> list:
     """(mode, page) for every mode at pages 1 and 16: in make test each mode at one page,
     alternating, the other in make test-long (the interpreter takes seconds a case)."""
     return [pytest.param(m, p, marks=pytest.mark.long) if (i + (p == 16)) % 2 else (m, p)
             for i, m in enumerate(modes) for p in (1, 16)]
-CONFIGS = {"smollm": (9, 3, 64), "gqa2_d24": (4, 2, 24), "mha_d16": (2, 2, 16)}  # H, Hkv, D
 
 
 # ---------------------------------------------------------------------------- cases
