@@ -1,7 +1,8 @@
 """FP8 GEMM micro-benchmark (GPU): the bf16 linear against torch._scaled_mm on activations
-already in FP8, and against the whole FP8 linear (per-token quantization + _scaled_mm, what
-model.quantization=fp8 runs: the quantization as one Triton kernel, and as the torch ops of
-the reference beside it), at Qwen2.5-7B's and 72B's GEMM shapes and a few batch sizes;
+already in FP8, and against the whole FP8 linear (per-token quantization and the product,
+what model.quantization=fp8 runs: the quantization as one Triton kernel, then the row-scaled
+_scaled_mm or the tensor-scaled one and the rescale kernel, whichever fp8_linear takes at
+that shape; beside it the row-scaled linear at every shape, and the reference's torch ops), at Qwen2.5-7B's and 72B's GEMM shapes and a few batch sizes;
 beside them cuBLASLt's fast-accumulation and per-tensor-scaled FP8 GEMMs on the same codes.
 
 Each op is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph), as decode
@@ -51,6 +52,13 @@ def bench(fn, rep: int = 100) -> float:
     """Microseconds per call, from a replayed CUDA graph (`rep` ms of calls)."""
     from triton.testing import do_bench_cudagraph
     return do_bench_cudagraph(fn, rep=rep) * 1e3
+
+
+def row_scaled_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """The FP8 linear as one row-scaled GEMM at any shape (the rows quantized by the Triton
+    kernel): what fp8_linear runs where the tensor-scaled GEMM does not pay."""
+    xq, xs = quantize_rows_triton(x)  # [M, K] fp8, [M, 1] fp32
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
 
 
 def torch_ops_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -222,7 +230,7 @@ def main() -> None:
         quant_timings(args, dev)
         return
     print(f"{'model':>5} {'gemm':>8} {'N':>6} {'K':>6} {'M':>4} | {'bf16 us':>8} {'fp8 mm us':>9} "
-          f"{'quant+mm us':>11} {'torch quant+mm':>14} | {'mm x':>5} {'linear x':>8} | {'fp8 TFLOP/s':>11} | "
+          f"{'linear us':>11} {'row-scaled':>11} {'torch quant+mm':>14} | {'mm x':>5} {'linear x':>8} | {'fp8 TFLOP/s':>11} | "
           f"{'fast acc us':>11} {'tensorwise us':>13} {'tw fast us':>10}")
     for model in args.models:
         for gemm, N, K in SHAPES[model]:
@@ -235,6 +243,7 @@ def main() -> None:
                 t_mm = bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1),
                                                       out_dtype=torch.bfloat16))
                 t_lin = bench(lambda: fp8_linear(x, wq, ws))
+                t_rowlin = bench(lambda: row_scaled_linear(x, wq, ws))
                 t_torch = bench(lambda: torch_ops_linear(x, wq, ws))
                 # cuBLASLt's other FP8 kernels on the same codes: fast accumulation (fp32
                 # partial sums promoted less often), and one scale per tensor (vLLM's
@@ -247,7 +256,8 @@ def main() -> None:
                 t_twf = bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
                                                        out_dtype=torch.bfloat16, use_fast_accum=True))
                 tflops = 2 * M * N * K / (t_lin * 1e-6) / 1e12
-                print(f"{model:>5} {gemm:>8} {N:>6} {K:>6} {M:>4} | {t_bf16:8.1f} {t_mm:9.1f} {t_lin:11.1f} {t_torch:14.1f} | "
+                print(f"{model:>5} {gemm:>8} {N:>6} {K:>6} {M:>4} | {t_bf16:8.1f} {t_mm:9.1f} {t_lin:11.1f} "
+                      f"{t_rowlin:11.1f} {t_torch:14.1f} | "
                       f"{t_bf16 / t_mm:5.2f} {t_bf16 / t_lin:8.2f} | {tflops:11.1f} | "
                       f"{t_fast:11.1f} {t_tw:13.1f} {t_twf:10.1f}", flush=True)
             del w, wq, ws

@@ -3,10 +3,13 @@ per token at run time, the product accumulated in fp32 and scaled back.
 
 y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n] + bias[n]
 
-On CUDA the product is one `torch._scaled_mm` (cuBLASLt / CUTLASS row-wise scaling, which
-needs a compute capability of 8.9 or more and writes bf16), or at few rows, where that GEMM
-is far from the bandwidth, the Triton kernel of `triton_gemv.py` (rows up to
-`set_gemv_max_rows`, model.fp8_gemv_max_rows; off by default); elsewhere, and as the test
+On CUDA (compute capability 8.9 or more) the product is one `torch._scaled_mm` with
+row-wise scales; or, where N is narrow and the rows few (TENSORWISE_MAX_N,
+TENSORWISE_MAX_ROWS: a decode batch's q/k/v, o and down projections), cuBLASLt's
+tensor-scaled GEMM on the codes alone into fp32, which splits K where the row-scaled GEMM
+leaves most SMs idle, and then `rescale_product` (one Triton kernel) applies the scales and
+the bias; or, at few rows, the Triton kernel of `triton_gemv.py` (rows up to
+`set_gemv_max_rows`, model.fp8_gemv_max_rows; off by default). Elsewhere, and as the test
 oracle, `fp8_linear_ref` dequantizes both operands to fp32 and multiplies. Both quantize the
 activations alike: the reference with torch ops (`quantize_rows`), CUDA with one Triton
 kernel whose codes and scales are bit-equal to them (`triton_fp8_quant.py`), so the two differ
@@ -32,11 +35,20 @@ from kestrel_kernels.triton_available import use_triton
 from kestrel_kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kestrel_kernels.triton_gemv import fp8_gemv
 from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
+from kestrel_kernels.triton_fp8_rescale import rescale_product_triton
 
 __all__ = ["FP8", "FP8_MAX", "Fp8Rows", "fp8_rows", "quantize_rows", "fp8_linear", "fp8_linear_ref",
-           "fp8_linear_scaled_mm", "set_gemv_max_rows"]
+           "fp8_linear_scaled_mm", "rescale_product", "set_gemv_max_rows", "TENSORWISE_MAX_N",
+           "TENSORWISE_MAX_ROWS"]
 
 _gemv_max_rows = 0  # rows at or below it take the Triton GEMV on CUDA; 0: never
+# Where the tensor-scaled GEMM and the rescale beat the row-scaled GEMM (measured at
+# Qwen2.5-7B's and 72B's shapes, docs/benchmarks.md "FP8 at 16 to 256 rows"): outputs up to
+# this wide, whose row-scaled GEMM fills few SMs, and up to this many rows, past which the
+# fp32 product's extra write and read cost more than the split of K gains.
+TENSORWISE_MAX_N = 16384
+TENSORWISE_MAX_ROWS = 256
+_UNIT: dict[torch.device, torch.Tensor] = {}  # device -> a [] fp32 one: the tensor-scaled GEMM's scales
 
 
 def set_gemv_max_rows(rows: int) -> None:
@@ -116,25 +128,53 @@ def fp8_linear_ref(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale
     _check(x, weight, weight_scale)
     xq, xs = _flat_rows(x, quantize_rows)  # [M, K] fp8, [M, 1] fp32
     # E4M3 values are exact in fp32 and so are their products: only the sums round.
-    out = (xq.float() @ weight.float().t()) * xs * weight_scale.view(1, -1)  # [M, N] fp32
+    acc = xq.float() @ weight.float().t()  # [M, N] fp32
+    return rescale_product(acc, xs, weight_scale, bias, x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def rescale_product(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The codes' product acc [M, N] fp32 times x_scale [M, 1] and w_scale [N, 1] (fp32),
+    plus bias [N], in out_dtype: the reference for `rescale_product_triton`."""
+    out = acc * x_scale * w_scale.view(1, -1)  # [M, N] fp32
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    return out.to(out_dtype)
+
+
+def _unit(device: torch.device) -> torch.Tensor:
+    """A [] fp32 one on `device`, made by the first call: one made inside a CUDA graph
+    capture would hold no value until the graph's first replay, so that call is refused."""
+    if device not in _UNIT:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp8_linear: run one call eagerly before capturing a CUDA graph")
+        _UNIT[device] = torch.ones((), dtype=torch.float32, device=device)  # [] fp32
+    return _UNIT[device]
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_linear_ref` as one `torch._scaled_mm` with row-wise scales (CUDA, bf16 x; K and
-    N multiples of 16), or as the Triton GEMV at 1..set_gemv_max_rows rows."""
+    """`fp8_linear_ref` on CUDA (bf16 x; K and N multiples of 16): the Triton GEMV at
+    1..set_gemv_max_rows rows, the tensor-scaled GEMM and `rescale_product_triton` where N
+    and the rows are within TENSORWISE_MAX_N and TENSORWISE_MAX_ROWS, else one
+    `torch._scaled_mm` with row-wise scales."""
     _check(x, weight, weight_scale)
     xq, xs = _flat_rows(x, _quantize_on_device)  # [M, K] fp8, [M, 1] fp32
     if 0 < xq.shape[0] <= _gemv_max_rows and use_triton(xq):
         out = fp8_gemv(xq, xs, weight, weight_scale, bias, x.dtype)  # [M, N]
         return out.view(*x.shape[:-1], weight.shape[0])
+    M, N = xq.shape[0], weight.shape[0]
     # weight [N, K] row-major is the column-major [K, N] the second operand must be.
-    out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
-                           bias=bias, out_dtype=x.dtype)  # [M, N]
-    return out.view(*x.shape[:-1], weight.shape[0])
+    if M <= TENSORWISE_MAX_ROWS and N <= TENSORWISE_MAX_N:
+        one = _unit(xq.device)
+        acc = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one,
+                               out_dtype=torch.float32)  # [M, N] fp32: the codes' product
+        rescale = rescale_product_triton if use_triton(acc) else rescale_product
+        out = rescale(acc, xs, weight_scale, bias, x.dtype)  # [M, N]
+    else:
+        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
+                               bias=bias, out_dtype=x.dtype)  # [M, N]
+    return out.view(*x.shape[:-1], N)
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,

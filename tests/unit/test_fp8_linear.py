@@ -1,13 +1,14 @@
 """FP8 linear (kestrel_kernels/fp8_linear.py): per-row quantization's error bounds, the fp32
 reference against exact arithmetic and against the unquantized product, the CPU dispatch,
-torch._scaled_mm (the CUDA path) against the reference where this torch runs it on the
-CPU, and rows quantized ahead (Fp8Rows) multiplying as the float rows.
+torch._scaled_mm (the CUDA path: row-scaled, or tensor-scaled then rescaled) against the
+reference where this torch runs it on the CPU, and rows quantized ahead (Fp8Rows) multiplying as the float rows.
 tests/gpu/test_fp8_gpu.py checks the CUDA path at model shapes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import kestrel_kernels.fp8_linear as fp8_linear_module
 from kestrel_kernels.fp8_linear import (FP8, FP8_MAX, fp8_linear, fp8_linear_ref,
                                         fp8_linear_scaled_mm, fp8_rows, quantize_rows)
 
@@ -120,8 +121,12 @@ def _cpu_scaled_mm() -> bool:
 
 @pytest.mark.skipif(not _cpu_scaled_mm(), reason="this torch has no CPU torch._scaled_mm with row-wise scales")
 @pytest.mark.parametrize("M,bias", [(1, False), (7, True), (64, True)])
-def test_scaled_mm_layout_equals_the_reference(M, bias):
-    """The CUDA path's call (operand layout, scale shapes, bias) on torch's CPU kernel."""
+@pytest.mark.parametrize("tensorwise", [True, False])
+def test_scaled_mm_layout_equals_the_reference(M, bias, tensorwise, monkeypatch):
+    """The CUDA path's calls (operand layout, scale shapes, bias) on torch's CPU kernel: the
+    tensor-scaled GEMM then the rescale, and the row-scaled GEMM."""
+    if not tensorwise:
+        monkeypatch.setattr(fp8_linear_module, "TENSORWISE_MAX_ROWS", 0)
     x = randn(M, 96, seed=M, dtype=torch.bfloat16)  # [M, K]
     _, wq, ws = quantized_weight(48, 96, seed=9)
     b = randn(48, seed=10, dtype=torch.bfloat16) if bias else None
