@@ -26,8 +26,9 @@ in the batch.
 Where N / BLOCK_N programs would not fill the GPU a few times over, K is split SPLIT_K ways:
 each split writes its fp32 sums to a [SPLIT_K, M, N] buffer, and they are added in split
 order, then scaled, biased and cast (the same bits every run, whichever split ends first).
-The config's `reduce` says by whom: "launch" (the default), a second kernel; "last", the
-tile's split that ends last, saving that launch (about 1.6 us on an H100): each split, its
+The config's `reduce` says by whom: "last" (the default), the tile's split that ends last,
+saving a second launch (1-3% of a 7B layer's four GEMVs on an H100: docs/benchmarks.md,
+"FP8 at 16 to 256 rows"); "launch", a second kernel. With "last" each split, its
 sums stored, draws a ticket from its tile's int32 counter (an atomic add, acq_rel: the
 release publishes its sums, the last ticket's acquire sees them all), and the one drawing
 the last reduces and zeroes the counter for the next call. Both modes give the same bits.
@@ -215,7 +216,7 @@ def default_config(N: int, K: int, sms: int = _SMS_WITHOUT_CUDA, block_n: int = 
     while split < 16 and n_blocks * split < 4 * sms and -(-K // (2 * split)) >= 2 * block_k:
         split *= 2
     return dict(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3, mma=mma,
-                reduce="launch")
+                reduce="last")
 
 
 def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,

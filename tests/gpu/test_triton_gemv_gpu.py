@@ -56,7 +56,7 @@ def test_the_last_split_gives_the_launchs_bits_on_every_call(weights, N, K, bias
     for split in ({}, dict(split_k=16)):
         for M in (1, 16):
             x = randn(M, K, seed=M).bfloat16()  # [M, K] bf16
-            want = run(x, **split)
+            want = run(x, reduce="launch", **split)
             wrong = torch.zeros((), dtype=torch.int64, device="cuda")  # [] calls with other bits
             for _ in range(CALLS):  # queued back to back, no host sync between them
                 wrong += (run(x, reduce="last", **split) != want).any()
@@ -77,6 +77,7 @@ def test_the_last_split_in_a_cuda_graph(weights):
     for seed in range(4, 24):
         x.copy_(randn(16, K, seed=seed).bfloat16())
         graph.replay()
+        assert torch.equal(out, run(x, reduce="launch"))
         assert torch.equal(out, run(x))  # the counters were zeroed by the previous replay
 
 
@@ -84,7 +85,7 @@ def test_a_capture_refuses_to_grow_the_counters(monkeypatch):
     monkeypatch.setattr(kernels, "_TICKETS", {})
     x = randn(1, 3584, seed=5).bfloat16()  # [1, K] bf16
     w = randn(3584, 3584, seed=6, scale=0.02).bfloat16()  # [N, K] bf16
-    gemv(x, w)  # compiled outside the capture
+    gemv(x, w, reduce="launch")  # compiled outside the capture, no counters allocated
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="before capturing"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):

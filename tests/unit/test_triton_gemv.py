@@ -130,12 +130,12 @@ def test_the_last_split_reducing_gives_the_launchs_bits(M, N, K, config, weights
     if weights == "fp8":
         wq, ws, _ = layer(N, K, seed=N)
         xq, xs = quantize_rows(x)  # [M, K] fp8, [M, 1] fp32
-        launch = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16, **config)
+        launch = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16, reduce="launch", **config)
         last = fp8_gemv(xq, xs, wq, ws, b, torch.bfloat16, reduce="last", **config)
         check_close(last, fp8_linear_ref(x, wq, ws, b))
     else:
         w = randn(N, K, seed=N, scale=0.05, dtype=torch.bfloat16)  # [N, K]
-        launch, last = gemv(x, w, b, **config), gemv(x, w, b, reduce="last", **config)
+        launch, last = gemv(x, w, b, reduce="launch", **config), gemv(x, w, b, reduce="last", **config)
         check_close(last, linear_ref(x, w, b))
     assert torch.equal(last, launch)
     assert counters_are_zero(x.device)
@@ -147,7 +147,7 @@ def test_the_counters_grow_with_the_grid_and_are_zero_after_each_call(monkeypatc
     config = dict(block_n=16, block_k=64, split_k=4)
     for N in (20, 70, 20):  # 2 tiles, then 5 (a bigger buffer), then 2 again
         w = randn(N, 600, seed=N, scale=0.05, dtype=torch.bfloat16)  # [N, K]
-        assert torch.equal(gemv(x, w, reduce="last", **config), gemv(x, w, **config))
+        assert torch.equal(gemv(x, w, reduce="last", **config), gemv(x, w, reduce="launch", **config))
         assert counters_are_zero(x.device)
     assert [t.numel() for t in kernels._TICKETS[x.device]] == [2, 5]
 
