@@ -5,7 +5,7 @@ y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n] + bias[n]
 
 On CUDA (compute capability 8.9 or more) the product is one `torch._scaled_mm` with
 row-wise scales; or, where N is narrow and the rows few (TENSORWISE_MAX_N,
-TENSORWISE_MAX_ROWS: a decode batch's q/k/v, o and down projections), cuBLASLt's
+TENSORWISE_MAX_PRODUCT: a decode batch's q/k/v, o and down projections), cuBLASLt's
 tensor-scaled GEMM on the codes alone into fp32, which splits K where the row-scaled GEMM
 leaves most SMs idle, and then `rescale_product` (one Triton kernel) applies the scales and
 the bias; or, at few rows, the Triton kernel of `triton_gemv.py` (rows up to
@@ -39,15 +39,16 @@ from kestrel_kernels.triton_fp8_rescale import rescale_product_triton
 
 __all__ = ["FP8", "FP8_MAX", "Fp8Rows", "fp8_rows", "quantize_rows", "fp8_linear", "fp8_linear_ref",
            "fp8_linear_scaled_mm", "rescale_product", "set_gemv_max_rows", "TENSORWISE_MAX_N",
-           "TENSORWISE_MAX_ROWS"]
+           "TENSORWISE_MAX_PRODUCT"]
 
 _gemv_max_rows = 0  # rows at or below it take the Triton GEMV on CUDA; 0: never
 # Where the tensor-scaled GEMM and the rescale beat the row-scaled GEMM (measured at
 # Qwen2.5-7B's and 72B's shapes, docs/benchmarks.md "FP8 at 16 to 256 rows"): outputs up to
-# this wide, whose row-scaled GEMM fills few SMs, and up to this many rows, past which the
-# fp32 product's extra write and read cost more than the split of K gains.
+# this wide, whose row-scaled GEMM fills few SMs, and products of up to this many values
+# (rows x N), past which the fp32 product's extra write and read cost more than the split
+# of K gains (7B's q/k/v at 128 rows gains, 72B's at 128 and 7B's at 256 lose).
 TENSORWISE_MAX_N = 16384
-TENSORWISE_MAX_ROWS = 256
+TENSORWISE_MAX_PRODUCT = 768 * 1024
 _UNIT: dict[torch.device, torch.Tensor] = {}  # device -> a [] fp32 one: the tensor-scaled GEMM's scales
 
 
@@ -156,7 +157,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_linear_ref` on CUDA (bf16 x; K and N multiples of 16): the Triton GEMV at
     1..set_gemv_max_rows rows, the tensor-scaled GEMM and `rescale_product_triton` where N
-    and the rows are within TENSORWISE_MAX_N and TENSORWISE_MAX_ROWS, else one
+    and the product are within TENSORWISE_MAX_N and TENSORWISE_MAX_PRODUCT, else one
     `torch._scaled_mm` with row-wise scales."""
     _check(x, weight, weight_scale)
     xq, xs = _flat_rows(x, _quantize_on_device)  # [M, K] fp8, [M, 1] fp32
@@ -165,7 +166,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight
         return out.view(*x.shape[:-1], weight.shape[0])
     M, N = xq.shape[0], weight.shape[0]
     # weight [N, K] row-major is the column-major [K, N] the second operand must be.
-    if M <= TENSORWISE_MAX_ROWS and N <= TENSORWISE_MAX_N:
+    if N <= TENSORWISE_MAX_N and M * N <= TENSORWISE_MAX_PRODUCT:
         one = _unit(xq.device)
         acc = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one,
                                out_dtype=torch.float32)  # [M, N] fp32: the codes' product

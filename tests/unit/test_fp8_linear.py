@@ -126,7 +126,7 @@ def test_scaled_mm_layout_equals_the_reference(M, bias, tensorwise, monkeypatch)
     """The CUDA path's calls (operand layout, scale shapes, bias) on torch's CPU kernel: the
     tensor-scaled GEMM then the rescale, and the row-scaled GEMM."""
     if not tensorwise:
-        monkeypatch.setattr(fp8_linear_module, "TENSORWISE_MAX_ROWS", 0)
+        monkeypatch.setattr(fp8_linear_module, "TENSORWISE_MAX_PRODUCT", 0)
     x = randn(M, 96, seed=M, dtype=torch.bfloat16)  # [M, K]
     _, wq, ws = quantized_weight(48, 96, seed=9)
     b = randn(48, seed=10, dtype=torch.bfloat16) if bias else None
