@@ -1,5 +1,6 @@
-"""The FP8 linear's CUDA path (torch._scaled_mm, row-wise scales) against its fp32 reference
-at 7B shapes, in a CUDA graph, and an FP8 target served with speculation on the GPU
+"""The FP8 linear's CUDA path (torch._scaled_mm with row-wise scales, or, for narrow outputs
+at few rows, the tensor-scaled GEMM and the rescale kernel: both are among the cases)
+against its fp32 reference at 7B shapes, in a CUDA graph, and an FP8 target served with speculation on the GPU
 (triton backend, graphs): greedy output equals plain output up to bf16 near-ties.
 Skipped without CUDA; needs compute capability 8.9 (Ada, Hopper)."""
 from __future__ import annotations
