@@ -38,8 +38,8 @@ from kestrel_kernels.triton_fp8_quant import quantize_rows_triton
 from kestrel_kernels.triton_fp8_rescale import rescale_product_triton
 
 __all__ = ["FP8", "FP8_MAX", "Fp8Rows", "fp8_rows", "quantize_rows", "fp8_linear", "fp8_linear_ref",
-           "fp8_linear_scaled_mm", "rescale_product", "set_gemv_max_rows", "TENSORWISE_MAX_N",
-           "TENSORWISE_MAX_PRODUCT"]
+           "fp8_linear_scaled_mm", "rescale_product", "set_gemv_max_rows", "set_tensorwise",
+           "TENSORWISE_MAX_N", "TENSORWISE_MAX_PRODUCT"]
 
 _gemv_max_rows = 0  # rows at or below it take the Triton GEMV on CUDA; 0: never
 # Where the tensor-scaled GEMM and the rescale beat the row-scaled GEMM (measured at
@@ -50,6 +50,7 @@ _gemv_max_rows = 0  # rows at or below it take the Triton GEMV on CUDA; 0: never
 TENSORWISE_MAX_N = 16384
 TENSORWISE_MAX_PRODUCT = 768 * 1024
 _UNIT: dict[torch.device, torch.Tensor] = {}  # device -> a [] fp32 one: the tensor-scaled GEMM's scales
+_tensorwise = True  # off: every row through the row-scaled GEMM (set_tensorwise)
 
 
 def set_gemv_max_rows(rows: int) -> None:
@@ -59,6 +60,16 @@ def set_gemv_max_rows(rows: int) -> None:
     if not 0 <= rows <= GEMV_MAX_ROWS:
         raise ValueError(f"fp8_gemv_max_rows must be within 0..{GEMV_MAX_ROWS}, got {rows}")
     _gemv_max_rows = rows
+
+
+def set_tensorwise(on: bool) -> None:
+    """Whether narrow products take the tensor-scaled GEMM and the rescale (the default), or
+    every row the row-scaled GEMM: set off by each rank worker that runs a draft, where a
+    verify's many rows and the plain step's few would otherwise take different GEMMs
+    (whose sums differ in the last bit, which moves the next layer's FP8 codes), as
+    model.fp8_gemv_max_rows is refused there."""
+    global _tensorwise
+    _tensorwise = bool(on)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +177,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight
         return out.view(*x.shape[:-1], weight.shape[0])
     M, N = xq.shape[0], weight.shape[0]
     # weight [N, K] row-major is the column-major [K, N] the second operand must be.
-    if N <= TENSORWISE_MAX_N and M * N <= TENSORWISE_MAX_PRODUCT:
+    if _tensorwise and N <= TENSORWISE_MAX_N and M * N <= TENSORWISE_MAX_PRODUCT:
         one = _unit(xq.device)
         acc = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one,
                                out_dtype=torch.float32)  # [M, N] fp32: the codes' product

@@ -109,6 +109,7 @@ class RankWorker:
         fp8_linear.set_gemv_max_rows(cfg.model.fp8_gemv_max_rows)
         small_rows_linear.set_gpu_max_rows(cfg.model.gemv_max_rows)
         spec = cfg.draft.enabled
+        fp8_linear.set_tensorwise(not spec)  # a verify's rows summed as a plain step's
         if loaded is None:
             loaded = self._load(spec)
         self.model, self.arch, draft_head = loaded

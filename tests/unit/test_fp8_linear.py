@@ -121,15 +121,29 @@ def _cpu_scaled_mm() -> bool:
 
 @pytest.mark.skipif(not _cpu_scaled_mm(), reason="this torch has no CPU torch._scaled_mm with row-wise scales")
 @pytest.mark.parametrize("M,bias", [(1, False), (7, True), (64, True)])
-@pytest.mark.parametrize("tensorwise", [True, False])
-def test_scaled_mm_layout_equals_the_reference(M, bias, tensorwise, monkeypatch):
+@pytest.mark.parametrize("path", ["tensorwise", "too big", "with a draft"])
+def test_scaled_mm_layout_equals_the_reference(M, bias, path, monkeypatch):
     """The CUDA path's calls (operand layout, scale shapes, bias) on torch's CPU kernel: the
-    tensor-scaled GEMM then the rescale, and the row-scaled GEMM."""
-    if not tensorwise:
-        monkeypatch.setattr(fp8_linear_module, "TENSORWISE_MAX_PRODUCT", 0)
+    tensor-scaled GEMM then the rescale for a small product, else the row-scaled GEMM,
+    which every row takes where a draft runs."""
+    scales = []  # scale_a's shape of each _scaled_mm call: [] tensor-scaled, [M, 1] row-scaled
+    real = torch._scaled_mm
+
+    def spy(*args, **kw):
+        scales.append(tuple(kw["scale_a"].shape))
+        return real(*args, **kw)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    if path == "too big":
+        monkeypatch.setattr(fp8_linear_module, "TENSORWISE_MAX_PRODUCT", M * 48 - 1)
+    # As a rank worker leaves it (any engine built earlier in this process set it), restored
+    # after the test.
+    monkeypatch.setattr(fp8_linear_module, "_tensorwise", True)
+    if path == "with a draft":
+        fp8_linear_module.set_tensorwise(False)
     x = randn(M, 96, seed=M, dtype=torch.bfloat16)  # [M, K]
     _, wq, ws = quantized_weight(48, 96, seed=9)
     b = randn(48, seed=10, dtype=torch.bfloat16) if bias else None
     got = fp8_linear_scaled_mm(x, wq, ws, b)
     torch.testing.assert_close(got, fp8_linear_ref(x, wq, ws, b), rtol=2 ** -7, atol=1e-3)
     assert torch.equal(fp8_linear_scaled_mm(fp8_rows(x), wq, ws, b), got)
+    assert scales == [() if path == "tensorwise" else (M, 1)] * 2

@@ -17,6 +17,7 @@ from actors.models.llama import LlamaForCausalLM, projection_sizes
 from actors.models.loader import build_model
 from actors.models.model_config import LlamaArch
 from configs.schema import ConfigError, load_config
+import kestrel_kernels.fp8_linear as fp8_linear_module
 from kestrel_kernels.fp8_linear import FP8, quantize_rows
 
 TINY = {"model_type": "qwen2", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
@@ -210,6 +211,7 @@ def test_fp8_engine_speculates_losslessly(folders, monkeypatch):
     from serve_app.engine.llm_engine import LLMEngine
     from serve_app.engine.request import SamplingParams
     real = rank_worker.build_model
+    monkeypatch.setattr(fp8_linear_module, "_tensorwise", True)  # the rank workers set it; restored after
     # The rank builds its target with model.quantization (pinned here for this engine).
     monkeypatch.setattr(rank_worker, "build_model",
                         lambda *a, **k: real(*a, **dict(k, quantization="fp8")))
@@ -223,6 +225,9 @@ def test_fp8_engine_speculates_losslessly(folders, monkeypatch):
         eng = LLMEngine(load_config(overrides=base + spec), load_tokenizer=False)
         worker = eng.workers[0]
         assert is_fp8(worker.model)
+        # With a draft every row takes the row-scaled GEMM on CUDA (a verify's rows summed
+        # as a plain step's); without, narrow products take the tensor-scaled one.
+        assert fp8_linear_module._tensorwise == (worker.eagle is None)
         if worker.eagle is not None:  # the draft head stays in the model dtype
             assert all(p.dtype == torch.float32 for p in worker.eagle.head.parameters())
         outs.append([r.output_ids for r in eng.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))])
