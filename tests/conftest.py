@@ -68,6 +68,29 @@ def gguf_parsed_once():
     gguf.GGUFReader = real
 
 
+@pytest.fixture(scope="session", autouse=True)
+def small_rows_measured_once():
+    """Time F.linear against weight @ x^T once per weight shape per test session: a float32
+    RankWorker (model.cpu_small_rows=auto) times both on its MLP and LM head weights (~1.5 s
+    for SmolLM2 on 2 cores), and dozens are built. The choice is process-wide
+    (small_rows_linear.set_enabled), so one measurement also keeps every worker of the
+    session on the same path, where fresh ones could flip it between two workers whose
+    outputs a test compares."""
+    from kestrel_kernels import small_rows_linear
+    real = small_rows_linear.measure
+    cache: dict = {}
+
+    def measure(weight, rows=small_rows_linear.MAX_ROWS, repeats=30):
+        key = (tuple(weight.shape), weight.dtype, weight.device.type, rows, repeats)
+        if key not in cache:
+            cache[key] = real(weight, rows, repeats)
+        return cache[key]
+
+    small_rows_linear.measure = measure
+    yield
+    small_rows_linear.measure = real
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Torch on one thread for a module (`pytestmark = pytest.mark.usefixtures(...)`): on

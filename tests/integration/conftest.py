@@ -1,9 +1,10 @@
 """One Ray cluster and one Kestrel Serve app for the whole integration session.
 
 Starting Ray, Serve and an engine replica (model load included) takes tens of seconds on
-a small CPU machine, so every test shares this server; tests that need other settings
-say so in their own fixtures. Ray is given more logical CPUs than the machine has: the
-engine's placement group wants one CPU per bundle, and oversubscribing a CPU is fine.
+a small CPU machine, so every test shares this server, deployed while the first tests
+run; tests that need other settings say so in their own fixtures. Ray is given more
+logical CPUs than the machine has: the engine's placement group wants one CPU per bundle,
+and oversubscribing a CPU is fine.
 """
 from __future__ import annotations
 
@@ -101,8 +102,21 @@ def ray_cluster():
     cluster.shutdown()
 
 
-@pytest.fixture(scope="session")
-def server(ray_cluster) -> Server:
+@pytest.fixture(scope="session", autouse=True)
+def server_deploying(request):
+    """The session's server deployed from the first integration test on, where a test of
+    the session uses it: its replica starts (tens of seconds on 2 cores, most of it Ray
+    starting processes that import torch) in the background while the tests before
+    test_serve_api.py, on scripted engines and stand-in replicas, run. -> (port, config,
+    the deployment's future, when it started), or None."""
+    here = Path(__file__).parent
+    if not any("server" in item.fixturenames and here in Path(str(item.path)).parents
+               for item in request.session.items):
+        yield None
+        return
+    request.getfixturevalue("ray_cluster")
+    from concurrent.futures import ThreadPoolExecutor
+
     from ray import serve
 
     from actors.dp.group import find_free_port
@@ -113,9 +127,17 @@ def server(ray_cluster) -> Server:
     # machine, where a proxy of theirs could not bind the same port.
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     cfg = load_config(overrides=SERVER_OVERRIDES)
-    t0 = time.monotonic()
-    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")
-    print(f"\nkestrel server up in {time.monotonic() - t0:.1f}s on port {port}")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        deployed = pool.submit(serve.run, build_app(cfg), name=APP_NAME, route_prefix="/")
+        yield port, cfg, deployed, time.monotonic()
+
+
+@pytest.fixture(scope="session")
+def server(server_deploying) -> Server:
+    assert server_deploying is not None, "no collected test of tests/integration asks for the server"
+    port, cfg, deployed, t0 = server_deploying
+    deployed.result()
+    print(f"\nkestrel server up on port {port}, {time.monotonic() - t0:.1f}s after its deployment began")
     return Server(f"http://127.0.0.1:{port}", cfg, APP_NAME, list(SERVER_OVERRIDES))
 
 

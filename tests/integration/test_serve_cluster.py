@@ -23,7 +23,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
@@ -36,8 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
 APP = "cluster"
 replica_states = partial(serve_replicas.replica_states, APP)
 wait_for = partial(serve_replicas.wait_for, app=APP)
-ROOT = Path(__file__).resolve().parents[2]
-NODE_RESOURCE = "kestrel_node"
+app_status = partial(serve_replicas.app_status, APP)
+serve_deploy, replicas_by_node = serve_replicas.serve_deploy, serve_replicas.replicas_by_node
+NODE_RESOURCE = serve_replicas.NODE_RESOURCE
 MAX_MODEL_LEN = 16384
 BURST_TOKENS = 8000
 
@@ -54,54 +54,12 @@ def app_overrides(tiny_model: str) -> list[str]:
 
 
 def deploy_config(port: int, overrides: list[str], code_version: str) -> dict:
-    """A Serve config file as `serve deploy` takes it (configs/serve.yaml's shape)."""
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{
-            "name": APP, "route_prefix": "/cluster", "import_path": "serve_app.app:app_builder",
-            "args": {"set": overrides},
-            # A new value stands for new code: Serve replaces every replica, as for new args.
-            "runtime_env": {"env_vars": {"PYTHONPATH": str(ROOT), "KESTREL_CODE_VERSION": code_version}},
-            "deployments": [{
-                "name": "EngineDeployment",
-                "autoscaling_config": {"min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 2,
-                                       "upscale_delay_s": 0, "downscale_delay_s": 1,
-                                       "look_back_period_s": 1.5, "metrics_interval_s": 1.0},
-                "health_check_period_s": 1.0,
-                "graceful_shutdown_timeout_s": 120,
-            }],
-        }],
-    }
-
-
-def serve_deploy(config: dict) -> None:
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
-
-
-def app_status(app: str = APP) -> str:
-    """RUNNING, DEPLOYING, DEPLOY_FAILED... (a str enum), or NONE."""
-    from ray import serve
-    status = serve.status().applications.get(app)
-    return status.status if status else "NONE"
-
-
-def replicas_by_node(engine, replicas: int, timeout_s: float = 60.0) -> dict[str, dict]:
-    """{replica id: its stats (node, running + waiting)}, from stats calls that Serve's
-    router spreads over the replicas; fails unless all `replicas` answered. The calls go
-    out several at a time: one at a time, the router (the less loaded of two) never picks
-    a replica serving a stream while two others are idle."""
-    seen: dict[str, dict] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(seen) < replicas:
-        for call in [engine.stats.remote() for _ in range(4 * replicas)]:
-            st = call.result(timeout_s=30)
-            seen[st["replica"]] = {"node": st["node"], "held": st["running"] + st["waiting"]}
-        assert len(seen) == replicas or time.monotonic() < deadline, \
-            f"only {len(seen)} of {replicas} replicas answered: {seen}"
-    return seen
+    return serve_replicas.deploy_config(
+        APP, "/cluster", port, overrides, code_version=code_version,
+        autoscaling={"min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 2,
+                     "upscale_delay_s": 0, "downscale_delay_s": 1,
+                     "look_back_period_s": 1.5, "metrics_interval_s": 1.0},
+        health_check_period_s=1.0, graceful_shutdown_timeout_s=120)
 
 
 def stream(url: str, prompt: str, max_tokens: int, stop: threading.Event | None = None,
@@ -157,8 +115,7 @@ class ClusterApp:
         return serve.get_deployment_handle("EngineDeployment", app_name=APP)
 
     def add_node(self) -> str:
-        node = self.cluster.add_node(num_cpus=3, resources={NODE_RESOURCE: 1})
-        self.cluster.wait_for_nodes()
+        node = serve_replicas.add_worker_node(self.cluster)
         self.nodes[node.node_id] = node
         return node.node_id
 
@@ -188,6 +145,9 @@ def cluster_app(ray_cluster, server, tiny_model):
         print("\n" + "\n".join(app.log))
 
 
+# Long: test_serve_autoscaling.py deploys the same way (a config file, replica_resources) on
+# two worker nodes and checks its two replicas one a node, none on the head.
+@pytest.mark.long
 def test_replicas_spread_over_worker_nodes(cluster_app):
     replicas = replicas_by_node(cluster_app.engine(), 2)
     assert len(replicas) == 2, replicas

@@ -114,16 +114,16 @@ def test_chunking_and_paging_do_not_change_tokens(fp32_worker, tokenizer, chat_p
 
 def test_out_of_kv_preempts_and_stays_exact(fp32_worker, tokenizer, chat_prompts, batch_outputs,
                                             hf_model):
-    # 8 requests of ~40-120 prompt tokens + 64 outputs cannot all fit in 800 slots.
+    # 8 requests of 52-87 prompt tokens (523 in all) + 32 outputs cannot all fit in 600 slots.
     eng = make_engine(fp32_worker, tokenizer, "scheduler.chunked_prefill_size=64",
-                      "model.max_model_len=256", worker_info={"num_slots": 800})
-    reqs = eng.generate(chat_prompts, greedy())
+                      "model.max_model_len=256", worker_info={"num_slots": 600})
+    reqs = eng.generate(chat_prompts, greedy(32))
     sched = eng.schedulers[0]
     assert sched.stats["preemptions"] > 0
     # A resumed request recomputes its KV in one extend instead of token by token, so
     # fp32 rounding may differ: equal, or diverging only at a near-tie.
     for prompt, r, ref in zip(chat_prompts, reqs, batch_outputs):
-        assert_same_or_near_tie(hf_model, prompt, r.output_ids, ref)
+        assert_same_or_near_tie(hf_model, prompt, r.output_ids, ref[:32])
     sched.cache.evict(sched.slots.capacity)
     assert sched.slots.free_slots == sched.slots.capacity
 
