@@ -7,7 +7,11 @@ a model's head layout, by batch, context length, key splits and tile shape.
 
 A tile is BLOCK_N/num_warps/num_stages or BLOCK_M/BLOCK_N/num_warps/num_stages; "default" is
 the launcher's own choice. With --prefill-chunk the tiles apply to the causal chunk, and
---peers times the same chunk by torch's SDPA and FlashInfer's FA2 and FA3. Each launch
+--peers times the same chunk by torch's SDPA, by cuDNN in two parts merged by their
+log-sum-exps (kestrel_kernels/library_attention.py, the gather from the paged cache included:
+attention.library_prefill_min_tokens) and by FlashInfer's FA2 and FA3; --first-calls
+times that cuDNN path's first call of a new chunk shape (its plan built then) against the
+calls after it, beside the Triton kernel, over a long prompt's chunk shapes. Each launch
 is timed as a replayed CUDA graph (decode steps run that way), and the figure printed beside
 it is the K/V bytes read over that time, the figure a long-context decode is judged by
 against the device's copy bandwidth (benchmarks/copy_bandwidth.py).
@@ -112,6 +116,10 @@ def peer_prefills(case, context: int, chunk: int, H: int, Hkv: int, D: int):
     bias = causal_lower_right(chunk, context)
     yield "sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(
         qs, ks, vs, attn_mask=bias, enable_gqa=True)
+    from kestrel_kernels.library_attention import chunk_attention
+    req_to_token, prefix = case[3], context - chunk
+    slots = req_to_token[0, :context].long()  # [context] int64, the gather's index
+    yield "cudnn-split", lambda: chunk_attention(q, k, v, slots, prefix, D ** -0.5)
     try:
         import flashinfer
     except ImportError:
@@ -137,6 +145,41 @@ def peer_prefills(case, context: int, chunk: int, H: int, Hkv: int, D: int):
             yield f"flashinfer-{backend}-p{page}", lambda w=wrapper, kv=kv: w.run(q, kv)
 
 
+def first_calls(args) -> None:
+    """--first-calls: a long prompt's chunk shapes (prefix, chunk), each new to cuDNN: its
+    first call (plan built), the second, and the Triton kernel's steady time, in ms."""
+    import time
+
+    from kestrel_kernels.library_attention import chunk_attention
+    H, Hkv, D = args.heads
+    shapes = [(0, 8192), (8192, 8192), (16384, 8192), (24576, 7001), (0, 7001), (0, 4096),
+              (4096, 4097), (31000, 4100), (0, 2048), (2048, 2048), (0, 1024), (1024, 1024)]
+    S = max(p + c for p, c in shapes)
+    _, k, v, req_to_token, rows, _, _, _ = decode_case(1, S, H, Hkv, D)
+    dev = k.device
+
+    def ms(fn) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    for prefix, chunk in shapes:
+        q = torch.randn(chunk, H, D, device=dev, dtype=torch.bfloat16)  # [chunk, H, D] bf16
+        slots = req_to_token[0, :prefix + chunk].long()  # [P+C] int64
+        lib = lambda: chunk_attention(q, k, v, slots, prefix, D ** -0.5)  # noqa: E731
+        first, second = ms(lib), ms(lib)
+        i = lambda x: torch.tensor(x, device=dev, dtype=torch.int32)  # noqa: E731
+        tri = lambda: triton_attention.paged_attention(  # noqa: E731
+            q, k, v, req_to_token[:, :prefix + chunk].contiguous(), rows, i([prefix]), i([chunk]),
+            i([0, chunk]), max_q_len=chunk)
+        tri()
+        steady = min(ms(tri) for _ in range(3))
+        print(f"first calls P={prefix:<6} C={chunk:<5} cudnn-split first {first:8.2f} ms, then "
+              f"{second:7.2f}; triton {steady:7.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, nargs=3, default=[28, 4, 128], metavar=("H", "HKV", "D"))
@@ -150,8 +193,12 @@ def main() -> None:
                     help="time a causal prefill chunk of this many queries instead of decode")
     ap.add_argument("--peers", action="store_true",
                     help="with --prefill-chunk: also time torch's SDPA and FlashInfer's FA2/FA3 prefill")
+    ap.add_argument("--first-calls", action="store_true",
+                    help="time cuDNN's first call of each new chunk shape against the next")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
+    if args.first_calls:
+        return first_calls(args)
     if args.prefill_chunk:
         return prefill(args)
     H, Hkv, D = args.heads

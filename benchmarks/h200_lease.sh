@@ -24,6 +24,8 @@
 #              (fp8_gemm_bench.py --gemv; GEMV_ARGS="--m 1 16 --weights bf16 ..." instead)
 #              and the row quantization's time by warp count and its bits (--quant)           ~100
 #   attention  decode attention by context (1k-32k), key splits and tile (attention_bench.py)  ~90
+#   library    needs no bundle: a long prompt's chunks through cuDNN (library_attention.py) beside
+#              the Triton kernel, steady and on each new shape's first call, and its GPU tests ~90
 #   sweeps     needs no bundle (torch and Triton as the machine has them): the 7B prefill
 #              chunk's attention beside torch's SDPA (and FlashInfer's FA2/FA3 where the bundle
 #              is unstaged), the GEMVs' split-K reduce by launch or by the last split (bf16,
@@ -152,6 +154,14 @@ for stage in "$@"; do
       PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 120 python3 benchmarks/attention_bench.py --prefill-chunk 8192 \
         --context 8192 16384 32768 >> "$work/attention.txt" 2>&1
       grep -E "ctx=(1024|32768)|prefill" "$work/attention.txt" | cut -c1-100 | tail -40 ;;
+    library)
+      export PYTHONPATH=$PWD:${PYTHONPATH:-}
+      timeout 150 python3 benchmarks/attention_bench.py --prefill-chunk 8192 --context 8192 16384 32768 \
+        --tiles default --peers > "$work/library_prefill.txt" 2>&1
+      timeout 120 python3 benchmarks/attention_bench.py --first-calls >> "$work/library_prefill.txt" 2>&1
+      grep -E "tile=|sdpa|cudnn" "$work/library_prefill.txt" | cut -c1-120
+      timeout 120 python3 -m pytest -q tests/gpu/test_library_attention_gpu.py > "$work/library_tests.txt" 2>&1
+      tail -3 "$work/library_tests.txt" ;;
     sweeps)
       export PYTHONPATH=$PWD:${PYTHONPATH:-}
       timeout 240 python3 benchmarks/attention_bench.py --prefill-chunk 8192 --context 8192 32768 \

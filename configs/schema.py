@@ -336,6 +336,13 @@ class AttentionConfig(_Strict):
     # splits' launch (the presets for long-context models raise it, SmolLM2's keep 16;
     # docs/benchmarks.md has the figures).
     max_kv_splits: int = Field(16, ge=1, le=64)
+    # Triton backend on CUDA: a prefill chunk of at least this many queries is attended by
+    # cuDNN's fused attention (kestrel_kernels/library_attention.py), which runs an
+    # 8192-query chunk 1.6-1.8x as fast as the Triton kernel (docs/benchmarks.md); shorter
+    # chunks, decode and verify stay on the Triton kernel. 0 (off until served prompts are
+    # measured with it): every chunk on the Triton kernel. Where cuDNN cannot run the layout
+    # (an FP8 KV cache, a head size over 128), start-up says so.
+    library_prefill_min_tokens: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _sizes(self) -> "AttentionConfig":

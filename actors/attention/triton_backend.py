@@ -7,9 +7,14 @@ captured in a CUDA graph; a replay then rebuilds the metadata from the graph's s
 inputs. The kernel reads request b's keys as req_to_token[row_b, 0 : prefix_b + E_b]: every
 caller writes the new keys' slots (out_cache_loc, draft scratch) at positions
 prefix_b.. of the request's row before the forward (see kestrel_kernels/triton_attention.py).
+
+A prefill chunk of at least `library_min_tokens` queries (attention.library_prefill_min_tokens)
+is attended by cuDNN's fused attention instead (kestrel_kernels/library_attention.py), the
+other requests of its batch by the Triton kernel; such a chunk never runs inside a graph.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +24,10 @@ import torch
 from actors.attention.base import AttentionBackend
 from actors.worker.forward_batch import ForwardBatch
 from actors.worker.host_copy import to_device
+from kestrel_kernels.library_attention import chunk_attention, library_attention_supported
 from kestrel_kernels.triton_attention import BASE_KV_SPLITS, paged_attention
+
+log = logging.getLogger("kestrel.worker")
 
 
 @dataclass
@@ -33,14 +41,32 @@ class TritonMeta:
     mask_indptr: torch.Tensor | None  # [B+1] int64, start of each request's block
 
 
+@dataclass
+class LibraryMeta:
+    """A batch with long prefill chunks: those by cuDNN, the other requests by the kernel."""
+    chunks: list[tuple[int, int, int, torch.Tensor]]  # (first query row, queries, prefix, slots [P+C] int64)
+    rest: TritonMeta | None  # the other requests, or None
+    rest_rows: torch.Tensor | None  # [T_rest] int64, their query rows
+
+
 class TritonBackend(AttentionBackend):
     plans_on_device = True
 
     def __init__(self, kv_pool, req_to_token, scale: float, num_kv_splits: int | None = None,
-                 max_kv_splits: int = BASE_KV_SPLITS):
+                 max_kv_splits: int = BASE_KV_SPLITS, library_min_tokens: int = 0):
         super().__init__(kv_pool, req_to_token, scale)
         self.num_kv_splits = num_kv_splits  # None: pick from the launch shape
         self.max_kv_splits = max_kv_splits  # attention.max_kv_splits
+        self.library_min_tokens = 0  # attention.library_prefill_min_tokens, where cuDNN runs
+        k = kv_pool.k[0]
+        if library_min_tokens and k.device.type == "cuda":  # the setting is CUDA's alone
+            why = "an FP8 KV cache is read by the Triton kernel" if kv_pool.quantized else \
+                library_attention_supported(k.dtype, k.shape[1], k.shape[1], k.shape[2], k.device)
+            if why:
+                log.warning("attention.library_prefill_min_tokens=%d: prefill chunks stay on the "
+                            "Triton kernel: %s", library_min_tokens, why)
+            else:
+                self.library_min_tokens = library_min_tokens
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         dev = fb.req_pool_indices.device
@@ -79,10 +105,42 @@ class TritonBackend(AttentionBackend):
                 mask_indptr = to_device(np.cumsum([0] + sizes), torch.int64, dev)  # [B+1] int64
         fb.attn_meta = TritonMeta(fb.req_pool_indices, fb.prefix_lens, new_kv_lens, qo_indptr,
                                   max(qlens) if qlens else 0, custom_mask, mask_indptr)
+        if (self.library_min_tokens and custom_mask is None and fb.new_kv_slots is None
+                and qlens and max(qlens) >= self.library_min_tokens
+                and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+            fb.attn_meta = self._library_meta(fb, fb.attn_meta, qlens)
+
+    def _library_meta(self, fb: ForwardBatch, full: TritonMeta, qlens: list[int]) -> LibraryMeta:
+        """Split the batch: each chunk of library_min_tokens queries or more, by cuDNN; the
+        rest as one kernel launch. Reads the prefix lengths to the host (one sync a forward,
+        in an eager prefill of thousands of tokens)."""
+        dev = fb.req_pool_indices.device
+        prefix = fb.prefix_lens.tolist()
+        rows = fb.req_pool_indices.tolist()
+        starts = np.cumsum([0] + qlens)
+        long = [b for b, n in enumerate(qlens) if n >= self.library_min_tokens]
+        chunks = [(int(starts[b]), qlens[b], int(prefix[b]),
+                   self.req_to_token.req_to_token[rows[b], :prefix[b] + qlens[b]]) for b in long]
+        rest = [b for b in range(len(qlens)) if b not in long]
+        if not rest:
+            return LibraryMeta(chunks, None, None)
+        pick = to_device(rest, torch.int64, dev)  # [B_rest] int64
+        rest_qlens = [qlens[b] for b in rest]
+        rest_rows = to_device(np.concatenate([np.arange(starts[b], starts[b + 1]) for b in rest]),
+                              torch.int64, dev)  # [T_rest] int64
+        qo_indptr = to_device(np.cumsum([0] + rest_qlens), torch.int64, dev)  # [B_rest+1] int64
+        sub = TritonMeta(full.req_pool_indices[pick], full.prefix_lens[pick], full.new_kv_lens[pick],
+                         qo_indptr, max(rest_qlens), None, None)
+        return LibraryMeta(chunks, sub, rest_rows)
 
     def forward(self, q, k, v, layer, fb):
-        m: TritonMeta = fb.attn_meta
+        m = fb.attn_meta
         self.kv_pool.store(layer, fb.out_cache_loc, k, v)
+        if isinstance(m, LibraryMeta):
+            return self._forward_library(q, layer, m)
+        return self._kernel(q, layer, m)
+
+    def _kernel(self, q: torch.Tensor, layer: int, m: TritonMeta) -> torch.Tensor:
         return paged_attention(
             q, self.kv_pool.k[layer], self.kv_pool.v[layer], self.req_to_token.req_to_token,
             m.req_pool_indices, m.prefix_lens, m.new_kv_lens, m.qo_indptr, m.max_q_len,
@@ -90,6 +148,16 @@ class TritonBackend(AttentionBackend):
             scale=self.scale, num_kv_splits=self.num_kv_splits,
             max_kv_splits=self.max_kv_splits, k_scale=self.kv_pool.k_scale[layer],
             v_scale=self.kv_pool.v_scale[layer])  # [T, H, D]
+
+    def _forward_library(self, q: torch.Tensor, layer: int, m: LibraryMeta) -> torch.Tensor:
+        out = torch.empty_like(q)  # [T, H, D]
+        k_cache, v_cache = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        for start, n, prefix, slots in m.chunks:
+            out[start:start + n] = chunk_attention(q[start:start + n].contiguous(), k_cache, v_cache,
+                                                   slots, prefix, self.scale)
+        if m.rest is not None:
+            out[m.rest_rows] = self._kernel(q[m.rest_rows], layer, m.rest)
+        return out
 
     # ---- CUDA-graph hooks (actors/cuda_graph_runner.GraphBackend) -------------------------
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens,

@@ -60,18 +60,19 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def make_backend(name: str, kv_pool, req_to_token, scale: float, page_size: int = 1,
-                 max_kv_splits: int | None = None, cpu_kernel: bool = False):
+                 max_kv_splits: int | None = None, cpu_kernel: bool = False,
+                 library_min_tokens: int = 0):
     """The attention backend `attention.backend` names. page_size is the KV allocator's;
     1 is valid for any pool (FlashInfer then reads slots as one-token pages).
     max_kv_splits: attention.max_kv_splits (Triton; None: the kernel's default).
-    cpu_kernel: torch_native attends with the batch-invariant CPU kernel."""
+    cpu_kernel: torch_native attends with the batch-invariant CPU kernel.
+    library_min_tokens: attention.library_prefill_min_tokens (Triton; 0: off)."""
     if name == "torch_native":
         return TorchNativeBackend(kv_pool, req_to_token, scale, cpu_kernel=cpu_kernel)
     if name == "triton":
         from actors.attention.triton_backend import TritonBackend
-        if max_kv_splits is None:
-            return TritonBackend(kv_pool, req_to_token, scale)
-        return TritonBackend(kv_pool, req_to_token, scale, max_kv_splits=max_kv_splits)
+        kw = {} if max_kv_splits is None else {"max_kv_splits": max_kv_splits}
+        return TritonBackend(kv_pool, req_to_token, scale, library_min_tokens=library_min_tokens, **kw)
     if name == "flashinfer":
         if kv_pool.quantized:  # its kernels read no per-layer KV scales
             raise ValueError("attention.backend=flashinfer does not read an FP8 KV cache "
@@ -138,7 +139,8 @@ class RankWorker:
         backend = make_backend(cfg.attention.backend, self.kv_pool, self.req_to_token, scale,
                                page_size=cfg.kv_cache.page_size,
                                max_kv_splits=cfg.attention.max_kv_splits,
-                               cpu_kernel=self.cpu_weights == "packed")
+                               cpu_kernel=self.cpu_weights == "packed",
+                               library_min_tokens=cfg.attention.library_prefill_min_tokens)
         self.target = ModelRunner(self.model, backend)
         self.eagle = None
         if spec:
