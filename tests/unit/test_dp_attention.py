@@ -76,7 +76,11 @@ def _expected_weight_bytes(info: dict, arch, W: int, rank: int) -> int:
 # step touches every collective plain does. No chain: it is the tree with topk 1, and nothing
 # under actors/dp or actors/spec branches on the shape (test time: 2 cores).
 # Three ranks long, for make test's budget: two already step in lockstep with idle turns.
-@pytest.mark.parametrize("W,shape", [(2, "plain"), (2, "tree"), pytest.param(3, "tree", marks=pytest.mark.long)])
+# Two plain ranks long too: test_graph_steps_emit_the_tokens_of_one_rank[plain] runs the same
+# mixed run on them (idle turns, prefill beside decode, eager steps) to one rank's tokens;
+# rank 0's preemptions and the weight shards are checked here by the tree case.
+@pytest.mark.parametrize("W,shape", [pytest.param(2, "plain", marks=pytest.mark.long), (2, "tree"),
+                                     pytest.param(3, "tree", marks=pytest.mark.long)])
 def test_ranks_in_lockstep_emit_the_tokens_of_one_rank(loop, one_rank, dp_cfg, tiny_llama_dir,
                                                        W, shape):
     cfg = dp_cfg(W, shape)
@@ -338,7 +342,13 @@ def test_step_phases_of_a_mixed_step():
         step_phases(DPSyncResult([5], [5], False, False, 5, [ForwardMode.TARGET_VERIFY]), 0, draft)
 
 
-@pytest.mark.parametrize("shape", ["plain", "tree"])
+@pytest.mark.parametrize("shape", [
+    # Long, for make test's budget: the tree case waits for the step before inside `launch`
+    # on lockstep ranks the same way (its target step is plain's with a tree mask), and plain
+    # grammar steps launched ahead are held to one-at-a-time output in
+    # test_grammar_launch_ahead.py.
+    pytest.param("plain", marks=pytest.mark.long),
+    "tree"])
 def test_grammar_rows_launched_ahead_on_lockstep_ranks(loop, grammar_model, tokenizer, shape):
     """Structured outputs under dp_attention, each rank's grammar plans launched before its
     step ahead finished (tests/dp_rank_hooks.py late_ready): a rank's masks wait inside

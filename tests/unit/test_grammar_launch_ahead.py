@@ -144,7 +144,14 @@ def test_settle_accepts_each_launched_step_once_in_order_by_its_matcher(tokenize
     assert (masks[0] == -1).all() and not (masks[1] == -1).all()  # the ended row masks nothing
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", [
+    "plain",
+    # Long, for make test's budget: tree-graphs runs the same abort and late admission on a
+    # tree's rows, and eager tree steps launched ahead are held to one-at-a-time output by
+    # test_long_accepts_launched_ahead_equal_plain[tree] and
+    # test_preempted_grammar_requests_with_steps_in_flight[tree].
+    pytest.param("tree", marks=pytest.mark.long),
+    "tree-graphs"])
 def test_grammar_steps_launched_ahead_equal_one_at_a_time(grammar_model, tokenizer, compiled, shape, capfd):
     prompts = random_prompts(7, vocab=len(tokenizer), seed=4)  # a row free for the late one
     params = _mix(compiled, len(prompts))

@@ -41,8 +41,8 @@ async def _collect(stream):
 
 def test_engine_core_over_the_channels_equals_the_in_process_engine(fp32_worker, tokenizer, chat_prompts):
     cfg = _cfg()
-    params = [dict(max_tokens=24, ignore_eos=True), dict(max_tokens=16, stop=["you w", "xyz"]),
-              dict(max_tokens=20, temperature=0.8, seed=7), dict(max_tokens=12)]
+    params = [dict(max_tokens=16, ignore_eos=True), dict(max_tokens=16, stop=["you w", "xyz"]),
+              dict(max_tokens=14, temperature=0.8, seed=7), dict(max_tokens=12)]
     prompts = chat_prompts[:4]
 
     async def run():

@@ -45,9 +45,16 @@ def with_bos(tok):
     return tok
 
 
+@pytest.fixture(scope="module")
+def llama3(qwen2):
+    return llama3_regex(qwen2)  # a deep copy of Qwen2's tokenizer (~1.5 s): once; only read
+
+
 @pytest.fixture(params=["smollm2", "qwen2", "llama3-regex"])
 def tok(request, tokenizer, qwen2):
-    return {"smollm2": tokenizer, "qwen2": qwen2, "llama3-regex": llama3_regex(qwen2)}[request.param]
+    if request.param == "llama3-regex":  # the copy only where it is asked for, once a module
+        return request.getfixturevalue("llama3")
+    return {"smollm2": tokenizer, "qwen2": qwen2}[request.param]
 
 
 def whole(tok, text, special=False):

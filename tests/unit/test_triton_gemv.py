@@ -120,10 +120,17 @@ def counters_are_zero(device):
 
 
 # The unrolled kernel at 16 rows takes seconds a call in the interpreter: 1 and 3 rows there.
-@pytest.mark.parametrize("M,N,K,config", [(M, *case) for M in (1, 3, 16) for case in LAST_CASES
-                                          if M < 16 or case[2].get("mma", True)])
-@pytest.mark.parametrize("weights", ["fp8", "bf16"])
-@pytest.mark.parametrize("bias", [True, False])
+# Every case with both weights in make test, one with a bias and the other without,
+# alternating; the other bias of each in make test-long (the bias is added once the
+# splits are summed, the same code with or without).
+LAST_GRID = [(M, *case) for M in (1, 3, 16) for case in LAST_CASES if M < 16 or case[2].get("mma", True)]
+LAST_PARAMS = [pytest.param(*case, weights, bias, marks=pytest.mark.long) if (i + j + bias) % 2
+               else (*case, weights, bias)
+               for i, case in enumerate(LAST_GRID) for j, weights in enumerate(("fp8", "bf16"))
+               for bias in (True, False)]
+
+
+@pytest.mark.parametrize("M,N,K,config,weights,bias", LAST_PARAMS)
 def test_the_last_split_reducing_gives_the_launchs_bits(M, N, K, config, weights, bias):
     x = randn(M, K, seed=M + K, dtype=torch.bfloat16)  # [M, K]
     b = randn(N, seed=N + 1, dtype=torch.bfloat16) if bias else None  # [N]

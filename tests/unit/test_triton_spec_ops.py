@@ -191,9 +191,15 @@ def test_greedy_verify(B, N, S):
     assert_same(tv.greedy_verify_triton(*to_dev(*args), S), want)
 
 
+# Every (B, N, S) with one kind of probabilities in make test and the other in make
+# test-long, alternating, so each kind meets every batch size, tree size and depth (the
+# interpreter takes about a second a case).
+SAMPLING_GRID = [pytest.param(B, N, S, kind, marks=pytest.mark.long) if (i + (kind == "peaked")) % 2
+                 else (B, N, S, kind) for i, (B, N, S) in enumerate(VERIFY_GRID) for kind in ("flat", "peaked")]
+
+
 @needs_triton
-@pytest.mark.parametrize("kind", ["flat", "peaked"])
-@pytest.mark.parametrize("B,N,S", VERIFY_GRID)
+@pytest.mark.parametrize("B,N,S,kind", SAMPLING_GRID)
 def test_tree_sampling_verify(B, N, S, kind, monkeypatch):
     # 16-entry chunks over V = 37: the CDF and sums carry across chunks and a partial one.
     monkeypatch.setattr(tv, "_MAX_BLOCK_V", 16)
@@ -210,7 +216,7 @@ def test_tree_sampling_verify(B, N, S, kind, monkeypatch):
 
 @needs_triton
 def test_tree_sampling_verify_many_coins_one_chunk():
-    # 24 seeded trials of one peaked batch, V in a single chunk, duplicate sibling tokens:
+    # 12 seeded trials of one peaked batch, V in a single chunk, duplicate sibling tokens:
     # accept decisions and bonus tokens must match the reference trial by trial.
     gen = torch.Generator().manual_seed(3)
     B, N, S, V = 4, 8, 5, 6
@@ -219,7 +225,7 @@ def test_tree_sampling_verify_many_coins_one_chunk():
     args = (tree.tokens, probs, tree.first_child, tree.next_sibling)
     dev_args = to_dev(*args)
     lengths = []
-    for _ in range(24):
+    for _ in range(12):
         node_coins, final_coins = torch.rand(B, N, generator=gen), torch.rand(B, generator=gen)
         want = verify.tree_sampling_verify(*args, S, node_coins, final_coins)
         got = tv.tree_sampling_verify_triton(*dev_args, S, *to_dev(node_coins, final_coins))

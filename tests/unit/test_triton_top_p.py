@@ -84,7 +84,8 @@ def test_boundaries_falling_inside_a_run_of_ties():
     assert (out[3] > 0).nonzero().flatten().tolist() == [1, 3]
 
 
-@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+# 1.0 long, for make test's budget: the same kernel path as 0.3 (peaked rows) and 2.5 (flat).
+@pytest.mark.parametrize("temperature", [0.3, pytest.param(1.0, marks=pytest.mark.long), 2.5])
 def test_softmax_rows_keep_the_reference_ids(temperature):
     gen = torch.Generator().manual_seed(7)
     T, V = 12, 256

@@ -32,7 +32,9 @@ def engine(tokenizer):
     return eng
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+# Batch 4 long, for make test's budget: test_plain_steps_between_shapes takes every shape in
+# turn at batch 4 too (plain steps between), held to plain output, its drafts accepted.
+@pytest.mark.parametrize("batch", [1, pytest.param(4, marks=pytest.mark.long)])
 def test_shapes_in_turn(engine, tokenizer, chat_prompts, plain_chat_outputs, hf_model, batch):
     policy = engine.schedulers[0].draft_policy = Cycle(4)
     engine.shape_steps.clear()

@@ -12,7 +12,7 @@ from spec_helpers import CHAIN, greedy
 
 BASE = ["kv_cache.num_slots=8192", "scheduler.max_running_requests=16", "device=cpu",
         "model.cpu_weights=packed"]
-MAX = 32
+MAX = 16  # a verify step that disagrees with decode shows in the first rounds of 8 rows
 
 
 def run(cfg, tokenizer, prompts, batch):
