@@ -7,6 +7,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,3 +138,11 @@ class LocalEngine:
         assert not self.server.serving, "the step server still serves a closed channel"
         self.server.close()
         assert not self.server.thread.is_alive(), "the step server's thread outlived close()"
+
+
+def alternately_long(rows, variants) -> list:
+    """pytest params: every row with every variant (tuples, concatenated), those where the
+    row's and the variant's positions add up odd marked `long`: in make test each row runs
+    half its variants and each variant half the rows, the rest in make test-long."""
+    return [pytest.param(*row, *v, marks=pytest.mark.long) if (i + j) % 2 else (*row, *v)
+            for i, row in enumerate(rows) for j, v in enumerate(variants)]

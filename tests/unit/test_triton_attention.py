@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import triton_interpreter  # before actors/kernels import triton: picks its interpreter without CUDA
-from kestrel_testing import random_draft_mask, random_tree_mask
+from kestrel_testing import alternately_long, random_draft_mask, random_tree_mask
 
 from actors.attention.torch_native import TorchNativeBackend
 from actors.worker.forward_batch import ForwardBatch, ForwardMode
@@ -39,8 +39,7 @@ CONFIGS = {"smollm": (9, 3, 64), "gqa2_d24": (4, 2, 24), "mha_d16": (2, 2, 16)} 
 def one_page_each(modes) -> list:
     """(mode, page) for every mode at pages 1 and 16: in make test each mode at one page,
     alternating, the other in make test-long (the interpreter takes seconds a case)."""
-    return [pytest.param(m, p, marks=pytest.mark.long) if (i + (p == 16)) % 2 else (m, p)
-            for i, m in enumerate(modes) for p in (1, 16)]
+    return alternately_long([(m,) for m in modes], [(1,), (16,)])
 
 
 # ---------------------------------------------------------------------------- cases

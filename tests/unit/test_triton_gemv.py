@@ -13,6 +13,7 @@ import kestrel_kernels.small_rows_linear as small_rows_linear
 import kestrel_kernels.triton_gemv as kernels
 from kestrel_kernels.fp8_linear import fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows
 from kestrel_kernels.triton_gemv import MAX_ROWS, default_config, fp8_gemv, gemv
+from kestrel_testing import alternately_long
 
 INTERPRETED, DEVICE, pytestmark = triton_setup(kernels, "_gemv_kernel")
 gpu_only = pytest.mark.skipif(DEVICE == "cpu", reason="model shapes: too slow in the interpreter")
@@ -124,10 +125,7 @@ def counters_are_zero(device):
 # alternating; the other bias of each in make test-long (the bias is added once the
 # splits are summed, the same code with or without).
 LAST_GRID = [(M, *case) for M in (1, 3, 16) for case in LAST_CASES if M < 16 or case[2].get("mma", True)]
-LAST_PARAMS = [pytest.param(*case, weights, bias, marks=pytest.mark.long) if (i + j + bias) % 2
-               else (*case, weights, bias)
-               for i, case in enumerate(LAST_GRID) for j, weights in enumerate(("fp8", "bf16"))
-               for bias in (True, False)]
+LAST_PARAMS = alternately_long(LAST_GRID, [("fp8", False), ("fp8", True), ("bf16", True), ("bf16", False)])
 
 
 @pytest.mark.parametrize("M,N,K,config,weights,bias", LAST_PARAMS)

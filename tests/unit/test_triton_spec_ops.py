@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import triton_interpreter  # before actors/kernels import triton: picks its interpreter without CUDA
+from kestrel_testing import alternately_long
 from actors.worker.kv_cache import SlotAllocator
 from kestrel_kernels import cache_loc, spec_ops, spec_tree, verify
 from kestrel_kernels import triton_cache_loc as tcl
@@ -194,8 +195,7 @@ def test_greedy_verify(B, N, S):
 # Every (B, N, S) with one kind of probabilities in make test and the other in make
 # test-long, alternating, so each kind meets every batch size, tree size and depth (the
 # interpreter takes about a second a case).
-SAMPLING_GRID = [pytest.param(B, N, S, kind, marks=pytest.mark.long) if (i + (kind == "peaked")) % 2
-                 else (B, N, S, kind) for i, (B, N, S) in enumerate(VERIFY_GRID) for kind in ("flat", "peaked")]
+SAMPLING_GRID = alternately_long(VERIFY_GRID, [("flat",), ("peaked",)])
 
 
 @needs_triton
