@@ -341,7 +341,7 @@ class AttentionConfig(_Strict):
     # 8192-query chunk 1.6-1.8x as fast as the Triton kernel (docs/benchmarks.md); shorter
     # chunks, decode and verify stay on the Triton kernel. 0 (off until served prompts are
     # measured with it): every chunk on the Triton kernel. Where cuDNN cannot run the layout
-    # (an FP8 KV cache, a head size over 128), start-up says so.
+    # (no CUDA, an FP8 KV cache, a head size over 128), start-up refuses it, saying why.
     library_prefill_min_tokens: int = Field(0, ge=0)
 
     @model_validator(mode="after")

@@ -14,7 +14,6 @@ other requests of its batch by the Triton kernel; such a chunk never runs inside
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +25,6 @@ from actors.worker.forward_batch import ForwardBatch
 from actors.worker.host_copy import to_device
 from kestrel_kernels.library_attention import chunk_attention, library_attention_supported
 from kestrel_kernels.triton_attention import BASE_KV_SPLITS, paged_attention
-
-log = logging.getLogger("kestrel.worker")
 
 
 @dataclass
@@ -57,16 +54,14 @@ class TritonBackend(AttentionBackend):
         super().__init__(kv_pool, req_to_token, scale)
         self.num_kv_splits = num_kv_splits  # None: pick from the launch shape
         self.max_kv_splits = max_kv_splits  # attention.max_kv_splits
-        self.library_min_tokens = 0  # attention.library_prefill_min_tokens, where cuDNN runs
-        k = kv_pool.k[0]
-        if library_min_tokens and k.device.type == "cuda":  # the setting is CUDA's alone
-            why = "an FP8 KV cache is read by the Triton kernel" if kv_pool.quantized else \
+        self.library_min_tokens = library_min_tokens  # attention.library_prefill_min_tokens
+        if library_min_tokens:
+            k = kv_pool.k[0]
+            why = "an FP8 KV cache is read by the Triton kernel alone" if kv_pool.quantized else \
                 library_attention_supported(k.dtype, k.shape[1], k.shape[1], k.shape[2], k.device)
             if why:
-                log.warning("attention.library_prefill_min_tokens=%d: prefill chunks stay on the "
-                            "Triton kernel: %s", library_min_tokens, why)
-            else:
-                self.library_min_tokens = library_min_tokens
+                raise ValueError(f"attention.library_prefill_min_tokens={library_min_tokens} cannot "
+                                 f"run here: {why}; set it to 0")
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         dev = fb.req_pool_indices.device

@@ -93,9 +93,10 @@ def test_the_backend_routes_long_chunks(monkeypatch, qlens, prefix):
 
     monkeypatch.setattr(triton_backend, "chunk_attention",
                         lambda *a: la.chunk_attention(*a, attend=la.attend_with_lse_ref))
-    backend = triton_backend.TritonBackend(pool, rt, D ** -0.5, library_min_tokens=16)
-    assert backend.library_min_tokens == 0  # CUDA's setting alone
-    backend.library_min_tokens = 16
+    with pytest.raises(ValueError, match="library_prefill_min_tokens=16 cannot run here: it needs CUDA"):
+        triton_backend.TritonBackend(pool, rt, D ** -0.5, library_min_tokens=16)
+    backend = triton_backend.TritonBackend(pool, rt, D ** -0.5)
+    backend.library_min_tokens = 16  # the route, with the reference standing in for cuDNN
     b = fb()
     backend.init_forward_metadata(b)
     long = [i for i, n in enumerate(qlens) if n >= 16]
