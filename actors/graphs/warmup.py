@@ -43,6 +43,29 @@ def prefill_shapes(num_rows: int, chunk_budget: int, num_slots: int, page: int) 
     return list(dict.fromkeys(shapes))
 
 
+def warm_up_library(worker) -> None:
+    """attention.library_prefill_min_tokens: cuDNN's plan for every call shape a long chunk
+    can take here (kestrel_kernels/library_attention.py), built now rather than in front of
+    a long prompt's first token (45-900 ms each on an H100)."""
+    import torch
+
+    from kestrel_kernels import library_attention as la
+    n = getattr(worker.target.backend, "library_min_tokens", 0)
+    if not n:
+        return
+    a = worker.arch
+    shapes = la.plan_shapes(n, worker.cfg.scheduler.chunked_prefill_size, worker.max_context)
+    log.info("rank %d: building cuDNN attention plans for %d call shapes (chunks of %d to %d "
+             "queries, contexts up to %d)", worker.rank, len(shapes), n,
+             worker.cfg.scheduler.chunked_prefill_size, worker.max_context)
+    t0 = time.time()
+    for i in range(0, len(shapes), 16):
+        la.warm_up(a.num_heads, a.num_kv_heads, a.head_dim, worker.kv_dtype, worker.device, shapes[i:i + 16])
+        torch.cuda.synchronize(worker.device)
+        log.info("rank %d: cuDNN attention plans %d/%d (%.1fs)", worker.rank, min(i + 16, len(shapes)),
+                 len(shapes), time.time() - t0)
+
+
 def warm_up_prefill(worker) -> None:
     """Run the prefill shapes eagerly on `worker` (a RankWorker) and wait for the GPU."""
     graphs, worker.prefill_graphs = worker.prefill_graphs, None  # their kernels: at capture

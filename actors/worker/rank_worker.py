@@ -184,8 +184,9 @@ class RankWorker:
                         "draft.eager_shapes=true without graphs; never under parallel.dp_attention)",
                         self.rank)
         if self.device.type == "cuda":  # compile eager paths' kernels now, not at a first request
-            from actors.graphs.warmup import (warm_up_mixed, warm_up_prefill, warm_up_processing,
-                                              warm_up_sampled_decode)
+            from actors.graphs.warmup import (warm_up_library, warm_up_mixed, warm_up_prefill,
+                                              warm_up_processing, warm_up_sampled_decode)
+            warm_up_library(self)
             warm_up_prefill(self)
             warm_up_mixed(self)
             warm_up_sampled_decode(self)

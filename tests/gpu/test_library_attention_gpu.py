@@ -38,9 +38,8 @@ def test_cudnn_matches_the_reference(causal, sq, sk):
     torch.testing.assert_close(lse.float(), want_lse, atol=2e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("prefix", [0, 2500])
-def test_chunk_matches_the_triton_kernel(prefix):
-    C = 1500
+@pytest.mark.parametrize("prefix,C", [(0, 1500), (2500, 1500), (9000, 1100)])  # 9000: two blocks and a rest
+def test_chunk_matches_the_triton_kernel(prefix, C):
     S = prefix + C
     k_cache, v_cache = randn(S + 64, HKV, D, seed=4), randn(S + 64, HKV, D, seed=5)
     g = torch.Generator(device="cuda").manual_seed(6)
@@ -51,6 +50,13 @@ def test_chunk_matches_the_triton_kernel(prefix):
     want = paged_attention(q, k_cache, v_cache, slots.view(1, S), t([0]), t([prefix]), t([C]),
                            t([0, C]), C, scale=D ** -0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_every_planned_shape_runs():
+    shapes = la.plan_shapes(1024, 1536, 9000)
+    # causal 1024..5632 (up to a block's rest before the longest chunk), a 4096-key prefix for each query bucket
+    assert len(shapes) == 10 + 2 and shapes[-1] == (False, 1536, 4096)
+    la.warm_up(H, HKV, D, torch.bfloat16, DEV, shapes)
 
 
 def test_the_backend_routes_long_chunks_and_keeps_the_rest_on_the_kernel():

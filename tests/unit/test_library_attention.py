@@ -43,15 +43,19 @@ def paged(qlens, prefix, H, Hkv, D, seed=0):
     return rt, pool, q, k, v, out_loc
 
 
+SMALL = {"block": 16, "bucket": 8}  # the shapes' rounding at this test's sizes
+
+
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 24)])
-@pytest.mark.parametrize("prefix", [0, 37])
-def test_two_parts_merged_equal_the_paged_reference(heads, prefix):
+@pytest.mark.parametrize("prefix,rounding", [(0, {}), (37, {}), (5, SMALL), (37, SMALL), (64, SMALL)])
+def test_two_parts_merged_equal_the_paged_reference(heads, prefix, rounding):
     H, Hkv, D = heads
     C = 23
     rt, pool, q, k, v, out_loc = paged([C], [prefix], H, Hkv, D, seed=prefix)
     pool.store(0, out_loc, k, v)
     slots = rt.req_to_token[1, :prefix + C]
-    got = la.chunk_attention_ref(q, pool.k[0], pool.v[0], slots, prefix, D ** -0.5)
+    got = la.chunk_attention(q, pool.k[0], pool.v[0], slots, prefix, D ** -0.5,
+                             attend=la.attend_with_lse_ref, **rounding)
     want = ta.paged_attention_ref(q, pool.k[0], pool.v[0], rt.req_to_token, t([1]), t([prefix]), t([C]),
                                   t([0, C]), C, scale=D ** -0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -68,6 +72,23 @@ def test_the_reference_merge_weights_each_part_by_its_keys():
         o2, l2 = la.attend_with_lse_ref(q, k[:, :, cut:], v[:, :, cut:], False, 0.3)
         torch.testing.assert_close(la.merge_by_lse(o1, l1, o2, l2), want, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(torch.logaddexp(l1, l2), want_lse)
+
+
+def test_plan_shapes_are_every_call_a_chunk_makes():
+    """What warm-up builds is exactly what chunks of 10-20 queries after any prefix call."""
+    lo, hi, max_len = 10, 20, 60
+    seen = set()
+
+    def record(q, k, v, causal, scale):
+        seen.add((causal, q.shape[2], k.shape[2]))
+        return la.attend_with_lse_ref(q, k, v, causal, scale)
+
+    kv = torch.randn(max_len, 1, 8)  # [S, Hkv, D]
+    for C in range(lo, hi + 1):
+        for P in range(max_len - C + 1):
+            la.chunk_attention(torch.randn(C, 2, 8), kv, kv, torch.arange(P + C), P, 1.0, attend=record, **SMALL)
+    assert seen == set(la.plan_shapes(lo, hi, max_len, **SMALL))
+    assert la.plan_shapes(30, 20, 60) == []
 
 
 def test_only_cuda_runs_it():
@@ -92,7 +113,7 @@ def test_the_backend_routes_long_chunks(monkeypatch, qlens, prefix):
     want = native.forward(q, k, v, 0, nb)
 
     monkeypatch.setattr(triton_backend, "chunk_attention",
-                        lambda *a: la.chunk_attention(*a, attend=la.attend_with_lse_ref))
+                        lambda *a: la.chunk_attention(*a, attend=la.attend_with_lse_ref, **SMALL))
     with pytest.raises(ValueError, match="library_prefill_min_tokens=16 cannot run here: it needs CUDA"):
         triton_backend.TritonBackend(pool, rt, D ** -0.5, library_min_tokens=16)
     backend = triton_backend.TritonBackend(pool, rt, D ** -0.5)
