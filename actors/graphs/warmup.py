@@ -60,7 +60,13 @@ def warm_up_library(worker) -> None:
              worker.cfg.scheduler.chunked_prefill_size, worker.max_context)
     t0 = time.time()
     for i in range(0, len(shapes), 16):
-        la.warm_up(a.num_heads, a.num_kv_heads, a.head_dim, worker.kv_dtype, worker.device, shapes[i:i + 16])
+        try:
+            la.warm_up(a.num_heads, a.num_kv_heads, a.head_dim, worker.kv_dtype, worker.device,
+                       shapes[i:i + 16])
+        except RuntimeError as e:  # a layout the start-up probe (K/V heads only) passed
+            raise ValueError(f"attention.library_prefill_min_tokens={n} cannot run here: cuDNN's "
+                             f"attention refused {a.num_heads} query heads over {a.num_kv_heads} K/V "
+                             f"heads: {str(e).splitlines()[0][:160]}; set it to 0") from e
         torch.cuda.synchronize(worker.device)
         log.info("rank %d: cuDNN attention plans %d/%d (%.1fs)", worker.rank, min(i + 16, len(shapes)),
                  len(shapes), time.time() - t0)
