@@ -339,9 +339,11 @@ class AttentionConfig(_Strict):
     # Triton backend on CUDA: a prefill chunk of at least this many queries is attended by
     # cuDNN's fused attention (kestrel_kernels/library_attention.py), which runs an
     # 8192-query chunk 1.6-1.8x as fast as the Triton kernel (docs/benchmarks.md); shorter
-    # chunks, decode and verify stay on the Triton kernel. 0 (off until served prompts are
-    # measured with it): every chunk on the Triton kernel. Where cuDNN cannot run the layout
-    # (no CUDA, an FP8 KV cache, a head size over 128), start-up refuses it, saying why.
+    # chunks, decode and verify stay on the Triton kernel. Start-up builds cuDNN's plan for
+    # every padded call shape such chunks reach (72 for 4096-8192 queries in 32k tokens).
+    # 0 (off until served prompts are measured with it): every chunk on the Triton kernel.
+    # Where cuDNN cannot run the layout (no CUDA, an FP8 KV cache, a head size over 128, a
+    # grouping it refuses), start-up refuses it, saying why.
     library_prefill_min_tokens: int = Field(0, ge=0)
 
     @model_validator(mode="after")
